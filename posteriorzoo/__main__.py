@@ -1,0 +1,5 @@
+import sys
+
+from posteriorzoo.cli import main
+
+sys.exit(main())

@@ -1,0 +1,73 @@
+"""The ``posteriorzoo`` command: one console script with subcommands.
+
+Each subcommand lives in a small module of this package that exposes
+``register(subparsers)``; the module adds its parser and sets ``func``, a callable that
+takes the parsed arguments and returns an exit code. Errors a user can cause derive from
+:class:`posteriorzoo.errors.PosteriorZooError` and are printed as one line on stderr
+with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from posteriorzoo import __version__
+from posteriorzoo.errors import PosteriorZooError
+
+EXIT_BAD_INPUT = 2
+
+_SUBCOMMAND_MODULES = (
+    "posteriorzoo.cli.zoo_commands",
+    "posteriorzoo.cli.hub_commands",
+    "posteriorzoo.cli.demo",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the top-level parser with every subcommand registered."""
+    import importlib
+
+    parser = argparse.ArgumentParser(
+        prog="posteriorzoo",
+        description=(
+            "Study Bayesian neural network posteriors through collections of trained "
+            "checkpoints (zoos) stored in HDF5."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"posteriorzoo {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name in _SUBCOMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command as typed, recorded in every output file for provenance."""
+    words = list(sys.argv if argv is None else ["posteriorzoo", *argv])
+    import shlex
+
+    return shlex.join(words)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit code (0 ok, 2 bad input)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.command_line = command_line(argv)
+    try:
+        return int(args.func(args) or 0)
+    except PosteriorZooError as error:
+        print(f"posteriorzoo {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except FileNotFoundError as error:
+        print(f"posteriorzoo {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"posteriorzoo {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Exceptions raised by posteriorzoo.
+
+Every error a user can cause with bad input derives from :class:`PosteriorZooError`;
+the command-line interface turns these into one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+
+class PosteriorZooError(Exception):
+    """Base class of every error posteriorzoo raises on bad input."""
+
+
+class UnknownNameError(PosteriorZooError, KeyError):
+    """A model, dataset, recipe or method name that is not registered."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DataNotFoundError(PosteriorZooError, FileNotFoundError):
+    """Dataset files are missing and could not be downloaded; the message says what to do."""
+
+
+class ChecksumError(PosteriorZooError):
+    """A file's SHA-256 digest differs from the expected one."""
+
+
+class ZooFormatError(PosteriorZooError):
+    """A file is missing, is not HDF5, is truncated or corrupt, or is not a zoo collection."""
+
+
+class ZooSchemaError(PosteriorZooError, ValueError):
+    """A checkpoint's keys, shapes or dtypes do not match the collection or architecture."""
+
+
+class NonFiniteWeightsError(PosteriorZooError, ValueError):
+    """A checkpoint contains NaN or infinite values where finite ones are required."""
+
+
+class ZooBusyError(PosteriorZooError):
+    """Another process holds the collection open for writing."""
+
+
+class HubError(PosteriorZooError):
+    """A Hugging Face Hub transfer failed (no network, unknown repository, bad revision)."""
