@@ -44,3 +44,7 @@ class ZooBusyError(PosteriorZooError):
 
 class HubError(PosteriorZooError):
     """A Hugging Face Hub transfer failed (no network, unknown repository, bad revision)."""
+
+
+class DataFormatError(PosteriorZooError, ValueError):
+    """A dataset file is corrupt or not in the expected format (e.g. a bad IDX header)."""
