@@ -1,0 +1,24 @@
+"""Hugging Face Hub transfer of zoos: published as *dataset* repositories of ``*.h5`` files.
+
+- :func:`download`: fetch a snapshot (or a subset) into the Hugging Face cache, pinned to
+  a revision, works offline from the cache (``HF_HUB_OFFLINE=1``), verified against the
+  repository's ``SHA256SUMS``.
+- :func:`upload`: publish collection files in one commit, with a fresh ``SHA256SUMS``
+  and optionally a dataset card.
+- :func:`verify_snapshot`: check a downloaded folder against its manifests.
+
+Every failure is a :class:`~posteriorzoo.errors.PosteriorZooError` (``HubError``,
+``ChecksumError``, ``ZooFormatError``) whose message says what to do.
+"""
+
+from posteriorzoo.hub.fetch import download
+from posteriorzoo.hub.publish import collect_collection_files, upload
+from posteriorzoo.hub.verify import VerificationReport, verify_snapshot
+
+__all__ = [
+    "VerificationReport",
+    "collect_collection_files",
+    "download",
+    "upload",
+    "verify_snapshot",
+]

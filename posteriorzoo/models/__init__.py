@@ -1,0 +1,40 @@
+"""Model registry and architectures.
+
+>>> from posteriorzoo.models import build, parameter_count
+>>> parameter_count("optunet")
+392
+>>> model = build("resnet18", num_classes=10, width=8)  # a small test network
+
+Registered names: ``optunet``, ``optunet-v1``, ``resnet18``, ``resnet18-tiny``, ``mlp``
+(see :func:`available_models` and :func:`model_spec`).
+"""
+
+from posteriorzoo.models.mlp import MLP
+from posteriorzoo.models.optunet import OptuNet, OptuNetV1
+from posteriorzoo.models.registry import (
+    ModelSpec,
+    available_models,
+    build,
+    input_shape,
+    model_spec,
+    register,
+)
+from posteriorzoo.models.resnet import BasicBlock, ResNet18
+from posteriorzoo.models.schema import check_state_dict, expected_state_shapes, parameter_count
+
+__all__ = [
+    "MLP",
+    "BasicBlock",
+    "ModelSpec",
+    "OptuNet",
+    "OptuNetV1",
+    "ResNet18",
+    "available_models",
+    "build",
+    "check_state_dict",
+    "expected_state_shapes",
+    "input_shape",
+    "model_spec",
+    "parameter_count",
+    "register",
+]

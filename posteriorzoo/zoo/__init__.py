@@ -1,0 +1,43 @@
+"""The HDF5 checkpoint store (one collection per file) and its exchange formats.
+
+>>> from posteriorzoo.zoo import create_zoo, open_zoo
+>>> with create_zoo("zoo.h5", architecture="optunet", dataset="fashion-mnist",
+...                 method="de", num_classes=10, template=model.state_dict()) as zoo:
+...     zoo.append(model.state_dict(), seed=0, test_accuracy=0.81)
+>>> with open_zoo("zoo.h5") as zoo:
+...     conv2 = zoo.layer("conv2.weight")        # (N, 10, 1, 5, 5)
+...     model.load_state_dict(zoo.state_dict(0))
+"""
+
+from posteriorzoo.zoo.exchange import (
+    KeyMap,
+    export_checkpoint,
+    import_checkpoints,
+    read_checkpoint,
+    read_release_archive,
+)
+from posteriorzoo.zoo.manifest import MANIFEST_NAME, sha256_file, verify_manifest, write_manifest
+from posteriorzoo.zoo.schema import METADATA_COLUMNS, checkpoint_digest, recipe_hash
+from posteriorzoo.zoo.store import Zoo, create_zoo, iter_checkpoints, open_zoo
+from posteriorzoo.zoo.verify import VerifyReport, verify_zoo
+
+__all__ = [
+    "MANIFEST_NAME",
+    "METADATA_COLUMNS",
+    "KeyMap",
+    "VerifyReport",
+    "Zoo",
+    "checkpoint_digest",
+    "create_zoo",
+    "export_checkpoint",
+    "import_checkpoints",
+    "iter_checkpoints",
+    "open_zoo",
+    "read_checkpoint",
+    "read_release_archive",
+    "recipe_hash",
+    "sha256_file",
+    "verify_manifest",
+    "verify_zoo",
+    "write_manifest",
+]

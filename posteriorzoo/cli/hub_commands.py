@@ -1,0 +1,149 @@
+"""``posteriorzoo download`` and ``posteriorzoo upload``: zoos on the Hugging Face Hub.
+
+:mod:`posteriorzoo.hub` (and huggingface_hub with it) is imported only when one of these
+commands runs, so other commands start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+_NETWORK_NOTE = (
+    "Needs network access to huggingface.co (or HF_ENDPOINT) unless the files are already "
+    "cached: with HF_HUB_OFFLINE=1 only the local Hugging Face cache (HF_HUB_CACHE) is used."
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``download`` and ``upload`` subcommands."""
+    _register_download(subparsers)
+    _register_upload(subparsers)
+
+
+def _register_download(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "download",
+        help="download a zoo (Hub dataset repository) and verify its SHA256SUMS",
+        description=(
+            "Download the collection files of a Hugging Face Hub dataset repository into the "
+            "Hugging Face cache (or --local-dir) and check them against the repository's "
+            "SHA256SUMS manifest, which is always fetched. "
+            + _NETWORK_NOTE
+            + " Private or gated repositories need HF_TOKEN."
+        ),
+    )
+    parser.add_argument("repo_id", metavar="REPO_ID", help="dataset repository, e.g. org/name")
+    parser.add_argument(
+        "--revision", metavar="R", help="branch, tag or commit hash to pin (default: main)"
+    )
+    parser.add_argument(
+        "--include",
+        metavar="PATTERN",
+        nargs="+",
+        action="extend",
+        help="fetch only files matching these glob patterns, e.g. 'mlp/*.h5' (quote them, "
+        "and give REPO_ID before --include); repeatable (default: every file)",
+    )
+    parser.add_argument(
+        "--local-dir",
+        metavar="DIR",
+        help="put the files in DIR instead of the Hugging Face cache",
+    )
+    parser.add_argument(
+        "--cache-dir", metavar="DIR", help="Hugging Face cache to use (default: HF_HUB_CACHE)"
+    )
+    parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the SHA-256 check (also allows repositories without SHA256SUMS)",
+    )
+    parser.set_defaults(func=run_download)
+
+
+def _register_upload(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "upload",
+        help="publish collection files to a Hub dataset repository (needs HF_TOKEN)",
+        description=(
+            "Upload collection files (or folders of *.h5 files) to a Hugging Face Hub dataset "
+            "repository in one commit, with a freshly computed SHA256SUMS manifest (your "
+            "folders are not modified) and optionally a dataset card. The repository is "
+            "created if needed. Needs network access and HF_TOKEN set to a token with write "
+            "access (or a saved `hf auth login`). Files are checked to be HDF5 before "
+            "anything is sent."
+        ),
+    )
+    parser.add_argument("repo_id", metavar="REPO_ID", help="dataset repository, e.g. org/name")
+    parser.add_argument(
+        "paths",
+        metavar="PATH",
+        nargs="+",
+        help="collection file, or folder whose *.h5 files (searched recursively) are uploaded",
+    )
+    parser.add_argument(
+        "--revision",
+        metavar="BRANCH",
+        help="branch to commit to, created from main if missing (default: main)",
+    )
+    parser.add_argument("--message", metavar="M", help="commit message")
+    parser.add_argument(
+        "--private",
+        action="store_true",
+        default=None,
+        help="create the repository as private (if it does not exist yet)",
+    )
+    parser.add_argument(
+        "--card", metavar="FILE", help="Markdown file uploaded as the dataset card README.md"
+    )
+    parser.add_argument(
+        "--path-in-repo",
+        metavar="FOLDER",
+        default="",
+        help="repository folder for the files and their SHA256SUMS (default: the root)",
+    )
+    parser.set_defaults(func=run_upload)
+
+
+def run_download(args: argparse.Namespace) -> int:
+    """Download, then report where the files are and what was verified."""
+    from posteriorzoo.hub import download, verify_snapshot
+
+    path = download(
+        args.repo_id,
+        revision=args.revision,
+        include=args.include,
+        local_dir=args.local_dir,
+        cache_dir=args.cache_dir,
+        verify=False,
+    )
+    revision = args.revision or "main"
+    print(f"{args.repo_id} (revision {revision}) is in {path}")
+    if args.no_verify:
+        print("not verified (--no-verify)")
+        return 0
+    report = verify_snapshot(path, args.include)
+    print(f"verified {len(report.verified)} file(s) against {', '.join(report.manifests)}:")
+    for name in report.verified:
+        print(f"  ok  {name}")
+    for name in report.unverified:
+        print(f"  --  {name} (not listed in any SHA256SUMS, not verified)")
+    return 0
+
+
+def run_upload(args: argparse.Namespace) -> int:
+    """Upload, then report what was committed where."""
+    from posteriorzoo.hub import collect_collection_files, upload
+
+    count = len(collect_collection_files(args.paths))
+    url = upload(
+        args.repo_id,
+        args.paths,
+        revision=args.revision,
+        commit_message=args.message,
+        private=args.private,
+        card=args.card,
+        path_in_repo=args.path_in_repo,
+    )
+    extra = " and the dataset card" if args.card else ""
+    print(f"uploaded {count} collection file(s), SHA256SUMS{extra} to {args.repo_id}: {url}")
+    return 0

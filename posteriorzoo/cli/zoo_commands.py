@@ -1,0 +1,221 @@
+"""Subcommands on collection files: ``info``, ``verify``, ``export``, ``import``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from posteriorzoo.errors import ZooFormatError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    info = subparsers.add_parser(
+        "info", help="what a collection file holds",
+        description="Show a collection's architecture, dataset, method, number of checkpoints, "
+                    "tensors (shape, dtype, parameter count) and a metadata summary.")
+    info.add_argument("zoo", type=Path, help="collection file (.h5)")
+    info.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    info.set_defaults(func=run_info)
+
+    verify = subparsers.add_parser(
+        "verify", help="detect corruption in collection files",
+        description="Re-hash every checkpoint and compare with the SHA-256 stored when it "
+                    "was written; check the tensors fit the architecture, that NaN/inf only "
+                    "occur in checkpoints flagged diverged, and the whole file against a "
+                    "SHA256SUMS manifest next to it, if any. Exit code 2 if anything is wrong.")
+    verify.add_argument("zoos", type=Path, nargs="+", help="collection files (.h5)")
+    verify.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    verify.set_defaults(func=run_verify)
+
+    export = subparsers.add_parser(
+        "export", help="write checkpoints as safetensors files",
+        description="Write checkpoint INDEX (or all with --all) of a collection as "
+                    "safetensors files; the header records the collection attributes and "
+                    "the checkpoint's metadata row, so 'import' can rebuild a collection.")
+    export.add_argument("zoo", type=Path, help="collection file (.h5)")
+    export.add_argument("index", nargs="?", type=int, help="checkpoint index (negative counts "
+                        "from the end)")
+    export.add_argument("out", type=Path, help="output .safetensors file, or a folder with --all")
+    export.add_argument("--all", action="store_true",
+                        help="export every checkpoint into the folder OUT as NNNNNN.safetensors")
+    export.set_defaults(func=run_export)
+
+    importer = subparsers.add_parser(
+        "import", help="append safetensors checkpoints or release archives to a collection",
+        description="Append checkpoints to ZOO (created if missing) from safetensors files "
+                    "and from the authors' release archives (.tgz of float16 safetensors, "
+                    "one per model). Every input is validated before anything is appended, "
+                    "so bad input leaves the collection unchanged. A new collection takes "
+                    "its attributes from the options, else from an exported file's header, "
+                    "else from the release archive's name (e.g. mnist-optunet-0-1023.tgz).")
+    importer.add_argument("zoo", type=Path, help="collection file (.h5), created if missing")
+    importer.add_argument("inputs", type=Path, nargs="+", help=".safetensors files or .tgz")
+    importer.add_argument("--architecture", help="model name (see posteriorzoo.models)")
+    importer.add_argument("--dataset", help="training data set name")
+    importer.add_argument("--method", help="posterior approximation, e.g. de, swag, laplace")
+    importer.add_argument("--num-classes", type=int)
+    importer.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
+                          help="model option (JSON value), e.g. width=8; repeatable")
+    importer.add_argument("--key-map", type=Path, help='JSON file {"rename": {...}, '
+                          '"rules": [[regex, replacement], ...], "drop": [regex, ...]} that '
+                          "renames foreign state keys to this project's model keys")
+    importer.add_argument("--dtype", choices=["float16", "float32", "float64"],
+                          help="cast floating tensors (the release stores float16)")
+    importer.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    importer.set_defaults(func=run_import)
+
+
+# ---------------------------------------------------------------------- info
+def _summary(values: np.ndarray) -> dict[str, float] | None:
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        return None
+    return {"min": float(finite.min()), "median": float(np.median(finite)),
+            "max": float(finite.max())}
+
+
+def describe(path: Path) -> dict[str, Any]:
+    """A JSON-serialisable description of a collection (what ``info`` prints)."""
+    from posteriorzoo.zoo import open_zoo
+
+    with open_zoo(path) as zoo:
+        metadata = zoo.metadata
+        tensors = [{"key": key, "shape": list(shape), "dtype": str(dtype),
+                    "count": int(np.prod(shape, dtype=np.int64)),
+                    "chunk_rows": int(zoo.dataset_handle(key).chunks[0])}
+                   for key, (shape, dtype) in zoo.spec.items()]
+        seeds = metadata["seed"][metadata["seed"] >= 0]
+        return {
+            "path": str(path),
+            "architecture": zoo.architecture,
+            "dataset": zoo.dataset,
+            "method": zoo.method,
+            "num_classes": zoo.num_classes,
+            "model_options": zoo.model_options,
+            "checkpoints": len(zoo),
+            "values_per_checkpoint": sum(t["count"] for t in tensors),
+            "tensors": tensors,
+            "recipe": zoo.recipe,
+            "created_by": zoo.created_by,
+            "metadata": {
+                "seeds": None if seeds.size == 0 else [int(seeds.min()), int(seeds.max())],
+                "distinct_seeds": int(np.unique(seeds).size),
+                "diverged": int(metadata["diverged"].sum()),
+                "test_accuracy": _summary(metadata["test_accuracy"]),
+                "test_loss": _summary(metadata["test_loss"]),
+                "wall_time_seconds": _summary(metadata["wall_time"]),
+            },
+        }
+
+
+def run_info(args: argparse.Namespace) -> int:
+    info = describe(args.zoo)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    options = f" {info['model_options']}" if info["model_options"] else ""
+    print(f"{info['path']}")
+    print(f"  architecture  {info['architecture']}{options} ({info['num_classes']} classes)")
+    print(f"  dataset       {info['dataset']}")
+    print(f"  method        {info['method']}")
+    print(f"  checkpoints   {info['checkpoints']}")
+    print(f"  values/ckpt   {info['values_per_checkpoint']:,}")
+    width = max(len(t["key"]) for t in info["tensors"])
+    print(f"  {'tensor':<{width}}  {'shape':<18} {'dtype':<8} {'count':>10}")
+    for tensor in info["tensors"]:
+        shape = "x".join(map(str, tensor["shape"])) or "scalar"
+        print(f"  {tensor['key']:<{width}}  {shape:<18} {tensor['dtype']:<8} "
+              f"{tensor['count']:>10,}")
+    meta = info["metadata"]
+    print(f"  seeds         {meta['seeds']} ({meta['distinct_seeds']} distinct)")
+    print(f"  diverged      {meta['diverged']}")
+    for name in ("test_accuracy", "test_loss", "wall_time_seconds"):
+        if meta[name]:
+            stats = meta[name]
+            print(f"  {name:<13} min {stats['min']:.4g}  median {stats['median']:.4g}  "
+                  f"max {stats['max']:.4g}")
+    if info["recipe"]:
+        print(f"  recipe        {json.dumps(info['recipe'], sort_keys=True)}")
+    if info["created_by"].get("command"):
+        print(f"  created by    {info['created_by']['command']}")
+    return 0
+
+
+# ---------------------------------------------------------------------- verify
+def run_verify(args: argparse.Namespace) -> int:
+    from posteriorzoo.errors import PosteriorZooError
+    from posteriorzoo.zoo import verify_zoo
+
+    failed = 0
+    for path in args.zoos:
+        try:
+            report = verify_zoo(path, progress=not args.no_progress)
+        except PosteriorZooError as error:
+            print(f"posteriorzoo verify: error: {error}", file=sys.stderr)
+            failed += 1
+            continue
+        if report.ok:
+            print(report.summary())
+        else:
+            print(f"posteriorzoo verify: error: {report.summary()}", file=sys.stderr)
+            failed += 1
+    return 2 if failed else 0
+
+
+# ---------------------------------------------------------------------- export / import
+def run_export(args: argparse.Namespace) -> int:
+    from posteriorzoo.zoo import export_checkpoint, open_zoo
+
+    with open_zoo(args.zoo) as zoo:
+        count = len(zoo)
+        if args.all:
+            args.out.mkdir(parents=True, exist_ok=True)
+            for index in range(count):
+                export_checkpoint(zoo, index, args.out / f"{index:06d}.safetensors")
+            print(f"exported {count} checkpoints to {args.out}/")
+            return 0
+        if args.index is None:
+            raise ZooFormatError("give a checkpoint INDEX, or --all")
+        if not -count <= args.index < count:
+            raise ZooFormatError(f"index {args.index} out of range; {args.zoo} holds {count}")
+        path = export_checkpoint(zoo, args.index, args.out)
+    print(f"exported checkpoint {args.index % count} to {path}")
+    return 0
+
+
+def _model_options(pairs: list[str]) -> dict[str, Any] | None:
+    if not pairs:
+        return None
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ZooFormatError(f"--model-option takes KEY=VALUE, not {pair!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def run_import(args: argparse.Namespace) -> int:
+    import torch
+
+    from posteriorzoo.zoo import KeyMap, import_checkpoints
+
+    summary = import_checkpoints(
+        args.zoo, args.inputs,
+        architecture=args.architecture, dataset=args.dataset, method=args.method,
+        num_classes=args.num_classes, model_options=_model_options(args.model_option),
+        key_map=KeyMap.from_file(args.key_map) if args.key_map else None,
+        dtype=getattr(torch, args.dtype) if args.dtype else None,
+        command=args.command_line, progress=not args.no_progress)
+    verb = "created" if summary.created else "appended to"
+    print(f"{verb} {summary.path}: checkpoints {summary.indices.start}.."
+          f"{summary.indices.stop - 1} from {len(args.inputs)} input(s)")
+    return 0

@@ -1,0 +1,146 @@
+"""ResNet-18 in its CIFAR form (3x3 stride-1 stem, no max-pool).
+
+State-dict keys follow torchvision's layout (``conv1``, ``bn1``,
+``layer{1-4}.{0,1}.{conv1,bn1,conv2,bn2}``, ``fc``) except the projection
+shortcut, which is ``layer{2-4}.0.shortcut.{0,1}`` (a conv then a BN), as in
+torch-uncertainty, whose released checkpoints the paper's zoo comes from.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from posteriorzoo.models._checks import positive_int, probability
+from posteriorzoo.models.registry import register
+
+__all__ = ["BasicBlock", "ResNet18"]
+
+_BLOCKS_PER_STAGE = (2, 2, 2, 2)
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 conv-BN layers with an identity or 1x1 conv-BN shortcut.
+
+    Parameters
+    ----------
+    in_planes, planes : int
+        Input and output channels.
+    stride : int, default 1
+        Stride of the first conv (and of the shortcut conv).
+
+    Notes
+    -----
+    ``(N, in_planes, H, W)`` -> ``(N, planes, ceil(H / stride), ceil(W / stride))``.
+    """
+
+    def __init__(self, in_planes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=1, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU()
+        # An empty Sequential is the identity and contributes no state_dict keys.
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_planes != planes:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(planes),
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Residual block forward pass (shapes in the class docstring)."""
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + self.shortcut(x))
+
+
+class ResNet18(nn.Module):
+    """CIFAR-style ResNet-18.
+
+    Stem: 3x3 conv, stride 1, no bias, BN, ReLU, no max-pool. Four stages of
+    two :class:`BasicBlock` with ``width * (1, 2, 4, 8)`` channels, the last
+    three starting with stride 2; global average pool; dropout; linear ``fc``.
+
+    Parameters
+    ----------
+    num_classes : int, default 100
+        Outputs of ``fc``. With ``width=64`` and 100 classes the network has
+        11,220,132 trainable parameters.
+    width : int, default 64
+        Channels of the stem and first stage; small values give fast test nets.
+    dropout : float, default 0.0
+        Dropout probability on the pooled features, i.e. the input of ``fc``
+        (the paper's last-layer MC Dropout uses 0.5). Adds no parameters.
+    in_channels : int, default 3
+        Image channels.
+
+    Notes
+    -----
+    Input ``(N, in_channels, H, W)`` -> logits ``(N, num_classes)``; any ``H, W``
+    works thanks to the global pool. Feature maps are ``H, H/2, H/4, H/8``
+    across the stages (32 -> 4 for CIFAR, 64 -> 8 for TinyImageNet).
+    Weights use PyTorch's default module initialisation, as torch-uncertainty
+    (the authors' training code) does.
+    """
+
+    def __init__(
+        self, num_classes: int = 100, width: int = 64, dropout: float = 0.0, in_channels: int = 3
+    ) -> None:
+        super().__init__()
+        num_classes = positive_int(num_classes, "num_classes")
+        width = positive_int(width, "width")
+        in_channels = positive_int(in_channels, "in_channels")
+        self.conv1 = nn.Conv2d(in_channels, width, 3, stride=1, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU()
+        planes = width
+        for index, blocks in enumerate(_BLOCKS_PER_STAGE):
+            out_planes = width * 2**index
+            stride = 1 if index == 0 else 2
+            stage = [BasicBlock(planes, out_planes, stride)]
+            stage += [BasicBlock(out_planes, out_planes) for _ in range(blocks - 1)]
+            self.add_module(f"layer{index + 1}", nn.Sequential(*stage))
+            planes = out_planes
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.flatten = nn.Flatten(1)
+        self.dropout = nn.Dropout(probability(dropout, "dropout"))
+        self.fc = nn.Linear(planes, num_classes)
+
+    def features(self, x: Tensor) -> Tensor:
+        """Pooled penultimate features: ``(N, C, H, W)`` -> ``(N, 8 * width)``."""
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.flatten(self.pool(x))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Map images ``(N, C, H, W)`` to logits ``(N, num_classes)``."""
+        return self.fc(self.dropout(self.features(x)))
+
+
+_OPTIONS = {"width": 64, "dropout": 0.0}
+
+
+@register(
+    "resnet18",
+    num_classes=100,
+    input_shape=(3, 32, 32),
+    description="ResNet-18, CIFAR stem (3x3 stride 1, no max-pool); CIFAR-100 by default",
+    options=_OPTIONS,
+)
+def _build_resnet18(num_classes: int, width: int, dropout: float) -> ResNet18:
+    return ResNet18(num_classes=num_classes, width=width, dropout=dropout)
+
+
+@register(
+    "resnet18-tiny",
+    num_classes=200,
+    input_shape=(3, 64, 64),
+    description="ResNet-18 for TinyImageNet: the CIFAR network at native 64x64, 200 classes",
+    options=_OPTIONS,
+)
+def _build_resnet18_tiny(num_classes: int, width: int, dropout: float) -> ResNet18:
+    # The paper trains TinyImageNet "as for CIFAR-100, at the original
+    # resolution", and torch-uncertainty's TinyImageNet recipe builds its ResNet
+    # with style="cifar"; so the stem is the CIFAR one, not 7x7/stride 2 + max-pool.
+    return ResNet18(num_classes=num_classes, width=width, dropout=dropout)

@@ -1,0 +1,149 @@
+"""The fixed parts of a collection file: format marker, metadata columns, digests.
+
+A collection is one HDF5 file::
+
+    /                attrs: format, schema_version, architecture, dataset, method,
+                            num_classes, model_options, recipe, state_keys, created_by
+    /state/<key>     one dataset per parameter or buffer, shape (N, *tensor_shape),
+                     chunked along the checkpoint axis so a layer read is contiguous
+    /metadata        one row per checkpoint (compound dtype, columns below)
+    /committed       int64[1]: the number of complete checkpoints; rows past it are
+                     leftovers of an interrupted append and are never read
+
+Strings in the metadata are fixed-length UTF-8 bytes, because HDF5's single-writer /
+multiple-reader mode (used for crash-safe appends) does not support variable-length data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from posteriorzoo.errors import ZooSchemaError
+
+FORMAT_NAME = "posteriorzoo-collection"
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Column:
+    """One metadata column: name, numpy dtype, value when unknown, and meaning."""
+
+    name: str
+    dtype: str
+    missing: object
+    doc: str
+
+
+METADATA_COLUMNS: tuple[Column, ...] = (
+    Column("seed", "<i8", -1, "seed of initialisation (and of everything not listed apart)"),
+    Column("data_seed", "<i8", -1, "seed of the data order and augmentation"),
+    Column("method", "S32", b"", "posterior approximation that produced the checkpoint"),
+    Column("mode_id", "<i8", -1, "index of the independently trained mode (multi-mode methods)"),
+    Column("sample_id", "<i8", -1, "index of the sample around its mode"),
+    Column("epoch", "<i8", -1, "epochs trained when the checkpoint was taken"),
+    Column("train_loss", "<f8", np.nan, "final training loss (mean cross-entropy, nats)"),
+    Column("train_accuracy", "<f8", np.nan, "final training accuracy, in [0, 1]"),
+    Column("test_loss", "<f8", np.nan, "test loss (mean cross-entropy, nats)"),
+    Column("test_accuracy", "<f8", np.nan, "test accuracy, in [0, 1]"),
+    Column("recipe_hash", "S64", b"", "SHA-256 of the recipe's canonical JSON"),
+    Column("wall_time", "<f8", np.nan, "training wall-clock time, seconds"),
+    Column("versions", "S256", b"", "JSON of library versions that produced the checkpoint"),
+    Column("source", "S256", b"", "where the checkpoint came from (trainer, file, archive)"),
+    Column("diverged", "?", False, "True if training diverged (NaN, or chance accuracy)"),
+    Column("written_at", "<f8", np.nan, "Unix time the checkpoint was appended, seconds"),
+    Column("sha256", "S64", b"", "SHA-256 of the checkpoint's tensors (see checkpoint_digest)"),
+)
+COLUMN_NAMES = tuple(column.name for column in METADATA_COLUMNS)
+METADATA_DTYPE = np.dtype([(column.name, column.dtype) for column in METADATA_COLUMNS])
+# Columns the store fills itself; users may not set them.
+_AUTOMATIC = {"sha256", "written_at"}
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of Python and of the libraries that shape a checkpoint's bytes."""
+    import h5py
+    import torch
+
+    from posteriorzoo import __version__
+
+    return {
+        "posteriorzoo": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "h5py": h5py.__version__,
+    }
+
+
+def canonical_json(value: object) -> str:
+    """JSON with sorted keys and no spaces, so equal values hash equally."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def recipe_hash(recipe: Mapping[str, object]) -> str:
+    """SHA-256 hex digest of a recipe's canonical JSON."""
+    return hashlib.sha256(canonical_json(recipe).encode()).hexdigest()
+
+
+def checkpoint_digest(arrays: Mapping[str, np.ndarray], keys: list[str]) -> str:
+    """SHA-256 over a checkpoint's tensors, in ``keys`` order.
+
+    Each tensor contributes its key, dtype, shape and C-order little-endian bytes, so a
+    changed value, dtype, shape or name changes the digest.
+    """
+    digest = hashlib.sha256()
+    for key in keys:
+        array = np.ascontiguousarray(arrays[key])
+        if array.dtype.byteorder == ">":
+            array = array.astype(array.dtype.newbyteorder("<"))
+        header = f"{key}\0{array.dtype.str}\0{array.shape}\0"
+        digest.update(header.encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def metadata_row(values: Mapping[str, object]) -> np.ndarray:
+    """One metadata row (a 0-d structured array) from user values; the rest are 'missing'.
+
+    Raises :class:`ZooSchemaError` for an unknown column, an automatic column, or a
+    string too long for its fixed width.
+    """
+    unknown = set(values) - set(COLUMN_NAMES)
+    if unknown:
+        raise ZooSchemaError(
+            f"unknown metadata column(s) {sorted(unknown)}; known: {', '.join(COLUMN_NAMES)}"
+        )
+    forbidden = set(values) & _AUTOMATIC
+    if forbidden:
+        raise ZooSchemaError(f"metadata column(s) {sorted(forbidden)} are filled by the store")
+    row = np.zeros((), dtype=METADATA_DTYPE)
+    for column in METADATA_COLUMNS:
+        value = values.get(column.name, column.missing)
+        if value is None:
+            value = column.missing
+        if column.dtype.startswith("S"):
+            encoded = value if isinstance(value, bytes) else str(value).encode("utf-8")
+            width = int(column.dtype[1:])
+            if len(encoded) > width:
+                raise ZooSchemaError(
+                    f"metadata {column.name!r} is {len(encoded)} bytes; the limit is {width}"
+                )
+            row[column.name] = encoded
+        else:
+            row[column.name] = value
+    return row
+
+
+def decode(value: object) -> object:
+    """A metadata value as a plain Python object (bytes become str)."""
+    if isinstance(value, bytes | np.bytes_):
+        return bytes(value).decode("utf-8")
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

@@ -1,0 +1,619 @@
+"""The HDF5 checkpoint store: one collection of same-architecture checkpoints per file.
+
+Two access patterns are first-class:
+
+- one layer across all N checkpoints, ``zoo.layer("conv2.weight")`` -> array (N, 10, 1, 5, 5),
+  read from one dataset chunked along the checkpoint axis;
+- checkpoint i as a state_dict, ``zoo.state_dict(i)`` -> ``{key: torch.Tensor}``.
+
+Appends are crash-safe. Writers use HDF5's single-writer/multiple-reader (SWMR) mode,
+whose on-disk structure stays consistent at every instant, and follow one protocol:
+extend the datasets, write whole checkpoints and their metadata rows, flush, and only
+then advance ``/committed``. A writer killed at any point leaves a file that readers open
+with exactly the checkpoints committed before the kill. The next writer finds HDF5's
+"open for write" flag left behind, and rebuilds the file from its committed checkpoints
+(into a temporary file renamed over the original) before appending. Writers hold an
+exclusive ``flock`` on the file, so a second writer fails fast with :class:`ZooBusyError`
+instead of corrupting it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from posteriorzoo.errors import (
+    NonFiniteWeightsError,
+    UnknownNameError,
+    ZooBusyError,
+    ZooFormatError,
+    ZooSchemaError,
+)
+from posteriorzoo.zoo import schema
+from posteriorzoo.zoo.schema import (
+    FORMAT_NAME,
+    METADATA_DTYPE,
+    SCHEMA_VERSION,
+    canonical_json,
+    checkpoint_digest,
+    metadata_row,
+)
+
+#: Target size of one chunk of a state dataset; small layers pack many checkpoints per chunk.
+DEFAULT_CHUNK_BYTES = 1 << 18
+MAX_CHUNK_ROWS = 1024
+_METADATA_CHUNK_ROWS = 256
+_STATE_GROUP = "state"
+_CRASHED_WRITER_MARKERS = ("already open for write", "consistency flags")
+
+ArrayLike = torch.Tensor | np.ndarray
+
+
+def as_numpy(value: ArrayLike) -> np.ndarray:
+    """A tensor or array as a numpy array (tensors are detached and moved to the CPU)."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bfloat16:
+            raise ZooSchemaError("bfloat16 tensors are not supported; convert to float32")
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _chunk_rows(shape: tuple[int, ...], dtype: np.dtype, chunk_bytes: int) -> int:
+    per_checkpoint = max(1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    return int(min(MAX_CHUNK_ROWS, max(1, chunk_bytes // per_checkpoint)))
+
+
+def _require_file(path: Path) -> None:
+    if not path.exists():
+        raise ZooFormatError(f"{path}: no such file")
+    if not path.is_file():
+        raise ZooFormatError(f"{path}: not a file")
+    if not h5py.is_hdf5(path):
+        raise ZooFormatError(f"{path}: not an HDF5 file")
+
+
+def _open_h5(path: Path, mode: str) -> h5py.File:
+    """Open an HDF5 file, turning library errors into :class:`ZooFormatError`."""
+    try:
+        if mode == "r":
+            try:
+                # Plain mode first: it checks the file is whole (not truncated).
+                return h5py.File(path, "r", locking=False)
+            except OSError as error:
+                if not any(m in str(error) for m in _CRASHED_WRITER_MARKERS):
+                    raise
+                # A writer is appending (or was killed): SWMR reading is safe either way.
+                return h5py.File(path, "r", swmr=True, locking=False)
+        return h5py.File(path, "r+", libver="latest", locking=False)
+    except OSError as error:
+        if mode != "r" and any(m in str(error) for m in _CRASHED_WRITER_MARKERS):
+            raise
+        raise ZooFormatError(
+            f"{path}: cannot be read as HDF5 (truncated or corrupt): {error}") from None
+
+
+class Zoo:
+    """A collection of checkpoints of one architecture, dataset and method in one HDF5 file.
+
+    Use :func:`open_zoo` or :func:`create_zoo` rather than the constructor. A zoo is a
+    context manager; opened with ``mode="a"`` it accepts :meth:`append`.
+
+    Attributes
+    ----------
+    path : pathlib.Path
+        The collection file.
+    architecture, dataset, method : str
+        What the checkpoints are (``architecture`` is a name of :mod:`posteriorzoo.models`
+        unless the collection was created with ``validate=False``).
+    num_classes : int or None
+        Output size of the network.
+    model_options : dict
+        Keyword options of ``posteriorzoo.models.build`` (e.g. ``{"width": 8}``).
+    recipe : dict
+        The training recipe (free-form, JSON-serialisable).
+    """
+
+    def __init__(self, path: Path, handle: h5py.File, lock_fd: int | None = None) -> None:
+        self.path = path
+        self._file = handle
+        self._lock_fd = lock_fd
+        self._check_layout()
+        attrs = handle.attrs
+        self.architecture = str(attrs["architecture"])
+        self.dataset = str(attrs["dataset"])
+        self.method = str(attrs["method"])
+        num_classes = int(attrs["num_classes"])
+        self.num_classes = None if num_classes < 0 else num_classes
+        self.model_options: dict[str, Any] = json.loads(attrs["model_options"])
+        self.recipe: dict[str, Any] = json.loads(attrs["recipe"])
+        self.created_by: dict[str, Any] = json.loads(attrs["created_by"])
+        self._keys: list[str] = json.loads(attrs["state_keys"])
+        group = handle[_STATE_GROUP]
+        missing = [key for key in self._keys if key not in group]
+        if missing:
+            raise ZooFormatError(f"{path}: state datasets missing: {missing[:3]}")
+        self._datasets = {key: group[key] for key in self._keys}
+
+    # ------------------------------------------------------------------ structure
+    def _check_layout(self) -> None:
+        attrs = self._file.attrs
+        if attrs.get("format") != FORMAT_NAME:
+            raise ZooFormatError(f"{self.path}: not a posteriorzoo collection (no format marker)")
+        version = int(attrs.get("schema_version", -1))
+        if version > SCHEMA_VERSION:
+            raise ZooFormatError(
+                f"{self.path}: schema version {version} is newer than this posteriorzoo "
+                f"understands ({SCHEMA_VERSION}); upgrade posteriorzoo"
+            )
+        needed = ("architecture", "dataset", "method", "num_classes", "model_options",
+                  "recipe", "state_keys", "created_by")
+        absent = [name for name in needed if name not in attrs]
+        for member in (_STATE_GROUP, "metadata", "committed"):
+            if member not in self._file:
+                absent.append(f"/{member}")
+        if absent:
+            raise ZooFormatError(f"{self.path}: damaged collection, missing {absent}")
+        committed = self._committed()
+        if committed > self._file["metadata"].shape[0]:
+            raise ZooFormatError(f"{self.path}: committed count exceeds the metadata rows")
+
+    def _committed(self) -> int:
+        dataset = self._file["committed"]
+        if self._file.swmr_mode:
+            dataset.refresh()
+        return int(dataset[0])
+
+    @property
+    def writable(self) -> bool:
+        return self._lock_fd is not None
+
+    def __len__(self) -> int:
+        """Number of complete checkpoints."""
+        return self._committed()
+
+    def keys(self) -> list[str]:
+        """State keys (parameters and buffers) in the model's state_dict order."""
+        return list(self._keys)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of each tensor of one checkpoint (without the checkpoint axis)."""
+        return {key: tuple(ds.shape[1:]) for key, ds in self._datasets.items()}
+
+    @property
+    def dtypes(self) -> dict[str, np.dtype]:
+        """Stored dtype of each tensor."""
+        return {key: ds.dtype for key, ds in self._datasets.items()}
+
+    @property
+    def spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """``{key: (shape, dtype)}`` of one checkpoint, in state_dict order."""
+        return {key: (tuple(ds.shape[1:]), ds.dtype) for key, ds in self._datasets.items()}
+
+    def dataset_handle(self, key: str) -> h5py.Dataset:
+        """The raw h5py dataset of ``key`` (rows past ``len(self)`` are not checkpoints)."""
+        self._require_key(key)
+        return self._datasets[key]
+
+    def _require_key(self, key: str) -> None:
+        if key not in self._datasets:
+            raise UnknownNameError(
+                f"{self.path}: no tensor {key!r}; it holds {', '.join(self._keys)}"
+            )
+
+    # ------------------------------------------------------------------ reading
+    def layer(self, key: str, index: slice | Sequence[int] | np.ndarray | None = None
+              ) -> np.ndarray:
+        """One tensor across checkpoints.
+
+        Parameters
+        ----------
+        key : str
+            A state key, e.g. ``"conv2.weight"``.
+        index : slice, sequence of int, boolean mask, or None
+            Which checkpoints (default: all committed ones), in the order given.
+
+        Returns
+        -------
+        numpy.ndarray of shape (n_selected, *tensor_shape), in the stored dtype.
+        """
+        self._require_key(key)
+        dataset = self._datasets[key]
+        if self._file.swmr_mode:
+            dataset.refresh()
+        count = len(self)
+        if index is None:
+            return dataset[:count]
+        if isinstance(index, slice):
+            start, stop, step = index.indices(count)
+            if step == 1:
+                return dataset[start:stop]
+            index = np.arange(start, stop, step)
+        selector = np.asarray(index)
+        if selector.dtype != bool:
+            selector = selector.astype(np.int64)
+        positions = np.arange(count)[selector]
+        if positions.size == 0:
+            return np.empty((0, *dataset.shape[1:]), dataset.dtype)
+        order = np.argsort(positions, kind="stable")
+        unique, inverse = np.unique(positions[order], return_inverse=True)
+        block = dataset[unique]
+        result = np.empty((positions.size, *dataset.shape[1:]), dataset.dtype)
+        result[order] = block[inverse]
+        return result
+
+    def layer_blocks(self, key: str, rows: int = 256) -> Iterator[tuple[int, np.ndarray]]:
+        """Stream one tensor across checkpoints in blocks: yields ``(start, block)``.
+
+        ``block`` has shape (<= rows, *tensor_shape); memory stays bounded by one block.
+        """
+        self._require_key(key)
+        count = len(self)
+        for start in range(0, count, rows):
+            yield start, self._datasets[key][start:min(count, start + rows)]
+
+    def arrays(self, index: int) -> dict[str, np.ndarray]:
+        """Checkpoint ``index`` as ``{key: numpy array}`` in state_dict order."""
+        count = len(self)
+        if not -count <= index < count:
+            raise IndexError(f"checkpoint {index} out of range; the zoo holds {count}")
+        index %= count
+        return {key: ds[index] for key, ds in self._datasets.items()}
+
+    def state_dict(self, index: int) -> dict[str, torch.Tensor]:
+        """Checkpoint ``index`` as a state_dict for ``model.load_state_dict``."""
+        return {key: torch.from_numpy(np.array(value))
+                for key, value in self.arrays(index).items()}
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for index in range(len(self)):
+            yield self.state_dict(index)
+
+    @property
+    def metadata(self) -> np.ndarray:
+        """Metadata table: a structured array of shape (N,), columns in ``schema.COLUMN_NAMES``."""
+        dataset = self._file["metadata"]
+        if self._file.swmr_mode:
+            dataset.refresh()
+        return dataset[: len(self)]
+
+    def metadata_dict(self, index: int) -> dict[str, Any]:
+        """Metadata row ``index`` as a plain dict (strings decoded)."""
+        row = self.metadata[index]
+        return {name: schema.decode(row[name]) for name in METADATA_DTYPE.names}
+
+    # ------------------------------------------------------------------ writing
+    def append(self, state_dict: Mapping[str, ArrayLike], **metadata: Any) -> int:
+        """Append one checkpoint; returns its index. See :meth:`append_many`."""
+        return self.append_many([state_dict], [metadata])[0]
+
+    def append_many(
+        self,
+        state_dicts: Sequence[Mapping[str, ArrayLike]],
+        metadata: Sequence[Mapping[str, Any]] | None = None,
+    ) -> range:
+        """Append whole checkpoints atomically; returns their indices.
+
+        Every checkpoint is validated (keys, shapes, dtypes, finite values unless its
+        metadata says ``diverged=True``) before anything is written, so a bad one leaves
+        the file untouched. Metadata keys are column names of
+        :data:`posteriorzoo.zoo.schema.METADATA_COLUMNS`; ``versions`` defaults to the
+        running library versions, ``method`` to the collection's method.
+        """
+        if not self.writable:
+            raise ZooFormatError(f"{self.path}: opened read-only; use open_zoo(path, mode='a')")
+        metadata = list(metadata) if metadata is not None else [{} for _ in state_dicts]
+        if len(metadata) != len(state_dicts):
+            raise ValueError("state_dicts and metadata differ in length")
+        if not state_dicts:
+            return range(len(self), len(self))
+        versions = canonical_json(schema.library_versions())
+        stacks = {key: [] for key in self._keys}
+        rows = np.zeros(len(state_dicts), dtype=METADATA_DTYPE)
+        now = time.time()
+        for position, (state, values) in enumerate(zip(state_dicts, metadata, strict=True)):
+            arrays = self._validated(state, bool(values.get("diverged", False)), position)
+            values = {"versions": versions, "method": self.method, **values}
+            row = metadata_row(values)
+            row["sha256"] = checkpoint_digest(arrays, self._keys).encode()
+            row["written_at"] = now
+            rows[position] = row
+            for key in self._keys:
+                stacks[key].append(arrays[key])
+        blocks = {key: np.stack(values) for key, values in stacks.items()}
+        return self._write_block(blocks, rows)
+
+    def _validated(self, state: Mapping[str, ArrayLike], diverged: bool, position: int
+                   ) -> dict[str, np.ndarray]:
+        keys = list(state.keys())
+        if set(keys) != set(self._keys):
+            missing = [k for k in self._keys if k not in state]
+            extra = [k for k in keys if k not in self._datasets]
+            raise ZooSchemaError(
+                f"checkpoint {position}: keys do not match the collection "
+                f"(missing {missing[:3]}, unexpected {extra[:3]})"
+            )
+        arrays = {}
+        for key in self._keys:
+            array = as_numpy(state[key])
+            dataset = self._datasets[key]
+            if array.shape != dataset.shape[1:]:
+                raise ZooSchemaError(
+                    f"checkpoint {position}: {key} has shape {array.shape}, "
+                    f"the collection stores {dataset.shape[1:]}"
+                )
+            if array.dtype != dataset.dtype:
+                raise ZooSchemaError(
+                    f"checkpoint {position}: {key} has dtype {array.dtype}, "
+                    f"the collection stores {dataset.dtype}"
+                )
+            if not diverged and array.dtype.kind == "f" and not np.isfinite(array).all():
+                raise NonFiniteWeightsError(
+                    f"checkpoint {position}: {key} has NaN or infinite values "
+                    "(pass diverged=True to record a diverged run)"
+                )
+            arrays[key] = array
+        return arrays
+
+    def _write_block(self, blocks: Mapping[str, np.ndarray], rows: np.ndarray) -> range:
+        start = len(self)
+        stop = start + rows.shape[0]
+        for key in self._keys:
+            dataset = self._datasets[key]
+            dataset.resize(stop, axis=0)
+            dataset[start:stop] = blocks[key]
+        table = self._file["metadata"]
+        table.resize(stop, axis=0)
+        table[start:stop] = rows
+        # The commit point: data first, then the count that makes it visible.
+        self._file.flush()
+        self._file["committed"][0] = stop
+        self._file.flush()
+        return range(start, stop)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Close the file and release the writer's lock."""
+        if self._file.id.valid:
+            self._file.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> Zoo:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "open" if self._file.id.valid else "closed"
+        return (f"<Zoo {self.path.name!s}: {self.architecture} / {self.dataset} / {self.method}, "
+                f"{len(self) if self._file.id.valid else '?'} checkpoints, {state}>")
+
+
+# ---------------------------------------------------------------------- construction
+def normalise_template(template: Mapping[str, Any]
+                       ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """``{key: (shape, dtype)}`` from a state_dict, arrays, meta tensors or (shape, dtype)."""
+    spec = {}
+    for key, value in template.items():
+        if isinstance(value, tuple) and len(value) == 2 and not isinstance(value[0], int):
+            shape, dtype = value
+            spec[key] = (tuple(int(s) for s in shape), np.dtype(dtype))
+        else:
+            array = as_numpy(value) if not isinstance(value, torch.Tensor) or \
+                value.device.type != "meta" else np.empty(0, _torch_to_numpy_dtype(value.dtype))
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else array.shape
+            spec[key] = (tuple(int(s) for s in shape), array.dtype)
+    if not spec:
+        raise ZooSchemaError("the template state_dict is empty")
+    return spec
+
+
+def _torch_to_numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    if dtype == torch.bfloat16:
+        raise ZooSchemaError("bfloat16 tensors are not supported; convert to float32")
+    return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def _numpy_to_torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
+def check_architecture(
+    architecture: str,
+    spec: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+    num_classes: int | None,
+    model_options: Mapping[str, Any],
+) -> None:
+    """Raise unless ``spec`` (key -> (shape, dtype)) fits the registered architecture."""
+    from posteriorzoo import models
+
+    meta = {key: torch.empty(shape, dtype=_numpy_to_torch_dtype(dtype), device="meta")
+            for key, (shape, dtype) in spec.items()}
+    models.check_state_dict(architecture, meta, num_classes=num_classes, **model_options)
+
+
+def create_zoo(
+    path: str | os.PathLike,
+    *,
+    architecture: str,
+    dataset: str,
+    method: str,
+    template: Mapping[str, Any],
+    num_classes: int | None = None,
+    model_options: Mapping[str, Any] | None = None,
+    recipe: Mapping[str, Any] | None = None,
+    command: str | None = None,
+    validate: bool = True,
+    overwrite: bool = False,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Zoo:
+    """Create an empty collection and return it opened for appending.
+
+    Parameters
+    ----------
+    path : path-like
+        The new ``.h5`` file. It is built under a temporary name and renamed into place.
+    architecture : str
+        A model name of :mod:`posteriorzoo.models`; with ``validate=True`` the template's
+        keys and shapes must match ``build(architecture, num_classes, **model_options)``.
+    dataset, method : str
+        Training data set and posterior approximation, e.g. ``"fashion-mnist"``, ``"de"``.
+    template : mapping
+        A state_dict (tensors or arrays), or ``{key: (shape, dtype)}``: the keys, order,
+        shapes and dtypes every checkpoint must have.
+    num_classes : int, optional
+    model_options : mapping, optional
+    recipe : mapping, optional
+        JSON-serialisable training recipe, stored as a file attribute.
+    command : str, optional
+        The command that produced the collection (provenance); defaults to none recorded.
+    validate : bool
+        Check the template against the registered architecture (unknown names raise).
+    overwrite : bool
+        Replace an existing file; otherwise an existing path raises ZooFormatError.
+    chunk_bytes : int
+        Target bytes per chunk of each state dataset.
+    """
+    path = Path(path)
+    model_options = dict(model_options or {})
+    spec = normalise_template(template)
+    if validate:
+        check_architecture(architecture, spec, num_classes, model_options)
+    if path.exists() and not overwrite:
+        raise ZooFormatError(f"{path}: already exists (open it with mode='a' to append)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.creating-{os.getpid()}")
+    provenance = {"command": command, "versions": schema.library_versions(),
+                  "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    try:
+        with h5py.File(temporary, "w", libver="latest", locking=False) as handle:
+            attrs = handle.attrs
+            attrs["format"] = FORMAT_NAME
+            attrs["schema_version"] = SCHEMA_VERSION
+            attrs["architecture"] = architecture
+            attrs["dataset"] = dataset
+            attrs["method"] = method
+            attrs["num_classes"] = -1 if num_classes is None else int(num_classes)
+            attrs["model_options"] = canonical_json(model_options)
+            attrs["recipe"] = canonical_json(dict(recipe or {}))
+            attrs["state_keys"] = json.dumps(list(spec))
+            attrs["created_by"] = canonical_json(provenance)
+            attrs["validated"] = bool(validate)
+            group = handle.create_group(_STATE_GROUP)
+            for key, (shape, dtype) in spec.items():
+                rows = _chunk_rows(shape, dtype, chunk_bytes)
+                group.create_dataset(key, shape=(0, *shape), maxshape=(None, *shape),
+                                     chunks=(rows, *shape) if shape else (rows,), dtype=dtype)
+            handle.create_dataset("metadata", shape=(0,), maxshape=(None,),
+                                  chunks=(_METADATA_CHUNK_ROWS,), dtype=METADATA_DTYPE)
+            handle.create_dataset("committed", data=np.zeros(1, dtype=np.int64))
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return open_zoo(path, mode="a")
+
+
+def open_zoo(path: str | os.PathLike, mode: str = "r") -> Zoo:
+    """Open a collection: ``mode="r"`` to read, ``"a"`` to append.
+
+    Reading never modifies the file and works while a writer appends. Appending takes an
+    exclusive lock; if the previous writer was killed, the file is first rebuilt from its
+    committed checkpoints (nothing committed is lost).
+    """
+    if mode not in ("r", "a"):
+        raise ValueError(f"mode must be 'r' or 'a', not {mode!r}")
+    path = Path(path)
+    _require_file(path)
+    if mode == "r":
+        return Zoo(path, _open_h5(path, "r"))
+    return _open_for_append(path)
+
+
+def _lock(path: Path) -> int:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ZooBusyError(f"{path}: another process is writing to this collection") from None
+    return fd
+
+
+def _open_for_append(path: Path) -> Zoo:
+    fd = _lock(path)
+    try:
+        try:
+            handle = _open_h5(path, "a")
+        except OSError:
+            # We hold the lock, so the writer that left the "open for write" flag is dead.
+            new_fd = _rebuild_from_committed(path)
+            os.close(fd)
+            fd = new_fd
+            handle = _open_h5(path, "a")
+        try:
+            zoo = Zoo(path, handle, lock_fd=fd)
+            count = len(zoo)
+            for dataset in [*zoo._datasets.values(), handle["metadata"]]:
+                if dataset.shape[0] != count:
+                    dataset.resize(count, axis=0)
+            handle.flush()
+            handle.swmr_mode = True
+        except BaseException:
+            handle.close()
+            raise
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
+    return zoo
+
+
+def _rebuild_from_committed(path: Path) -> int:
+    """Copy the committed checkpoints of a crashed writer's file into a clean file.
+
+    Returns a locked descriptor of the new file, which has replaced ``path``.
+    """
+    with Zoo(path, _open_h5(path, "r")) as old:
+        attrs = dict(old._file.attrs)
+        spec = old.spec
+        temporary = path.with_name(f".{path.name}.recovering-{os.getpid()}")
+        try:
+            with h5py.File(temporary, "w", libver="latest", locking=False) as new:
+                for name, value in attrs.items():
+                    new.attrs[name] = value
+                group = new.create_group(_STATE_GROUP)
+                count = len(old)
+                for key, (shape, dtype) in spec.items():
+                    source = old._datasets[key]
+                    target = group.create_dataset(key, shape=(count, *shape),
+                                                  maxshape=(None, *shape),
+                                                  chunks=source.chunks, dtype=dtype)
+                    for start, block in old.layer_blocks(key):
+                        target[start:start + block.shape[0]] = block
+                new.create_dataset("metadata", data=old.metadata, maxshape=(None,),
+                                   chunks=(_METADATA_CHUNK_ROWS,), dtype=METADATA_DTYPE)
+                new.create_dataset("committed", data=np.array([count], dtype=np.int64))
+            fd = _lock(temporary)
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
+    return fd
+
+
+def iter_checkpoints(zoo: Zoo, indices: Iterable[int] | None = None
+                     ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """Yield ``(index, state_dict)`` for the given (default: all) checkpoints."""
+    for index in range(len(zoo)) if indices is None else indices:
+        yield index, zoo.state_dict(index)

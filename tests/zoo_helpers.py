@@ -1,0 +1,37 @@
+"""Shared helpers of the zoo tests: deterministic checkpoints and file corruption."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import torch
+
+from posteriorzoo.models import build
+
+
+def checkpoint(seed: int, architecture: str = "optunet", **options) -> dict[str, torch.Tensor]:
+    """A state_dict that is a pure function of ``seed`` (random init under that seed)."""
+    torch.manual_seed(seed)
+    model = build(architecture, **options)
+    state = model.state_dict()
+    if architecture.startswith("resnet"):
+        # Make BN buffers non-trivial so a round trip proves they are stored.
+        for key, value in state.items():
+            if key.endswith("running_mean") or key.endswith("running_var"):
+                value.copy_(torch.rand_like(value) + 0.5)
+            if key.endswith("num_batches_tracked"):
+                value.fill_(seed + 3)
+    return {key: value.clone() for key, value in state.items()}
+
+
+def flip_byte_in_chunk(path: Path, key: str, chunk: int = 0, offset: int = 3) -> None:
+    """Flip one byte inside a stored chunk of ``/state/<key>`` (simulated bit rot)."""
+    with h5py.File(path, "r", swmr=True, locking=False) as handle:
+        info = handle["state"][key].id.get_chunk_info(chunk)
+        position = info.byte_offset + offset
+    with open(path, "r+b") as raw:
+        raw.seek(position)
+        byte = raw.read(1)
+        raw.seek(position)
+        raw.write(bytes([byte[0] ^ 0xFF]))
