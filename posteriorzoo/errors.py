@@ -48,3 +48,7 @@ class HubError(PosteriorZooError):
 
 class DataFormatError(PosteriorZooError, ValueError):
     """A dataset file is corrupt or not in the expected format (e.g. a bad IDX header)."""
+
+
+class InvalidOptionError(PosteriorZooError, ValueError):
+    """An option value out of its valid range (e.g. a dropout probability of 1.5)."""

@@ -35,7 +35,7 @@ def test_state_dict_round_trip_is_bit_identical(optunet_zoo):
     path, states = optunet_zoo
     with open_zoo(path) as zoo:
         assert len(zoo) == len(states)
-        assert zoo.keys() == list(states[0])
+        assert zoo.state_keys == list(states[0])
         for index, state in enumerate(states):
             loaded = zoo.state_dict(index)
             assert list(loaded) == list(state)
@@ -103,7 +103,7 @@ def test_metadata_table(optunet_zoo):
         assert row["method"] == "de"
         assert "torch" in row["versions"]
         assert row["sha256"] == checkpoint_digest(
-            {k: v.numpy() for k, v in states[2].items()}, zoo.keys())
+            {k: v.numpy() for k, v in states[2].items()}, zoo.state_keys)
         assert zoo.recipe == {"lr": 0.04}
 
 

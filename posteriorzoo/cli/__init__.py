@@ -64,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as error:
         print(f"posteriorzoo {args.command}: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # output piped into e.g. `head`
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print(f"posteriorzoo {args.command}: interrupted", file=sys.stderr)
         return 130

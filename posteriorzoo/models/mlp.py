@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from posteriorzoo.errors import ZooSchemaError
+from posteriorzoo.errors import InvalidOptionError, ZooSchemaError
 from posteriorzoo.models._checks import positive_int, probability
 from posteriorzoo.models.registry import register
 
@@ -18,9 +18,9 @@ _DEFAULT_WIDTHS = (2, 2, 1)
 
 def _check_widths(widths: Sequence[int]) -> tuple[int, ...]:
     if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence):
-        raise ValueError(f"widths must be a sequence of integers, got {widths!r}")
+        raise InvalidOptionError(f"widths must be a sequence of integers, got {widths!r}")
     if len(widths) < 2:
-        raise ValueError(f"widths needs at least an input and an output size, got {widths!r}")
+        raise InvalidOptionError(f"widths needs an input and an output size, got {widths!r}")
     return tuple(positive_int(w, "every entry of widths") for w in widths)
 
 

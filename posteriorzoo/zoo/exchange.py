@@ -115,7 +115,7 @@ def export_checkpoint(zoo: Zoo, index: int, path: str | os.PathLike) -> Path:
         "method": zoo.method,
         "num_classes": "" if zoo.num_classes is None else str(zoo.num_classes),
         "model_options": schema.canonical_json(zoo.model_options),
-        "state_keys": json.dumps(zoo.keys()),
+        "state_keys": json.dumps(zoo.state_keys),
         "index": str(index % len(zoo)),
         "metadata": schema.canonical_json(row),
         "source_collection": zoo.path.name,
@@ -276,8 +276,11 @@ def import_checkpoints(
             template = _ordered(state, attributes)
             spec = normalise_template(template)
             validate = True
-            check_architecture(attributes["architecture"], spec, attributes["num_classes"],
-                               attributes["model_options"])
+            try:
+                check_architecture(attributes["architecture"], spec,
+                                   attributes["num_classes"], attributes["model_options"])
+            except ZooSchemaError as error:
+                raise ZooSchemaError(f"{name}: {error}; a --key-map can rename keys") from None
         _check_against(spec, state, name, diverged=_row_from_header(header, name)
                        .get("diverged", False))
         count += 1

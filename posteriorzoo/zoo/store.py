@@ -180,7 +180,8 @@ class Zoo:
         """Number of complete checkpoints."""
         return self._committed()
 
-    def keys(self) -> list[str]:
+    @property
+    def state_keys(self) -> list[str]:
         """State keys (parameters and buffers) in the model's state_dict order."""
         return list(self._keys)
 

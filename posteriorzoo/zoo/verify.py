@@ -73,7 +73,7 @@ def _check_digests(zoo: Zoo, report: VerifyReport, progress: bool) -> None:
     from tqdm.auto import tqdm
 
     metadata = zoo.metadata
-    keys = zoo.keys()
+    keys = zoo.state_keys
     rows = _block_rows(zoo)
     count = len(zoo)
     bar = tqdm(total=count, desc="verify", unit="ckpt", disable=not progress)

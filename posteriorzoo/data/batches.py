@@ -1,0 +1,99 @@
+"""Mini-batch iteration whose order and augmentation depend only on (seed, epoch).
+
+Seed scheme: ``numpy.random.SeedSequence([seed, epoch]).generate_state(2,
+numpy.uint64)`` gives two 64-bit words; the first seeds the ``torch.Generator``
+that draws the epoch's permutation (``torch.randperm``), the second seeds the
+generator passed to the transform for each batch in turn. Keeping the two
+streams apart means adding or removing augmentation never changes the example
+order. No global random state is read or changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+
+from posteriorzoo.data.datasets import ArrayDataset
+
+__all__ = ["epoch_generators", "iterate_batches"]
+
+BatchTransform = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+
+
+def epoch_generators(seed: int, epoch: int) -> tuple[torch.Generator, torch.Generator]:
+    """The (order, augmentation) generators of ``epoch`` under ``seed``.
+
+    Parameters
+    ----------
+    seed, epoch : int
+        Non-negative integers.
+
+    Returns
+    -------
+    order, augment : torch.Generator
+        CPU generators seeded from ``SeedSequence([seed, epoch])``.
+    """
+    if seed < 0 or epoch < 0:
+        raise ValueError(f"seed and epoch must be non-negative, got {seed}, {epoch}")
+    words = np.random.SeedSequence([int(seed), int(epoch)]).generate_state(2, np.uint64)
+    order, augment = torch.Generator(), torch.Generator()
+    order.manual_seed(int(words[0]))
+    augment.manual_seed(int(words[1]))
+    return order, augment
+
+
+def iterate_batches(
+    dataset: ArrayDataset,
+    batch_size: int,
+    seed: int,
+    epoch: int,
+    transform: BatchTransform | None = None,
+    shuffle: bool = True,
+    drop_last: bool = False,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield one epoch of ``(images, labels)`` batches.
+
+    Parameters
+    ----------
+    dataset : ArrayDataset
+        uint8 images ``(N, C, H, W)`` and int64 labels ``(N,)``.
+    batch_size : int
+        Examples per batch; the last batch may be smaller unless ``drop_last``.
+    seed, epoch : int
+        Non-negative; the order and augmentation are a pure function of them
+        (see the module docstring for the scheme).
+    transform : callable, optional
+        ``transform(batch, generator) -> batch``, e.g. a
+        :class:`~posteriorzoo.data.Compose`; it receives the uint8 batch as a
+        tensor. A uint8 result is scaled to float32 in [0, 1]; a floating
+        result is passed through (as float32).
+    shuffle : bool, default True
+        Random permutation per epoch; if False, dataset order (the augmentation
+        is still seeded by ``(seed, epoch)``).
+    drop_last : bool, default False
+        Skip a final batch smaller than ``batch_size``.
+
+    Yields
+    ------
+    images : torch.Tensor
+        float32, shape ``(B, C, H', W')``; in [0, 1] without a transform.
+    labels : torch.Tensor
+        int64, shape ``(B,)``.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, not {batch_size}")
+    order_gen, augment_gen = epoch_generators(seed, epoch)
+    n = len(dataset)
+    order = torch.randperm(n, generator=order_gen) if shuffle else torch.arange(n)
+    order = order.numpy()
+    stop = n - n % batch_size if drop_last else n
+    for start in range(0, stop, batch_size):
+        idx = order[start:start + batch_size]
+        images = torch.from_numpy(dataset.images[idx])
+        labels = torch.from_numpy(dataset.labels[idx])
+        if transform is not None:
+            images = transform(images, augment_gen)
+        images = images.float() / 255.0 if images.dtype == torch.uint8 else images.float()
+        yield images, labels

@@ -1,0 +1,340 @@
+"""Finding dataset files on disk, and downloading them with SHA-256 verification.
+
+Each file is looked for, in this order, in:
+
+1. ``data_dir``, when given explicitly;
+2. ``$POSTERIORZOO_DATA/<name>/``;
+3. ``/usr/share/datasets/<name>/`` (Debian's ``dataset-*`` packages; the root is
+   :data:`DEBIAN_ROOT`);
+4. the cache, ``<cache root>/<name>/``, with the cache root
+   ``$POSTERIORZOO_CACHE``, else ``$XDG_CACHE_HOME/posteriorzoo``, else
+   ``~/.cache/posteriorzoo``;
+
+and, failing all of these, downloaded from its official URL into the cache:
+streamed to a temporary file next to the destination, checked against the
+published SHA-256, then renamed into place, so a partial or wrong download is
+never visible under the real name.
+
+``$POSTERIORZOO_URL_BASE`` (or ``url_base=``) replaces the official URLs by
+``<url_base>/<filename>``, for a local mirror or a test server;
+``$POSTERIORZOO_DOWNLOAD_TIMEOUT`` (or ``timeout=``) sets the socket timeout in
+seconds.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import http.client
+import os
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Iterable
+from pathlib import Path
+
+from tqdm import tqdm
+
+from posteriorzoo.data.sources import DatasetSource, FileSpec, dataset_source
+from posteriorzoo.errors import ChecksumError, DataNotFoundError
+
+__all__ = [
+    "DEBIAN_ROOT",
+    "DEFAULT_TIMEOUT",
+    "cache_root",
+    "dataset_files",
+    "download_file",
+    "file_sha256",
+    "search_dirs",
+]
+
+#: Root of Debian's dataset packages; a module attribute so tests can move it.
+DEBIAN_ROOT = Path("/usr/share/datasets")
+#: Socket timeout in seconds for connecting and for each read while downloading.
+DEFAULT_TIMEOUT = 10.0
+_CHUNK = 1 << 20
+
+
+def cache_root() -> Path:
+    """Root of the download cache (datasets go in ``<root>/<name>/``).
+
+    Returns
+    -------
+    pathlib.Path
+        ``$POSTERIORZOO_CACHE`` if set, else ``$XDG_CACHE_HOME/posteriorzoo``,
+        else ``~/.cache/posteriorzoo``. Not created here.
+    """
+    if os.environ.get("POSTERIORZOO_CACHE"):
+        return Path(os.environ["POSTERIORZOO_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "posteriorzoo"
+    return Path.home() / ".cache" / "posteriorzoo"
+
+
+def search_dirs(name: str, data_dir: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Folders searched for dataset ``name``'s files, in priority order.
+
+    Parameters
+    ----------
+    name : str
+        Dataset name (the sub-folder under each root).
+    data_dir : str or os.PathLike, optional
+        Explicit folder, searched first (its files directly, no sub-folder).
+
+    Returns
+    -------
+    list of pathlib.Path
+        Existing or not; the last one is the cache folder downloads go to.
+    """
+    dirs = []
+    if data_dir is not None:
+        dirs.append(Path(data_dir).expanduser())
+    if os.environ.get("POSTERIORZOO_DATA"):
+        dirs.append(Path(os.environ["POSTERIORZOO_DATA"]).expanduser() / name)
+    dirs.append(Path(DEBIAN_ROOT) / name)
+    dirs.append(cache_root() / name)
+    return dirs
+
+
+def file_sha256(path: str | os.PathLike[str], decompress: bool = False) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    decompress : bool, default False
+        Hash the gunzipped content instead of the bytes on disk.
+    """
+    h = hashlib.sha256()
+    opener = gzip.open if decompress else open
+    with opener(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _is_gzip(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
+def _verify_local(path: Path, spec: FileSpec) -> None:
+    if spec.sha256 is None and spec.content_sha256 is None:
+        raise ChecksumError(f"{path}: no known SHA-256 for {spec.filename}, cannot verify")
+    if spec.sha256 is not None and file_sha256(path) == spec.sha256:
+        return
+    # A re-compressed copy (Debian's) or a decompressed alias can still match the content.
+    if spec.content_sha256 is not None:
+        content = file_sha256(path, decompress=_is_gzip(path))
+        if content == spec.content_sha256:
+            return
+    raise ChecksumError(
+        f"{path}: SHA-256 does not match the published digest of {spec.filename} "
+        f"({spec.sha256}); delete the file to download it again"
+    )
+
+
+def download_file(
+    url: str,
+    dest: str | os.PathLike[str],
+    sha256: str | None,
+    timeout: float = DEFAULT_TIMEOUT,
+    progress: bool | None = None,
+) -> Path:
+    """Download ``url`` to ``dest`` atomically, verifying its SHA-256.
+
+    Parameters
+    ----------
+    url : str
+        Source URL (``http``, ``https`` or ``file``).
+    dest : str or os.PathLike
+        Final path; its folder is created if needed.
+    sha256 : str or None
+        Expected hex digest. ``None`` is refused: an unverified download could
+        silently train models on the wrong data.
+    timeout : float
+        Socket timeout in seconds, for the connection and each read.
+    progress : bool or None
+        Show a tqdm bar on stderr; ``None`` shows it only on a terminal.
+
+    Returns
+    -------
+    pathlib.Path
+        ``dest``, which exists only if the digest matched.
+
+    Raises
+    ------
+    ValueError
+        ``sha256`` is ``None``.
+    ChecksumError
+        The downloaded bytes have another digest; nothing is left on disk.
+    urllib.error.URLError, OSError, http.client.HTTPException
+        The transfer failed (including timeouts); nothing is left on disk.
+    """
+    if sha256 is None:
+        raise ValueError(f"refusing to download {url} without a known SHA-256")
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+    tmp = Path(tmp_name)
+    try:
+        h = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as resp:
+            total = resp.headers.get("Content-Length")
+            with tqdm(total=int(total) if total else None, unit="B", unit_scale=True,
+                      desc=dest.name, disable=None if progress is None else not progress,
+                      leave=False) as bar:
+                while chunk := resp.read(_CHUNK):
+                    out.write(chunk)
+                    h.update(chunk)
+                    bar.update(len(chunk))
+            out.flush()
+            os.fsync(out.fileno())
+        digest = h.hexdigest()
+        if digest != sha256:
+            raise ChecksumError(
+                f"download of {url} has SHA-256 {digest}, expected {sha256}; discarded"
+            )
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return dest
+
+
+def _find_local(spec: FileSpec, dirs: Iterable[Path]) -> Path | None:
+    for folder in dirs:
+        for filename in (spec.filename, *spec.aliases):
+            candidate = folder / filename
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def _urls(spec: FileSpec, url_base: str | None) -> tuple[str, ...]:
+    if url_base:
+        return (f"{url_base.rstrip('/')}/{spec.filename}",)
+    return spec.urls
+
+
+def _missing_message(
+    source: DatasetSource, missing: list[FileSpec], dirs: list[Path],
+    url_base: str | None, reason: str,
+) -> str:
+    cache = dirs[-1]
+    lines = [f"dataset {source.name!r}: {reason}. Put these file(s) in {cache}/:"]
+    for spec in missing:
+        where = ", ".join(_urls(spec, url_base)) or "no known URL"
+        size = f", {spec.size:,} bytes" if spec.size else ""
+        digest = f", sha256 {spec.sha256}" if spec.sha256 else ""
+        lines.append(f"  {spec.filename}  (from {where}{size}{digest})")
+    searched = ", ".join(str(d) for d in dirs)
+    lines.append(f"Folders searched, in order: {searched}. Or pass data_dir=<folder holding "
+                 "them>, or set POSTERIORZOO_DATA so that $POSTERIORZOO_DATA/"
+                 f"{source.name}/ holds them.")
+    return "\n".join(lines)
+
+
+def _download_into_cache(
+    spec: FileSpec, cache: Path, url_base: str | None, timeout: float,
+) -> tuple[Path | None, str]:
+    """Try each URL; return (path, "") or (None, why the last attempt failed)."""
+    if spec.sha256 is None:
+        return None, f"no trustworthy SHA-256 is known for {spec.filename}, so it is not " \
+                     "downloaded automatically"
+    reason = "no URL"
+    for url in _urls(spec, url_base):
+        try:
+            return download_file(url, cache / spec.filename, spec.sha256, timeout=timeout), ""
+        # URLError covers HTTP errors, OSError timeouts and resets, HTTPException short reads.
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+            reason = f"download from {url} failed ({exc})"
+    return None, reason
+
+
+def dataset_files(
+    name: str,
+    split: str | None = None,
+    data_dir: str | os.PathLike[str] | None = None,
+    download: bool = True,
+    *,
+    url_base: str | None = None,
+    timeout: float | None = None,
+    verify: bool = False,
+) -> dict[str, Path]:
+    """Locate (and if needed download) the files of dataset ``name``.
+
+    Parameters
+    ----------
+    name : str
+        A name from :func:`posteriorzoo.data.available_datasets`.
+    split : str, optional
+        Only the files this split needs; all of the dataset's files if omitted.
+    data_dir : str or os.PathLike, optional
+        Folder searched before all others (see the module docstring).
+    download : bool, default True
+        Download missing files into the cache; if False, a missing file raises.
+    url_base : str, optional
+        Download from ``<url_base>/<filename>`` instead of the official URLs;
+        default ``$POSTERIORZOO_URL_BASE``.
+    timeout : float, optional
+        Socket timeout in seconds; default ``$POSTERIORZOO_DOWNLOAD_TIMEOUT``,
+        else :data:`DEFAULT_TIMEOUT`.
+    verify : bool, default False
+        Also check the SHA-256 of files found on disk (downloads are always
+        checked). A gzipped file re-compressed by a distribution passes if its
+        decompressed content has the published content digest.
+
+    Returns
+    -------
+    dict of str to pathlib.Path
+        Official file name -> path of the file found or downloaded.
+
+    Raises
+    ------
+    UnknownNameError
+        Unknown dataset name.
+    ValueError
+        ``split`` is not one of the dataset's splits.
+    DataNotFoundError
+        Files are missing and could not be downloaded; the message lists each
+        file with its URL and the folder to put it in.
+    ChecksumError
+        A download (or, with ``verify=True``, a local file) has the wrong digest.
+    """
+    source = dataset_source(name)
+    if split is None:
+        specs = source.files
+    elif split in source.splits:
+        specs = source.splits[split]
+    else:
+        raise ValueError(f"dataset {name!r} has no split {split!r}; "
+                         f"splits: {', '.join(source.splits)}")
+    if url_base is None:
+        url_base = os.environ.get("POSTERIORZOO_URL_BASE") or None
+    if timeout is None:
+        timeout = float(os.environ.get("POSTERIORZOO_DOWNLOAD_TIMEOUT", DEFAULT_TIMEOUT))
+
+    dirs = search_dirs(name, data_dir)
+    found: dict[str, Path] = {}
+    missing: list[FileSpec] = []
+    for spec in specs:
+        path = _find_local(spec, dirs)
+        if path is None:
+            missing.append(spec)
+            continue
+        if verify:
+            _verify_local(path, spec)
+        found[spec.filename] = path
+
+    if missing and not download:
+        raise DataNotFoundError(_missing_message(source, missing, dirs, url_base,
+                                                 "missing files and download=False"))
+    for i, spec in enumerate(missing):
+        path, reason = _download_into_cache(spec, dirs[-1], url_base, timeout)
+        if path is None:
+            # One failure (offline, blocked) predicts the rest: stop rather than wait again.
+            raise DataNotFoundError(_missing_message(source, missing[i:], dirs, url_base,
+                                                     reason))
+        found[spec.filename] = path
+    return found

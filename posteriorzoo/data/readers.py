@@ -1,0 +1,339 @@
+"""Readers for the archive formats of CIFAR, SVHN, Tiny ImageNet and DTD.
+
+Every reader returns ``(images, labels, class_names)`` with ``images`` uint8 of
+shape ``(N, C, H, W)``, ``labels`` int64 of shape ``(N,)`` and ``class_names``
+a tuple of str (or ``None``). Archives are read in place, without extracting
+them, and only from their documented binary layouts: no pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import tarfile
+import zipfile
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import scipy.io
+from PIL import Image, UnidentifiedImageError
+
+from posteriorzoo.errors import DataFormatError
+
+__all__ = [
+    "Arrays",
+    "fit_square",
+    "read_cifar_binary",
+    "read_dtd_tar",
+    "read_svhn_mat",
+    "read_tinyimagenet_zip",
+]
+
+Arrays = tuple[np.ndarray, np.ndarray, tuple[str, ...] | None]
+
+_CIFAR_PIXELS = 3 * 32 * 32
+# Archive readers fail in many ways on a truncated or foreign file; all mean "bad file".
+# (MatReadError: scipy's "not a MATLAB file"; NotImplementedError: a v7.3 / HDF5 .mat.)
+_ARCHIVE_ERRORS = (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, OSError,
+                   UnidentifiedImageError, KeyError, ValueError, NotImplementedError,
+                   scipy.io.matlab.MatReadError)
+
+
+@contextmanager
+def _format_errors(path: Path, what: str) -> Iterator[None]:
+    try:
+        yield
+    except DataFormatError:
+        raise
+    except FileNotFoundError:
+        raise
+    except _ARCHIVE_ERRORS as exc:
+        raise DataFormatError(f"{path}: not a readable {what} ({type(exc).__name__}: {exc})") \
+            from exc
+
+
+def _tar_members(path: Path, want: Callable[[str], bool]) -> dict[str, bytes]:
+    """Contents of the regular members whose name satisfies ``want``, in one pass."""
+    out = {}
+    # Streaming mode ("r|*"): gzip cannot seek backwards, so read everything in order.
+    with tarfile.open(path, mode="r|*") as tar:
+        for member in tar:
+            if member.isfile() and want(member.name):
+                out[member.name] = tar.extractfile(member).read()
+    return out
+
+
+def _names_file(blob: bytes | None) -> tuple[str, ...] | None:
+    if blob is None:
+        return None
+    return tuple(line.strip() for line in blob.decode("utf-8").splitlines() if line.strip())
+
+
+def _parse_cifar_records(path: Path, blob: bytes, label_bytes: int,
+                         label_index: int) -> tuple[np.ndarray, np.ndarray]:
+    record = label_bytes + _CIFAR_PIXELS
+    if len(blob) % record:
+        raise DataFormatError(
+            f"{path}: CIFAR binary batch of {len(blob)} bytes is not a whole number of "
+            f"{record}-byte records"
+        )
+    rows = np.frombuffer(blob, dtype=np.uint8).reshape(-1, record)
+    labels = rows[:, label_index].astype(np.int64)
+    images = rows[:, label_bytes:].reshape(-1, 3, 32, 32).copy()
+    return images, labels
+
+
+def read_cifar_binary(path: str | Path, split: str, variant: str = "cifar10",
+                      label_type: str = "fine") -> Arrays:
+    """Read CIFAR-10 or CIFAR-100 from the official *binary* ``.tar.gz``.
+
+    Parameters
+    ----------
+    path : str or pathlib.Path
+        ``cifar-10-binary.tar.gz`` or ``cifar-100-binary.tar.gz``.
+    split : {"train", "test"}
+    variant : {"cifar10", "cifar100"}
+    label_type : {"fine", "coarse"}
+        CIFAR-100 only: 100 fine classes or 20 superclasses.
+
+    Returns
+    -------
+    images : numpy.ndarray
+        uint8, shape ``(N, 3, 32, 32)`` (N = 50000 train, 10000 test).
+    labels : numpy.ndarray
+        int64, shape ``(N,)``.
+    class_names : tuple of str or None
+        From the archive's ``*.txt`` label-name files, when present.
+
+    Raises
+    ------
+    DataFormatError
+        Not a tar archive, a batch missing, or a batch of the wrong size.
+    """
+    path = Path(path)
+    if variant == "cifar10":
+        batches = [f"data_batch_{i}.bin" for i in range(1, 6)] if split == "train" \
+            else ["test_batch.bin"]
+        label_bytes, label_index, names_file = 1, 0, "batches.meta.txt"
+    elif variant == "cifar100":
+        batches = ["train.bin" if split == "train" else "test.bin"]
+        if label_type not in ("fine", "coarse"):
+            raise ValueError(f"label_type must be 'fine' or 'coarse', not {label_type!r}")
+        label_bytes, label_index = 2, (1 if label_type == "fine" else 0)
+        names_file = f"{label_type}_label_names.txt"
+    else:
+        raise ValueError(f"unknown CIFAR variant {variant!r}")
+
+    wanted = set(batches) | {names_file}
+    with _format_errors(path, "CIFAR binary tar archive"):
+        members = _tar_members(path, lambda n: n.rsplit("/", 1)[-1] in wanted)
+    by_base = {name.rsplit("/", 1)[-1]: blob for name, blob in members.items()}
+    absent = [b for b in batches if b not in by_base]
+    if absent:
+        raise DataFormatError(f"{path}: archive lacks {', '.join(absent)}")
+    parts = [_parse_cifar_records(path, by_base[b], label_bytes, label_index) for b in batches]
+    images = np.concatenate([p[0] for p in parts])
+    labels = np.concatenate([p[1] for p in parts])
+    return images, labels, _names_file(by_base.get(names_file))
+
+
+def read_svhn_mat(path: str | Path) -> Arrays:
+    """Read an SVHN cropped-digits ``*_32x32.mat`` file (MATLAB v5, via scipy).
+
+    Parameters
+    ----------
+    path : str or pathlib.Path
+        ``train_32x32.mat``, ``test_32x32.mat`` or ``extra_32x32.mat``.
+
+    Returns
+    -------
+    images : numpy.ndarray
+        uint8, shape ``(N, 3, 32, 32)``; the file stores ``X`` as ``(32, 32, 3, N)``.
+    labels : numpy.ndarray
+        int64, shape ``(N,)``, in 0..9: the file's label 10 (digit "0") maps to 0.
+    class_names : tuple of str
+        ``("0", ..., "9")``.
+
+    Raises
+    ------
+    DataFormatError
+        Not a MATLAB file, or ``X``/``y`` missing or of unexpected shape or range.
+    """
+    path = Path(path)
+    with _format_errors(path, "SVHN MATLAB file"):
+        mat = scipy.io.loadmat(path, variable_names=["X", "y"])
+        x, y = mat["X"], np.asarray(mat["y"]).reshape(-1)
+    if x.ndim != 4 or x.shape[2] != 3 or x.shape[3] != y.shape[0] or x.dtype != np.uint8:
+        raise DataFormatError(
+            f"{path}: expected X uint8 of shape (H, W, 3, N) and N labels, got X "
+            f"{x.dtype} {x.shape} and {y.shape[0]} labels"
+        )
+    if y.size and (y.min() < 1 or y.max() > 10):
+        raise DataFormatError(f"{path}: SVHN labels must lie in 1..10, found {y.min()}..{y.max()}")
+    images = np.ascontiguousarray(x.transpose(3, 2, 0, 1))
+    labels = (y.astype(np.int64) % 10)
+    return images, labels, tuple(str(d) for d in range(10))
+
+
+def _decode_rgb(data: bytes, draft_size: int | None = None) -> Image.Image:
+    image = Image.open(io.BytesIO(data))
+    if draft_size is not None:
+        # JPEG only: decode at a reduced scale (still >= draft_size), several times faster.
+        image.draft("RGB", (draft_size, draft_size))
+    return image.convert("RGB")
+
+
+def read_tinyimagenet_zip(path: str | Path, split: str) -> Arrays:
+    """Read Tiny ImageNet from the official ``tiny-imagenet-200.zip``.
+
+    Parameters
+    ----------
+    path : str or pathlib.Path
+        The zip file, with ``<root>/wnids.txt``,
+        ``<root>/train/<wnid>/images/*.JPEG`` and ``<root>/val/images/*.JPEG``
+        described by ``<root>/val/val_annotations.txt``.
+    split : {"train", "test"}
+        ``"test"`` reads the official *val* set: the official test set has no
+        labels.
+
+    Returns
+    -------
+    images : numpy.ndarray
+        uint8, shape ``(N, 3, 64, 64)`` (N = 100000 train, 10000 test);
+        grayscale JPEGs are converted to RGB.
+    labels : numpy.ndarray
+        int64, shape ``(N,)``: index of the WordNet id in the sorted ``wnids``.
+    class_names : tuple of str
+        The 200 WordNet ids, sorted.
+
+    Raises
+    ------
+    DataFormatError
+        Missing ``wnids.txt`` or annotations, an unknown wnid, an image that
+        cannot be decoded or is not 64x64.
+    """
+    path = Path(path)
+    with _format_errors(path, "Tiny ImageNet zip"), zipfile.ZipFile(path) as zf:
+        names = zf.namelist()
+        wnid_files = [n for n in names if n.rsplit("/", 1)[-1] == "wnids.txt"]
+        if not wnid_files:
+            raise DataFormatError(f"{path}: no wnids.txt in the archive")
+        root = wnid_files[0][: -len("wnids.txt")]
+        wnids = tuple(sorted(_names_file(zf.read(wnid_files[0])) or ()))
+        index = {w: i for i, w in enumerate(wnids)}
+        if split == "train":
+            pattern = re.compile(re.escape(root) + r"train/([^/]+)/images/[^/]+\.jpe?g$", re.I)
+            items = [(n, m.group(1)) for n in sorted(names) if (m := pattern.match(n))]
+        else:
+            lines = zf.read(root + "val/val_annotations.txt").decode("utf-8").splitlines()
+            items = [(root + "val/images/" + f[0], f[1])
+                     for f in (line.split("\t") for line in lines if line.strip())]
+        unknown = {w for _, w in items if w not in index}
+        if unknown:
+            raise DataFormatError(f"{path}: labels not in wnids.txt: {sorted(unknown)[:5]}")
+        images = np.empty((len(items), 3, 64, 64), dtype=np.uint8)
+        for i, (member, _) in enumerate(items):
+            pixels = np.asarray(_decode_rgb(zf.read(member)))
+            if pixels.shape != (64, 64, 3):
+                raise DataFormatError(f"{path}: {member} is {pixels.shape[1]}x"
+                                      f"{pixels.shape[0]}, expected 64x64")
+            images[i] = pixels.transpose(2, 0, 1)
+    labels = np.array([index[w] for _, w in items], dtype=np.int64)
+    return images, labels, wnids
+
+
+def fit_square(image: Image.Image, size: int) -> Image.Image:
+    """Resize so the shorter side is ``size`` (bilinear), then center-crop to square.
+
+    Parameters
+    ----------
+    image : PIL.Image.Image
+    size : int
+        Side of the output in pixels.
+
+    Returns
+    -------
+    PIL.Image.Image
+        ``size`` x ``size``, same mode as the input.
+    """
+    w, h = image.size
+    scale = size / min(w, h)
+    nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
+    image = image.resize((nw, nh), Image.Resampling.BILINEAR)
+    left, top = (nw - size) // 2, (nh - size) // 2
+    return image.crop((left, top, left + size, top + size))
+
+
+def read_dtd_tar(path: str | Path, split: str, partition: int = 1,
+                 image_size: int = 64) -> Arrays:
+    """Read the Describable Textures Dataset from ``dtd-r1.0.1.tar.gz``.
+
+    Parameters
+    ----------
+    path : str or pathlib.Path
+        The tarball, with ``dtd/images/<class>/<file>.jpg`` and
+        ``dtd/labels/{train,val,test}<partition>.txt``.
+    split : {"train", "val", "test", "all"}
+        One of the official splits of ``partition``, or every image.
+    partition : int, default 1
+        Official partition 1..10 (ignored for ``"all"``).
+    image_size : int, default 64
+        Every image is resized (shorter side to ``image_size``, bilinear, after
+        JPEG draft-mode decoding at a reduced scale) and center-cropped to
+        ``image_size`` x ``image_size``.
+
+    Returns
+    -------
+    images : numpy.ndarray
+        uint8, shape ``(N, 3, image_size, image_size)``; N = 1880 per split of
+        a partition, 5640 for ``"all"``.
+    labels : numpy.ndarray
+        int64, shape ``(N,)``, index into ``class_names``.
+    class_names : tuple of str
+        The 47 texture classes, sorted.
+
+    Raises
+    ------
+    DataFormatError
+        Not a tar archive, a split list missing, or a listed image absent.
+    """
+    path = Path(path)
+    if not 1 <= int(partition) <= 10:
+        raise ValueError(f"DTD partition must be in 1..10, not {partition}")
+    if int(image_size) < 1:
+        raise ValueError(f"image_size must be positive, not {image_size}")
+    image_re = re.compile(r"(?:^|/)images/([^/]+/[^/]+\.jpe?g)$", re.I)
+    list_name = f"labels/{split}{partition}.txt"
+    decoded: dict[str, np.ndarray] = {}
+    split_list: bytes | None = None
+    # One streaming pass decoding every image: the label lists come after the images
+    # in the tarball, and holding ~600 MB of JPEG bytes instead would cost far more.
+    with _format_errors(path, "DTD tar archive"), tarfile.open(path, mode="r|*") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            if m := image_re.search(member.name):
+                data = tar.extractfile(member).read()
+                image = fit_square(_decode_rgb(data, image_size), image_size)
+                decoded[m.group(1)] = np.asarray(image).transpose(2, 0, 1)
+            elif member.name.endswith(list_name) and split != "all":
+                split_list = tar.extractfile(member).read()
+    if split == "all":
+        keys = sorted(decoded)
+    elif split_list is None:
+        raise DataFormatError(f"{path}: archive lacks {list_name}")
+    else:
+        keys = list(_names_file(split_list) or ())
+    absent = [k for k in keys if k not in decoded]
+    if absent:
+        raise DataFormatError(f"{path}: images listed but absent: {absent[:5]}")
+    classes = tuple(sorted({k.split("/")[0] for k in decoded}))
+    index = {c: i for i, c in enumerate(classes)}
+    images = np.empty((len(keys), 3, image_size, image_size), dtype=np.uint8)
+    for i, k in enumerate(keys):
+        images[i] = decoded[k]
+    labels = np.array([index[k.split("/")[0]] for k in keys], dtype=np.int64)
+    return images, labels, classes
