@@ -1,0 +1,4 @@
+"""Aggregated MMD between collections of checkpoints, layer by layer.
+
+Not implemented yet.
+"""

@@ -52,6 +52,8 @@ from posteriorzoo.zoo.schema import (
 DEFAULT_CHUNK_BYTES = 1 << 18
 MAX_CHUNK_ROWS = 1024
 _METADATA_CHUNK_ROWS = 256
+#: Batches of one tensor up to this size are stacked into one write.
+_STACK_BYTES = 1 << 24
 _STATE_GROUP = "state"
 _CRASHED_WRITER_MARKERS = ("already open for write", "consistency flags")
 
@@ -272,7 +274,8 @@ class Zoo:
 
     def state_dict(self, index: int) -> dict[str, torch.Tensor]:
         """Checkpoint ``index`` as a state_dict for ``model.load_state_dict``."""
-        return {key: torch.from_numpy(np.array(value))
+        # h5py returns fresh arrays, so sharing their memory with the tensors is safe.
+        return {key: torch.from_numpy(np.asarray(value))
                 for key, value in self.arrays(index).items()}
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -330,8 +333,7 @@ class Zoo:
             rows[position] = row
             for key in self._keys:
                 stacks[key].append(arrays[key])
-        blocks = {key: np.stack(values) for key, values in stacks.items()}
-        return self._write_block(blocks, rows)
+        return self._write_block(stacks, rows)
 
     def _validated(self, state: Mapping[str, ArrayLike], diverged: bool, position: int
                    ) -> dict[str, np.ndarray]:
@@ -365,13 +367,19 @@ class Zoo:
             arrays[key] = array
         return arrays
 
-    def _write_block(self, blocks: Mapping[str, np.ndarray], rows: np.ndarray) -> range:
+    def _write_block(self, blocks: Mapping[str, Sequence[np.ndarray]], rows: np.ndarray
+                     ) -> range:
         start = len(self)
         stop = start + rows.shape[0]
         for key in self._keys:
             dataset = self._datasets[key]
             dataset.resize(stop, axis=0)
-            dataset[start:stop] = blocks[key]
+            arrays = blocks[key]
+            if sum(array.nbytes for array in arrays) <= _STACK_BYTES:
+                dataset[start:stop] = np.stack(arrays)
+            else:  # large tensors: one write each rather than a stacked copy
+                for offset, array in enumerate(arrays):
+                    dataset[start + offset] = array
         table = self._file["metadata"]
         table.resize(stop, axis=0)
         table[start:stop] = rows
