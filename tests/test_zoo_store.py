@@ -48,7 +48,9 @@ def test_state_dict_round_trip_is_bit_identical(optunet_zoo):
             zoo.state_dict(len(states))
 
 
-def test_resnet_buffers_round_trip(tmp_path):
+@pytest.mark.parametrize("stack_bytes", [0, 1 << 24], ids=["row-by-row", "stacked"])
+def test_resnet_buffers_round_trip(tmp_path, monkeypatch, stack_bytes):
+    monkeypatch.setattr("posteriorzoo.zoo.store._STACK_BYTES", stack_bytes)
     states = [checkpoint(seed, "resnet18", num_classes=10, width=4) for seed in range(3)]
     path = tmp_path / "resnet.h5"
     with create_zoo(path, architecture="resnet18", dataset="cifar10", method="de",
