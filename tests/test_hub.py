@@ -13,7 +13,6 @@ import socket
 import time
 from pathlib import Path
 
-import h5py
 import httpx2
 import numpy as np
 import pytest
@@ -32,6 +31,7 @@ from posteriorzoo.errors import ChecksumError, HubError, ZooFormatError
 from posteriorzoo.hub import download, upload, verify_snapshot
 from posteriorzoo.hub import fetch as fetch_module
 from posteriorzoo.hub import publish as publish_module
+from posteriorzoo.zoo import create_zoo
 from posteriorzoo.zoo.manifest import MANIFEST_NAME, read_manifest, sha256_file, write_manifest
 
 REPO = "org/zoo"
@@ -72,10 +72,16 @@ def isolated_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def make_h5(path: Path, seed: int) -> Path:
-    """A small real HDF5 file."""
+    """A small real collection file (an MLP zoo of two checkpoints)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with h5py.File(path, "w") as handle:
-        handle["weights"] = np.random.default_rng(seed).normal(size=(8, 4)).astype("float32")
+    rng = np.random.default_rng(seed)
+    states = [{"layers.0.weight": rng.normal(size=(4, 2)).astype("float32"),
+               "layers.0.bias": rng.normal(size=4).astype("float32"),
+               "layers.1.weight": rng.normal(size=(1, 4)).astype("float32"),
+               "layers.1.bias": rng.normal(size=1).astype("float32")} for _ in range(2)]
+    with create_zoo(path, architecture="mlp", dataset="blobs", method="de",
+                    model_options={"widths": [2, 4, 1]}, template=states[0]) as zoo:
+        zoo.append_many(states)
     return path
 
 
@@ -485,6 +491,29 @@ def test_bad_input_rejected_before_any_api_call(
     with pytest.raises(ZooFormatError):
         upload(REPO, [collections, bad])
     assert fake_api.instances == []
+
+
+def test_corrupt_or_foreign_collections_are_not_published(
+    fake_api: type[FakeHfApi], collections: Path, tmp_path: Path
+) -> None:
+    import h5py
+
+    foreign = tmp_path / "foreign.h5"
+    with h5py.File(foreign, "w") as handle:
+        handle["x"] = np.arange(3)
+    with pytest.raises(ZooFormatError, match="not a posteriorzoo collection"):
+        upload(REPO, [collections, foreign])
+    damaged = collections / "a.h5"
+    with h5py.File(damaged, "r") as handle:
+        offset = handle["state/layers.0.weight"].id.get_chunk_info(0).byte_offset
+    data = bytearray(damaged.read_bytes())
+    data[offset + 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="CORRUPT"):
+        upload(REPO, collections)
+    assert fake_api.instances == []
+    upload(REPO, collections, verify=False)  # an explicit opt-out still uploads
+    assert len(fake_api.instances) == 1
 
 
 def test_non_hdf5_inside_folder_rejected(fake_api: type[FakeHfApi], collections: Path) -> None:

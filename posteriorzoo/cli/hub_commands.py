@@ -69,8 +69,8 @@ def _register_upload(subparsers: argparse._SubParsersAction) -> None:
             "repository in one commit, with a freshly computed SHA256SUMS manifest (your "
             "folders are not modified) and optionally a dataset card. The repository is "
             "created if needed. Needs network access and HF_TOKEN set to a token with write "
-            "access (or a saved `hf auth login`). Files are checked to be HDF5 before "
-            "anything is sent."
+            "access (or a saved `hf auth login`). Every file is verified as a collection "
+            "(posteriorzoo verify) before anything is sent."
         ),
     )
     parser.add_argument("repo_id", metavar="REPO_ID", help="dataset repository, e.g. org/name")
@@ -100,6 +100,11 @@ def _register_upload(subparsers: argparse._SubParsersAction) -> None:
         metavar="FOLDER",
         default="",
         help="repository folder for the files and their SHA256SUMS (default: the root)",
+    )
+    parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip verifying the collections before upload (not recommended)",
     )
     parser.set_defaults(func=run_upload)
 
@@ -143,6 +148,7 @@ def run_upload(args: argparse.Namespace) -> int:
         private=args.private,
         card=args.card,
         path_in_repo=args.path_in_repo,
+        verify=not args.no_verify,
     )
     extra = " and the dataset card" if args.card else ""
     print(f"uploaded {count} collection file(s), SHA256SUMS{extra} to {args.repo_id}: {url}")

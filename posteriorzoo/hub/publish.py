@@ -101,6 +101,7 @@ def upload(
     token: str | bool | None = None,
     card: str | Path | None = None,
     path_in_repo: str = "",
+    verify: bool = True,
 ) -> str:
     """Upload collection files to the dataset repository ``repo_id`` in one commit.
 
@@ -115,12 +116,16 @@ def upload(
         card: a Markdown file uploaded as the dataset card ``README.md`` at the repo root.
         path_in_repo: folder of the repository to put the collections (and their
             ``SHA256SUMS``) in; default the root.
+        verify: run :func:`posteriorzoo.zoo.verify_zoo` on every file first, so that
+            nothing corrupt (or not a collection) is published.
 
     Returns:
         The URL of the commit (or its id if the Hub gave no URL).
 
     Raises:
-        ZooFormatError: a path is missing or not HDF5, or the card is missing.
+        ZooFormatError: a path is missing or not HDF5 (or, with ``verify``, not a
+            collection), or the card is missing.
+        ChecksumError: with ``verify``, a collection fails verification.
         HubError: the repository id is malformed, the network or the Hub failed, or the
             token lacks write access (the message says what to do).
     """
@@ -131,6 +136,11 @@ def upload(
     if card_path is not None and not card_path.is_file():
         raise ZooFormatError(f"dataset card not found: {card_path}")
     folder = _folder_in_repo(path_in_repo)
+    if verify:
+        from posteriorzoo.zoo.verify import require_ok, verify_zoo
+
+        for item in files:
+            require_ok(verify_zoo(item.local))
     try:
         validate_repo_id(repo_id)
     except handled_errors() as error:
