@@ -16,9 +16,10 @@ from posteriorzoo.zoo.exchange import (
     read_checkpoint,
     read_release_archive,
 )
+from posteriorzoo.zoo.lifecycle import create_zoo, open_zoo
 from posteriorzoo.zoo.manifest import MANIFEST_NAME, sha256_file, verify_manifest, write_manifest
 from posteriorzoo.zoo.schema import METADATA_COLUMNS, checkpoint_digest, recipe_hash
-from posteriorzoo.zoo.store import Zoo, create_zoo, iter_checkpoints, open_zoo
+from posteriorzoo.zoo.store import Zoo, iter_checkpoints
 from posteriorzoo.zoo.verify import VerifyReport, verify_zoo
 
 __all__ = [

@@ -29,13 +29,13 @@ from safetensors.torch import save_file
 
 from posteriorzoo.errors import NonFiniteWeightsError, ZooFormatError, ZooSchemaError
 from posteriorzoo.zoo import schema
-from posteriorzoo.zoo.store import (
-    Zoo,
+from posteriorzoo.zoo.lifecycle import (
     check_architecture,
     create_zoo,
     normalise_template,
     open_zoo,
 )
+from posteriorzoo.zoo.store import Zoo
 
 CHECKPOINT_FORMAT = "posteriorzoo-checkpoint"
 

@@ -6,20 +6,12 @@ Two access patterns are first-class:
   read from one dataset chunked along the checkpoint axis;
 - checkpoint i as a state_dict, ``zoo.state_dict(i)`` -> ``{key: torch.Tensor}``.
 
-Appends are crash-safe. Writers use HDF5's single-writer/multiple-reader (SWMR) mode,
-whose on-disk structure stays consistent at every instant, and follow one protocol:
-extend the datasets, write whole checkpoints and their metadata rows, flush, and only
-then advance ``/committed``. A writer killed at any point leaves a file that readers open
-with exactly the checkpoints committed before the kill. The next writer finds HDF5's
-"open for write" flag left behind, and rebuilds the file from its committed checkpoints
-(into a temporary file renamed over the original) before appending. Writers hold an
-exclusive ``flock`` on the file, so a second writer fails fast with :class:`ZooBusyError`
-instead of corrupting it.
+Appends are crash-safe: whole checkpoints are written and flushed before the committed
+count advances (see :mod:`posteriorzoo.zoo.lifecycle` for creating and opening files).
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import time
@@ -34,7 +26,6 @@ import torch
 from posteriorzoo.errors import (
     NonFiniteWeightsError,
     UnknownNameError,
-    ZooBusyError,
     ZooFormatError,
     ZooSchemaError,
 )
@@ -69,21 +60,11 @@ def as_numpy(value: ArrayLike) -> np.ndarray:
     return np.asarray(value)
 
 
-def _chunk_rows(shape: tuple[int, ...], dtype: np.dtype, chunk_bytes: int) -> int:
-    per_checkpoint = max(1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
-    return int(min(MAX_CHUNK_ROWS, max(1, chunk_bytes // per_checkpoint)))
 
 
-def _require_file(path: Path) -> None:
-    if not path.exists():
-        raise ZooFormatError(f"{path}: no such file")
-    if not path.is_file():
-        raise ZooFormatError(f"{path}: not a file")
-    if not h5py.is_hdf5(path):
-        raise ZooFormatError(f"{path}: not an HDF5 file")
 
 
-def _open_h5(path: Path, mode: str) -> h5py.File:
+def open_h5(path: Path, mode: str) -> h5py.File:
     """Open an HDF5 file, turning library errors into :class:`ZooFormatError`."""
     try:
         if mode == "r":
@@ -408,217 +389,6 @@ class Zoo:
         state = "open" if self._file.id.valid else "closed"
         return (f"<Zoo {self.path.name!s}: {self.architecture} / {self.dataset} / {self.method}, "
                 f"{len(self) if self._file.id.valid else '?'} checkpoints, {state}>")
-
-
-# ---------------------------------------------------------------------- construction
-def normalise_template(template: Mapping[str, Any]
-                       ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """``{key: (shape, dtype)}`` from a state_dict, arrays, meta tensors or (shape, dtype)."""
-    spec = {}
-    for key, value in template.items():
-        if isinstance(value, tuple) and len(value) == 2 and not isinstance(value[0], int):
-            shape, dtype = value
-            spec[key] = (tuple(int(s) for s in shape), np.dtype(dtype))
-        else:
-            array = as_numpy(value) if not isinstance(value, torch.Tensor) or \
-                value.device.type != "meta" else np.empty(0, _torch_to_numpy_dtype(value.dtype))
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else array.shape
-            spec[key] = (tuple(int(s) for s in shape), array.dtype)
-    if not spec:
-        raise ZooSchemaError("the template state_dict is empty")
-    return spec
-
-
-def _torch_to_numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    if dtype == torch.bfloat16:
-        raise ZooSchemaError("bfloat16 tensors are not supported; convert to float32")
-    return torch.empty(0, dtype=dtype).numpy().dtype
-
-
-def _numpy_to_torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype)).dtype
-
-
-def check_architecture(
-    architecture: str,
-    spec: Mapping[str, tuple[tuple[int, ...], np.dtype]],
-    num_classes: int | None,
-    model_options: Mapping[str, Any],
-) -> None:
-    """Raise unless ``spec`` (key -> (shape, dtype)) fits the registered architecture."""
-    from posteriorzoo import models
-
-    meta = {key: torch.empty(shape, dtype=_numpy_to_torch_dtype(dtype), device="meta")
-            for key, (shape, dtype) in spec.items()}
-    models.check_state_dict(architecture, meta, num_classes=num_classes, **model_options)
-
-
-def create_zoo(
-    path: str | os.PathLike,
-    *,
-    architecture: str,
-    dataset: str,
-    method: str,
-    template: Mapping[str, Any],
-    num_classes: int | None = None,
-    model_options: Mapping[str, Any] | None = None,
-    recipe: Mapping[str, Any] | None = None,
-    command: str | None = None,
-    validate: bool = True,
-    overwrite: bool = False,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> Zoo:
-    """Create an empty collection and return it opened for appending.
-
-    Parameters
-    ----------
-    path : path-like
-        The new ``.h5`` file. It is built under a temporary name and renamed into place.
-    architecture : str
-        A model name of :mod:`posteriorzoo.models`; with ``validate=True`` the template's
-        keys and shapes must match ``build(architecture, num_classes, **model_options)``.
-    dataset, method : str
-        Training data set and posterior approximation, e.g. ``"fashion-mnist"``, ``"de"``.
-    template : mapping
-        A state_dict (tensors or arrays), or ``{key: (shape, dtype)}``: the keys, order,
-        shapes and dtypes every checkpoint must have.
-    num_classes : int, optional
-    model_options : mapping, optional
-    recipe : mapping, optional
-        JSON-serialisable training recipe, stored as a file attribute.
-    command : str, optional
-        The command that produced the collection (provenance); defaults to none recorded.
-    validate : bool
-        Check the template against the registered architecture (unknown names raise).
-    overwrite : bool
-        Replace an existing file; otherwise an existing path raises ZooFormatError.
-    chunk_bytes : int
-        Target bytes per chunk of each state dataset.
-    """
-    path = Path(path)
-    model_options = dict(model_options or {})
-    spec = normalise_template(template)
-    if validate:
-        check_architecture(architecture, spec, num_classes, model_options)
-    if path.exists() and not overwrite:
-        raise ZooFormatError(f"{path}: already exists (open it with mode='a' to append)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.creating-{os.getpid()}")
-    provenance = {"command": command, "versions": schema.library_versions(),
-                  "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    try:
-        with h5py.File(temporary, "w", libver="latest", locking=False) as handle:
-            attrs = handle.attrs
-            attrs["format"] = FORMAT_NAME
-            attrs["schema_version"] = SCHEMA_VERSION
-            attrs["architecture"] = architecture
-            attrs["dataset"] = dataset
-            attrs["method"] = method
-            attrs["num_classes"] = -1 if num_classes is None else int(num_classes)
-            attrs["model_options"] = canonical_json(model_options)
-            attrs["recipe"] = canonical_json(dict(recipe or {}))
-            attrs["state_keys"] = json.dumps(list(spec))
-            attrs["created_by"] = canonical_json(provenance)
-            attrs["validated"] = bool(validate)
-            group = handle.create_group(_STATE_GROUP)
-            for key, (shape, dtype) in spec.items():
-                rows = _chunk_rows(shape, dtype, chunk_bytes)
-                group.create_dataset(key, shape=(0, *shape), maxshape=(None, *shape),
-                                     chunks=(rows, *shape) if shape else (rows,), dtype=dtype)
-            handle.create_dataset("metadata", shape=(0,), maxshape=(None,),
-                                  chunks=(_METADATA_CHUNK_ROWS,), dtype=METADATA_DTYPE)
-            handle.create_dataset("committed", data=np.zeros(1, dtype=np.int64))
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-    return open_zoo(path, mode="a")
-
-
-def open_zoo(path: str | os.PathLike, mode: str = "r") -> Zoo:
-    """Open a collection: ``mode="r"`` to read, ``"a"`` to append.
-
-    Reading never modifies the file and works while a writer appends. Appending takes an
-    exclusive lock; if the previous writer was killed, the file is first rebuilt from its
-    committed checkpoints (nothing committed is lost).
-    """
-    if mode not in ("r", "a"):
-        raise ValueError(f"mode must be 'r' or 'a', not {mode!r}")
-    path = Path(path)
-    _require_file(path)
-    if mode == "r":
-        return Zoo(path, _open_h5(path, "r"))
-    return _open_for_append(path)
-
-
-def _lock(path: Path) -> int:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise ZooBusyError(f"{path}: another process is writing to this collection") from None
-    return fd
-
-
-def _open_for_append(path: Path) -> Zoo:
-    fd = _lock(path)
-    try:
-        try:
-            handle = _open_h5(path, "a")
-        except OSError:
-            # We hold the lock, so the writer that left the "open for write" flag is dead.
-            new_fd = _rebuild_from_committed(path)
-            os.close(fd)
-            fd = new_fd
-            handle = _open_h5(path, "a")
-        try:
-            zoo = Zoo(path, handle, lock_fd=fd)
-            count = len(zoo)
-            for dataset in [*zoo._datasets.values(), handle["metadata"]]:
-                if dataset.shape[0] != count:
-                    dataset.resize(count, axis=0)
-            handle.flush()
-            handle.swmr_mode = True
-        except BaseException:
-            handle.close()
-            raise
-    except BaseException:
-        if fd is not None:
-            os.close(fd)
-        raise
-    return zoo
-
-
-def _rebuild_from_committed(path: Path) -> int:
-    """Copy the committed checkpoints of a crashed writer's file into a clean file.
-
-    Returns a locked descriptor of the new file, which has replaced ``path``.
-    """
-    with Zoo(path, _open_h5(path, "r")) as old:
-        attrs = dict(old._file.attrs)
-        spec = old.spec
-        temporary = path.with_name(f".{path.name}.recovering-{os.getpid()}")
-        try:
-            with h5py.File(temporary, "w", libver="latest", locking=False) as new:
-                for name, value in attrs.items():
-                    new.attrs[name] = value
-                group = new.create_group(_STATE_GROUP)
-                count = len(old)
-                for key, (shape, dtype) in spec.items():
-                    source = old._datasets[key]
-                    target = group.create_dataset(key, shape=(count, *shape),
-                                                  maxshape=(None, *shape),
-                                                  chunks=source.chunks, dtype=dtype)
-                    for start, block in old.layer_blocks(key):
-                        target[start:start + block.shape[0]] = block
-                new.create_dataset("metadata", data=old.metadata, maxshape=(None,),
-                                   chunks=(_METADATA_CHUNK_ROWS,), dtype=METADATA_DTYPE)
-                new.create_dataset("committed", data=np.array([count], dtype=np.int64))
-            fd = _lock(temporary)
-            os.replace(temporary, path)
-        finally:
-            temporary.unlink(missing_ok=True)
-    return fd
 
 
 def iter_checkpoints(zoo: Zoo, indices: Iterable[int] | None = None

@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 
 from posteriorzoo.errors import ChecksumError, PosteriorZooError, ZooFormatError
+from posteriorzoo.zoo.lifecycle import check_architecture, open_zoo
 from posteriorzoo.zoo.manifest import MANIFEST_NAME, read_manifest, sha256_file
 from posteriorzoo.zoo.schema import checkpoint_digest
-from posteriorzoo.zoo.store import Zoo, check_architecture, open_zoo
+from posteriorzoo.zoo.store import Zoo
 
 #: Checkpoints read at once while verifying, so memory stays bounded for large models.
 _BYTES_PER_BLOCK = 1 << 28
