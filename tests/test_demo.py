@@ -1,0 +1,35 @@
+"""``posteriorzoo demo``: trains, verifies, round-trips, resumes, and records provenance."""
+
+from __future__ import annotations
+
+import json
+
+from posteriorzoo.cli import main
+from posteriorzoo.zoo import open_zoo, verify_manifest
+
+
+def test_demo_runs_and_resumes(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--checkpoints", "2", "--epochs", "1",
+                 "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "bit-identical" in text and "OK, 2 checkpoints" in text
+    summary = json.loads((out / "demo-summary.json").read_text())
+    assert summary["command"].startswith("posteriorzoo demo")
+    assert summary["seeds"] == [0, 1]
+    assert "torch" in summary["versions"]
+    with open_zoo(out / "optunet-digits-de.h5") as zoo:
+        first = [bytes(d) for d in zoo.metadata["sha256"]]
+        assert zoo.created_by["command"] == summary["command"]
+    verify_manifest(out)
+    # Asking for more trains only the missing checkpoint; the others stay as they were.
+    assert main(["demo", "--out", str(out), "--checkpoints", "3", "--epochs", "1",
+                 "--no-progress"]) == 0
+    with open_zoo(out / "optunet-digits-de.h5") as zoo:
+        assert len(zoo) == 3
+        assert [bytes(d) for d in zoo.metadata["sha256"][:2]] == first
+        assert list(zoo.metadata["seed"]) == [0, 1, 2]
+    # Another recipe in the same folder is refused rather than mixed in.
+    assert main(["demo", "--out", str(out), "--checkpoints", "3", "--epochs", "2",
+                 "--no-progress"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
