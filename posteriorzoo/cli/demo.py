@@ -38,6 +38,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from posteriorzoo.cli.zoo_commands import describe
     from posteriorzoo.data import load_dataset
     from posteriorzoo.zoo import (
+        MANIFEST_NAME,
         create_zoo,
         export_checkpoint,
         import_checkpoints,
@@ -55,6 +56,8 @@ def run_demo(args: argparse.Namespace) -> int:
         raise InvalidOptionError("--checkpoints and --epochs must be at least 1")
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
+    # The folder's files are about to change; the manifest is rewritten at the end.
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
     train, test = load_dataset("digits", "train"), load_dataset("digits", "test")
     # The paper's OptuNet recipe with a larger step and milder crops: digits has only
     # 1,347 training images (21 steps per epoch), upscaled from 8x8.
