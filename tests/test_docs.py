@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -40,3 +41,23 @@ def test_data_card_header_and_columns():
         assert field in header
     for column in METADATA_COLUMNS:
         assert f"| `{column.name}` |" in text, column.name
+
+
+def test_no_pickle_in_the_code():
+    """Checkpoints come from strangers: nothing may unpickle (see README, 'No pickle')."""
+    offenders = []
+    for folder in ("posteriorzoo", "train_zoo", "analysis", "benchmarks"):
+        for path in (ROOT / folder).rglob("*.py"):
+            text = path.read_text()
+            if re.search(r"^\s*(import pickle|from pickle|import dill|import joblib)", text, re.M):
+                offenders.append(f"{path}: imports a pickle library")
+            if "allow_pickle=True" in text:
+                offenders.append(f"{path}: allow_pickle=True")
+            for node in ast.walk(ast.parse(text)):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "load"
+                        and getattr(node.func.value, "id", None) == "torch"
+                        and not any(k.arg == "weights_only" and getattr(k.value, "value", 0)
+                                    is True for k in node.keywords)):
+                    offenders.append(f"{path}:{node.lineno}: torch.load without weights_only")
+    assert not offenders

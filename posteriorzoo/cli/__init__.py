@@ -61,12 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PosteriorZooError as error:
         print(f"posteriorzoo {args.command}: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except FileNotFoundError as error:
-        print(f"posteriorzoo {args.command}: error: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     except BrokenPipeError:  # output piped into e.g. `head`
         sys.stderr.close()
         return 0
+    except OSError as error:  # unreadable files, permissions, I/O errors inside HDF5
+        print(f"posteriorzoo {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(f"posteriorzoo {args.command}: interrupted", file=sys.stderr)
         return 130
