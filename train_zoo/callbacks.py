@@ -1,0 +1,55 @@
+"""Hooks called during training with read-only access to the weights.
+
+A callback receives a :class:`StepInfo` and the current weights as read-only numpy views
+(``{key: array}``; writing to them raises). Analyses record trajectories this way, e.g.
+the sorting permutation of each layer at every step (paper section 5.2). Callbacks run
+in the process that trains, so they are supported by the serial backend only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """Where training is: checkpoint index, epoch (0-based), global step (1-based after
+    the first update), learning rate, and the mini-batch loss of the last step (nats)."""
+
+    index: int
+    epoch: int
+    step: int
+    lr: float
+    loss: float
+
+
+class Callback(Protocol):
+    """Either method may be omitted; both receive read-only weight views."""
+
+    def on_step_end(self, info: StepInfo, weights: Mapping[str, np.ndarray]) -> None: ...
+
+    def on_epoch_end(self, info: StepInfo, weights: Mapping[str, np.ndarray]) -> None: ...
+
+
+def read_only(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Read-only views of ``arrays`` (no copy)."""
+    views = {}
+    for key, array in arrays.items():
+        view = array.view()
+        view.flags.writeable = False
+        views[key] = view
+    return views
+
+
+def notify(callbacks: Sequence[object], event: str, info: StepInfo,
+           arrays: Mapping[str, np.ndarray]) -> None:
+    """Call ``event`` (``on_step_end`` or ``on_epoch_end``) on every callback that has it."""
+    hooks = [getattr(c, event) for c in callbacks if hasattr(c, event)]
+    if hooks:
+        views = read_only(arrays)
+        for hook in hooks:
+            hook(info, views)

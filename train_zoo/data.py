@@ -1,0 +1,48 @@
+"""The data a worker trains on: loaded once per process, augmented as the recipe says."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from posteriorzoo.data import (
+    ArrayDataset,
+    Compose,
+    Normalize,
+    RandomCrop,
+    RandomHorizontalFlip,
+    load_dataset,
+)
+from train_zoo.recipes import Recipe
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """Train and test splits of one dataset (uint8 images, int64 labels)."""
+
+    train: ArrayDataset
+    test: ArrayDataset
+
+
+@lru_cache(maxsize=4)
+def load_training_data(dataset: str, data_dir: str | None = None) -> TrainingData:
+    """Both splits of ``dataset``, cached per process (workers load them once)."""
+    return TrainingData(load_dataset(dataset, "train", data_dir=data_dir),
+                        load_dataset(dataset, "test", data_dir=data_dir))
+
+
+def train_transform(recipe: Recipe, dataset: ArrayDataset) -> Compose:
+    """Random crop (if ``crop_padding``), horizontal flip (if asked), then normalisation."""
+    _, height, width = dataset.image_shape
+    steps = []
+    if recipe.crop_padding:
+        steps.append(RandomCrop((height, width), padding=recipe.crop_padding))
+    if recipe.horizontal_flip:
+        steps.append(RandomHorizontalFlip())
+    steps.append(Normalize(dataset.mean, dataset.std))
+    return Compose(steps)
+
+
+def eval_transform(dataset: ArrayDataset) -> Normalize:
+    """Normalisation only (evaluation sees unaugmented images)."""
+    return Normalize(dataset.mean, dataset.std)

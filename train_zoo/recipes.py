@@ -1,0 +1,147 @@
+"""Training recipes: optimiser, schedule and augmentation of one checkpoint's training.
+
+The paper's recipes (appendix B.1) are built in by name; any field can be overridden.
+Learning rates are a closed-form function of the epoch (:meth:`Recipe.learning_rate`),
+so every engine (torch, the numba fast path, the vectorised path) follows exactly the
+same schedule without sharing scheduler objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from posteriorzoo.errors import InvalidOptionError, UnknownNameError
+
+SCHEDULES = ("constant", "multistep", "cosine")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one checkpoint is trained.
+
+    Attributes
+    ----------
+    architecture, dataset : str
+        Defaults of a zoo spec that uses this recipe (a spec may override them).
+    epochs : int
+        Passes over the training set; training runs to the last step (no early stopping).
+    batch_size : int
+        Examples per step; the last, smaller batch of an epoch is kept.
+    lr : float
+        Initial learning rate of SGD.
+    momentum : float
+        SGD momentum (0 for plain SGD).
+    nesterov : bool
+        Nesterov momentum.
+    weight_decay : float
+        L2 coefficient added to the gradient (PyTorch SGD's ``weight_decay``).
+    schedule : {"constant", "multistep", "cosine"}
+        ``multistep``: lr multiplied by ``gamma`` at each epoch in ``milestones``;
+        ``cosine``: lr * (1 + cos(pi * epoch / epochs)) / 2, per epoch.
+    milestones : tuple of int
+        Epochs at which a multistep schedule decays.
+    gamma : float
+        Multistep decay factor.
+    crop_padding : int
+        Zero padding of the random crop back to the input size (0: no crop).
+    horizontal_flip : bool
+        Random horizontal flips with probability 0.5.
+    """
+
+    architecture: str
+    dataset: str
+    epochs: int
+    batch_size: int
+    lr: float
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    nesterov: bool = False
+    schedule: str = "constant"
+    milestones: tuple[int, ...] = ()
+    gamma: float = 0.1
+    crop_padding: int = 0
+    horizontal_flip: bool = False
+    model_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise InvalidOptionError(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
+        if self.epochs < 0 or self.batch_size < 1 or self.lr <= 0:
+            raise InvalidOptionError("epochs >= 0, batch_size >= 1 and lr > 0 are required")
+        if self.momentum < 0 or self.weight_decay < 0 or self.crop_padding < 0:
+            raise InvalidOptionError("momentum, weight_decay and crop_padding must be >= 0")
+        if self.nesterov and self.momentum == 0:
+            raise InvalidOptionError("nesterov needs momentum > 0")
+        object.__setattr__(self, "milestones", tuple(int(m) for m in self.milestones))
+        object.__setattr__(self, "model_options", dict(self.model_options))
+
+    def learning_rate(self, epoch: int) -> float:
+        """Learning rate during ``epoch`` (0-based)."""
+        if self.schedule == "multistep":
+            return self.lr * self.gamma ** sum(epoch >= m for m in self.milestones)
+        if self.schedule == "cosine":
+            return self.lr * (1 + math.cos(math.pi * epoch / max(1, self.epochs))) / 2
+        return self.lr
+
+    def with_epochs(self, epochs: int) -> Recipe:
+        """The same recipe over ``epochs`` epochs, milestones scaled proportionally."""
+        scale = epochs / self.epochs if self.epochs else 1.0
+        milestones = tuple(max(1, round(m * scale)) for m in self.milestones)
+        return dataclasses.replace(self, epochs=epochs, milestones=milestones)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form (what a collection records as its recipe)."""
+        values = dataclasses.asdict(self)
+        values["milestones"] = list(self.milestones)
+        return values
+
+
+BUILTIN_RECIPES: dict[str, Recipe] = {
+    "optunet-mnist": Recipe(
+        architecture="optunet", dataset="mnist", epochs=60, batch_size=64, lr=0.04,
+        weight_decay=2e-4, schedule="multistep", milestones=(15, 30), gamma=0.5,
+        crop_padding=4),
+    "resnet18-cifar100": Recipe(
+        architecture="resnet18", dataset="cifar100", epochs=75, batch_size=128, lr=0.1,
+        momentum=0.9, nesterov=True, weight_decay=5e-4, schedule="multistep",
+        milestones=(25, 50), gamma=0.1, crop_padding=4, horizontal_flip=True),
+    "resnet18-tinyimagenet": Recipe(
+        architecture="resnet18-tiny", dataset="tinyimagenet", epochs=200, batch_size=128,
+        lr=0.2, momentum=0.9, weight_decay=5e-4, schedule="cosine", crop_padding=4,
+        horizontal_flip=True),
+}
+
+
+def get_recipe(name: str, **overrides: Any) -> Recipe:
+    """A built-in recipe by name, with fields overridden.
+
+    Overriding ``epochs`` without ``milestones`` scales the milestones proportionally
+    (the paper's schedule compressed into fewer epochs).
+    """
+    if name not in BUILTIN_RECIPES:
+        raise UnknownNameError(
+            f"unknown recipe {name!r}; built in: {', '.join(sorted(BUILTIN_RECIPES))}")
+    recipe = BUILTIN_RECIPES[name]
+    return apply_overrides(recipe, overrides)
+
+
+def apply_overrides(recipe: Recipe, overrides: Mapping[str, Any]) -> Recipe:
+    """``recipe`` with fields replaced; unknown field names raise UnknownNameError."""
+    fields = {f.name for f in dataclasses.fields(Recipe)}
+    unknown = set(overrides) - fields
+    if unknown:
+        raise UnknownNameError(
+            f"unknown recipe field(s) {sorted(unknown)}; fields: {', '.join(sorted(fields))}")
+    overrides = dict(overrides)
+    if "epochs" in overrides and "milestones" not in overrides:
+        recipe = recipe.with_epochs(int(overrides.pop("epochs")))
+    if "milestones" in overrides:
+        overrides["milestones"] = tuple(overrides["milestones"])
+    try:
+        return dataclasses.replace(recipe, **overrides)
+    except TypeError as error:
+        raise InvalidOptionError(f"bad recipe override: {error}") from None

@@ -1,0 +1,57 @@
+"""The outcome of training one checkpoint, as sent from a worker to the single writer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from train_zoo.seeds import CheckpointSeeds
+
+
+@dataclass
+class CheckpointResult:
+    """A trained checkpoint and everything its metadata row records.
+
+    Attributes
+    ----------
+    index : int
+        Checkpoint index in the spec (0 .. N-1).
+    state : dict of str to numpy.ndarray
+        The final state_dict, as numpy arrays (a worker-independent wire format).
+    metrics : dict of str to float
+        ``train_loss``, ``train_accuracy``, ``test_loss``, ``test_accuracy`` at the end
+        (losses in nats per example, accuracies in [0, 1]).
+    wall_time : float
+        Seconds spent training and evaluating this checkpoint.
+    diverged : bool
+        Non-finite weights or loss, or final test accuracy near chance.
+    seeds : CheckpointSeeds
+    steps : int
+        Optimiser steps taken.
+    engine : str
+        Which engine trained it (``torch``, ``fast``, ``vectorised``).
+    """
+
+    index: int
+    state: dict[str, np.ndarray]
+    metrics: dict[str, float]
+    wall_time: float
+    diverged: bool
+    seeds: CheckpointSeeds
+    steps: int
+    engine: str
+
+    def metadata(self, epochs: int, recipe_hash: str, source: str) -> dict[str, Any]:
+        """The checkpoint's metadata row for :meth:`posteriorzoo.zoo.Zoo.append`."""
+        return {"seed": self.seeds.init, "data_seed": self.seeds.data, "mode_id": self.index,
+                "sample_id": 0, "epoch": epochs, "recipe_hash": recipe_hash,
+                "wall_time": self.wall_time, "diverged": self.diverged,
+                "source": f"{source} index {self.index} engine {self.engine}", **self.metrics}
+
+
+def is_diverged(state: dict[str, np.ndarray], test_accuracy: float, num_classes: int) -> bool:
+    """Non-finite weights, or a final accuracy within 1.5x of chance (1 / num_classes)."""
+    finite = all(np.isfinite(v).all() for v in state.values() if v.dtype.kind == "f")
+    return not finite or not np.isfinite(test_accuracy) or test_accuracy < 1.5 / num_classes

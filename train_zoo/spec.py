@@ -1,0 +1,145 @@
+"""Zoo specifications: what collection to train, read from TOML.
+
+A spec names the architecture, dataset, method, number of checkpoints, base seed and
+recipe of one collection::
+
+    name = "optunet-fashion-mnist-target"
+    recipe = "optunet-mnist"          # a built-in recipe (train_zoo.recipes)
+    dataset = "fashion-mnist"         # overrides the recipe's dataset
+    method = "de"                     # "de" (independent training) or "mc-dropout"
+    checkpoints = 1000
+    base_seed = 0
+
+    [recipe_overrides]                # any Recipe field
+    epochs = 10                       # milestones are scaled unless given
+
+    [model_options]                   # options of posteriorzoo.models.build
+    dropout = 0.0
+
+Checkpoint ``i``'s randomness derives only from ``(base_seed, i)``: see :mod:`train_zoo.seeds`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posteriorzoo.errors import InvalidOptionError, UnknownNameError, ZooFormatError
+from posteriorzoo.zoo.schema import recipe_hash
+from train_zoo.recipes import Recipe, apply_overrides, get_recipe
+
+#: Methods the trainer implements, and the model options each implies by default.
+METHODS: dict[str, dict[str, float]] = {
+    "de": {},
+    "mc-dropout": {"dropout": 0.2},
+}
+_SPEC_KEYS = {"name", "recipe", "architecture", "dataset", "method", "checkpoints",
+              "base_seed", "num_classes", "data_dir", "recipe_overrides", "model_options"}
+
+
+@dataclass(frozen=True)
+class ZooSpec:
+    """One collection to train.
+
+    Attributes
+    ----------
+    name : str
+        A label recorded with the collection.
+    recipe : Recipe
+        The training recipe (after overrides).
+    architecture, dataset : str
+        Model and data set names (default: the recipe's).
+    method : str
+        ``"de"``: independently trained networks (deep-ensemble members, or the target
+        posterior); ``"mc-dropout"``: the same with dropout before the last layer.
+    checkpoints : int
+        Number of checkpoints N; checkpoint indices are 0..N-1.
+    base_seed : int
+        Root of every seed (see :func:`train_zoo.seeds.checkpoint_seeds`).
+    num_classes : int or None
+        Output size (default: the model's).
+    model_options : dict
+        Options of ``posteriorzoo.models.build``.
+    data_dir : str or None
+        Folder searched first for the dataset files.
+    """
+
+    name: str
+    recipe: Recipe
+    architecture: str
+    dataset: str
+    method: str = "de"
+    checkpoints: int = 1
+    base_seed: int = 0
+    num_classes: int | None = None
+    model_options: Mapping[str, Any] = field(default_factory=dict)
+    data_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise UnknownNameError(
+                f"unknown method {self.method!r}; the trainer implements "
+                f"{', '.join(METHODS)}")
+        if self.checkpoints < 1:
+            raise InvalidOptionError("checkpoints must be at least 1")
+        if self.base_seed < 0:
+            raise InvalidOptionError("base_seed must be non-negative")
+        options = {**METHODS[self.method], **self.recipe.model_options, **self.model_options}
+        object.__setattr__(self, "model_options", options)
+
+    def collection_recipe(self) -> dict[str, Any]:
+        """What the collection file records as its recipe (everything that shapes weights)."""
+        return {"name": self.name, "base_seed": self.base_seed, "method": self.method,
+                "architecture": self.architecture, "dataset": self.dataset,
+                "num_classes": self.num_classes, "model_options": dict(self.model_options),
+                **self.recipe.to_dict()}
+
+    @property
+    def recipe_hash(self) -> str:
+        return recipe_hash(self.collection_recipe())
+
+    def replace(self, **changes: Any) -> ZooSpec:
+        """A copy with fields changed (``recipe`` overrides go through ``recipe=``)."""
+        return dataclasses.replace(self, **changes)
+
+
+def make_spec(recipe: str | Recipe = "optunet-mnist", *, name: str | None = None,
+              recipe_overrides: Mapping[str, Any] | None = None, **fields: Any) -> ZooSpec:
+    """Build a spec in code: a recipe (name or object), its overrides, and spec fields."""
+    if isinstance(recipe, str):
+        recipe_name = recipe
+        recipe = get_recipe(recipe, **dict(recipe_overrides or {}))
+    else:
+        recipe_name = "custom"
+        recipe = apply_overrides(recipe, recipe_overrides or {})
+    fields.setdefault("architecture", recipe.architecture)
+    fields.setdefault("dataset", recipe.dataset)
+    return ZooSpec(name=name or f"{recipe_name}-{fields['dataset']}", recipe=recipe, **fields)
+
+
+def load_spec(path: str | os.PathLike) -> ZooSpec:
+    """Read a TOML zoo spec (format in the module docstring)."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ZooFormatError(f"{path}: no such spec file") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ZooFormatError(f"{path}: not valid TOML: {error}") from None
+    unknown = set(data) - _SPEC_KEYS
+    if unknown:
+        raise UnknownNameError(
+            f"{path}: unknown spec key(s) {sorted(unknown)}; keys: {', '.join(sorted(_SPEC_KEYS))}")
+    if "recipe" not in data:
+        raise ZooFormatError(f"{path}: the spec needs a recipe, e.g. recipe = \"optunet-mnist\"")
+    data = dict(data)
+    recipe = data.pop("recipe")
+    data.setdefault("name", path.stem)
+    if data.get("data_dir"):
+        data["data_dir"] = str((path.parent / data["data_dir"]).resolve())
+    return make_spec(recipe, **data)
