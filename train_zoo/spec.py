@@ -94,14 +94,17 @@ class ZooSpec:
 
     def collection_recipe(self) -> dict[str, Any]:
         """What the collection file records as its recipe (everything that shapes weights)."""
-        return {"name": self.name, "base_seed": self.base_seed, "method": self.method,
-                "architecture": self.architecture, "dataset": self.dataset,
-                "num_classes": self.num_classes, "model_options": dict(self.model_options),
-                **self.recipe.to_dict()}
+        return {**self.recipe.to_dict(), "name": self.name, "base_seed": self.base_seed,
+                "method": self.method, "architecture": self.architecture,
+                "dataset": self.dataset, "num_classes": self.num_classes,
+                "model_options": dict(self.model_options)}
 
     @property
     def recipe_hash(self) -> str:
-        return recipe_hash(self.collection_recipe())
+        """SHA-256 of everything that shapes the weights (the recipe without the name)."""
+        recipe = self.collection_recipe()
+        recipe.pop("name")
+        return recipe_hash(recipe)
 
     def replace(self, **changes: Any) -> ZooSpec:
         """A copy with fields changed (``recipe`` overrides go through ``recipe=``)."""
@@ -119,6 +122,8 @@ def make_spec(recipe: str | Recipe = "optunet-mnist", *, name: str | None = None
         recipe = apply_overrides(recipe, recipe_overrides or {})
     fields.setdefault("architecture", recipe.architecture)
     fields.setdefault("dataset", recipe.dataset)
+    recipe = dataclasses.replace(recipe, architecture=fields["architecture"],
+                                 dataset=fields["dataset"])
     return ZooSpec(name=name or f"{recipe_name}-{fields['dataset']}", recipe=recipe, **fields)
 
 
