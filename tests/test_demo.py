@@ -16,7 +16,7 @@ def test_demo_runs_and_resumes(tmp_path, capsys):
     assert "bit-identical" in text and "OK, 2 checkpoints" in text
     summary = json.loads((out / "demo-summary.json").read_text())
     assert summary["command"].startswith("posteriorzoo demo")
-    assert summary["seeds"] == [0, 1]
+    assert summary["base_seed"] == 0 and summary["recipe"]["dataset"] == "digits"
     assert "torch" in summary["versions"]
     with open_zoo(out / "optunet-digits-de.h5") as zoo:
         first = [bytes(d) for d in zoo.metadata["sha256"]]
@@ -28,7 +28,7 @@ def test_demo_runs_and_resumes(tmp_path, capsys):
     with open_zoo(out / "optunet-digits-de.h5") as zoo:
         assert len(zoo) == 3
         assert [bytes(d) for d in zoo.metadata["sha256"][:2]] == first
-        assert list(zoo.metadata["seed"]) == [0, 1, 2]
+        assert list(zoo.metadata["mode_id"]) == [0, 1, 2]
     # Another recipe in the same folder is refused rather than mixed in.
     assert main(["demo", "--out", str(out), "--checkpoints", "3", "--epochs", "2",
                  "--no-progress"]) == 2
