@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from posteriorzoo.data import iterate_batches
+from posteriorzoo.errors import InvalidOptionError
 from train_zoo.data import TrainingData, train_transform
 from train_zoo.result import CheckpointResult
 from train_zoo.seeds import CheckpointSeeds, checkpoint_seeds
@@ -71,7 +72,7 @@ def unsupported_reason(spec: ZooSpec) -> str | None:
     if any(True for _ in model.buffers()):
         return "the model has buffers (e.g. BatchNorm running statistics)"
     for name, module in model.named_modules():
-        if module is model or isinstance(module, _CONTAINERS | _DETERMINISTIC):
+        if module is model or isinstance(module, _CONTAINERS + _DETERMINISTIC):
             continue
         if type(module) is nn.Dropout:
             continue
@@ -218,7 +219,6 @@ def train_vectorised(spec: ZooSpec, indices: Sequence[int], data: TrainingData,
     """
     reason = unsupported_reason(spec)
     if reason is not None:
-        from posteriorzoo.errors import InvalidOptionError
         raise InvalidOptionError(f"the vectorised engine cannot train this spec: {reason}")
     indices = [int(i) for i in indices]
     if not indices:

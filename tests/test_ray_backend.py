@@ -1,0 +1,223 @@
+"""The Ray backend: a real local Ray instance, a fake ``ray`` module, and a missing Ray.
+
+The real-Ray tests start one local instance (``ray.init(num_cpus=2)``) for the module and
+always shut it down; they are skipped when Ray is not installed. The rest need no Ray.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from posteriorzoo.errors import InvalidOptionError, UnknownNameError
+from train_zoo.backends import ray_backend
+from train_zoo.backends.ray_backend import RayBackend
+from train_zoo.data import load_training_data
+from train_zoo.job import train_checkpoints
+from train_zoo.result import CheckpointResult
+from train_zoo.spec import make_spec
+
+SPEC = make_spec("optunet-mnist", dataset="digits", checkpoints=3,
+                 recipe_overrides={"epochs": 1})
+INDICES = [0, 1, 2]
+#: The generic engine, explicitly: "auto" would follow whatever the fast path supports.
+ENGINE = "torch"
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray instance with 2 CPUs for this module; shut down even on failure."""
+    ray = pytest.importorskip("ray")
+    try:
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def serial_results() -> dict[int, CheckpointResult]:
+    """The same checkpoints trained in this process with one torch thread, as Ray workers do."""
+    data = load_training_data(SPEC.dataset, SPEC.data_dir)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {r.index: r for r in train_checkpoints(SPEC, INDICES, data, engine=ENGINE)}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def assert_identical(result: CheckpointResult, reference: CheckpointResult) -> None:
+    assert result.index == reference.index
+    assert result.engine == reference.engine
+    assert result.seeds == reference.seeds
+    assert result.steps == reference.steps
+    assert result.diverged == reference.diverged
+    assert result.metrics == reference.metrics
+    assert result.state.keys() == reference.state.keys()
+    for key, value in reference.state.items():
+        assert isinstance(result.state[key], np.ndarray)
+        assert result.state[key].dtype == value.dtype
+        np.testing.assert_array_equal(result.state[key], value)
+
+
+# ----------------------------------------------------------------------------- real Ray
+
+
+def test_ray_streams_bit_identical_results(ray_session, serial_results):
+    # Same torch engine, same build, one thread on both sides: bit-identical weights.
+    results = list(RayBackend().run(SPEC, INDICES, ENGINE))
+    assert sorted(r.index for r in results) == INDICES  # every index exactly once
+    for result in results:
+        assert_identical(result, serial_results[result.index])
+    assert ray_session.is_initialized()  # not started by the backend: left running
+
+
+def test_ray_groups(ray_session, serial_results):
+    results = list(RayBackend(group_size=2, max_in_flight=1).run(SPEC, [2, 0, 1], ENGINE))
+    assert sorted(r.index for r in results) == INDICES
+    for result in results:
+        assert_identical(result, serial_results[result.index])
+    # A group trained in lockstep by the vectorised engine inside one Ray task.
+    vectorised = list(RayBackend(group_size=3).run(SPEC, INDICES, "vectorised"))
+    assert sorted(r.index for r in vectorised) == INDICES
+    for result in vectorised:
+        assert result.engine == "vectorised"
+        reference = serial_results[result.index]
+        for key, value in reference.state.items():
+            np.testing.assert_allclose(result.state[key], value, rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- fake Ray
+
+
+@dataclass
+class FakeRef:
+    group: list[int]
+
+
+@dataclass
+class FakeRay:
+    """Just enough of the ``ray`` API to check the driver's bookkeeping."""
+
+    initialized: bool = False
+    init_kwargs: dict[str, Any] | None = None
+    shutdowns: int = 0
+    in_flight: int = 0
+    most_in_flight: int = 0
+    submitted: list[list[int]] = field(default_factory=list)
+    cancelled: list[list[int]] = field(default_factory=list)
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def init(self, **kwargs: Any) -> None:
+        self.initialized, self.init_kwargs = True, kwargs
+
+    def shutdown(self) -> None:
+        self.initialized, self.shutdowns = False, self.shutdowns + 1
+
+    def cluster_resources(self) -> dict[str, float]:
+        return {"CPU": 2.0}
+
+    def put(self, value: Any) -> Any:
+        return value
+
+    def remote(self, **options: Any):
+        fake = self
+
+        class Task:
+            @staticmethod
+            def remote(spec, group, engine):
+                fake.submitted.append(group)
+                fake.in_flight += 1
+                fake.most_in_flight = max(fake.most_in_flight, fake.in_flight)
+                return FakeRef(group)
+
+        return lambda function: Task
+
+    def wait(self, refs: list[FakeRef], num_returns: int = 1):
+        return refs[:num_returns], refs[num_returns:]
+
+    def get(self, ref: FakeRef) -> list[int]:
+        self.in_flight -= 1
+        return [index * 10 for index in ref.group]  # stands in for the results
+
+    def cancel(self, ref: FakeRef, force: bool = False) -> None:
+        self.cancelled.append(ref.group)
+
+
+@pytest.fixture
+def fake_ray(monkeypatch) -> FakeRay:
+    fake = FakeRay()
+    monkeypatch.setattr(ray_backend, "import_ray", lambda: fake)
+    return fake
+
+
+def test_starts_and_shuts_down_its_own_local_instance(fake_ray):
+    results = list(RayBackend(num_cpus=2, group_size=2).run(SPEC, range(7)))
+    assert results == [0, 10, 20, 30, 40, 50, 60]
+    assert fake_ray.submitted == [[0, 1], [2, 3], [4, 5], [6]]
+    assert fake_ray.init_kwargs == {"address": "local", "num_cpus": 2,
+                                    "include_dashboard": False}
+    assert fake_ray.most_in_flight == 4  # bounded: twice the cluster's CPUs
+    assert fake_ray.shutdowns == 1 and not fake_ray.initialized
+
+
+def test_connects_to_a_cluster_and_bounds_tasks_in_flight(fake_ray):
+    results = list(RayBackend("ray://head:10001", max_in_flight=2).run(SPEC, range(5)))
+    assert results == [0, 10, 20, 30, 40]
+    assert fake_ray.init_kwargs == {"address": "ray://head:10001"}
+    assert fake_ray.most_in_flight == 2
+    assert fake_ray.shutdowns == 1  # disconnects this driver; the cluster keeps running
+
+
+def test_leaves_an_existing_connection_alone(fake_ray):
+    fake_ray.initialized = True
+    assert list(RayBackend().run(SPEC, [4])) == [40]
+    assert fake_ray.init_kwargs is None and fake_ray.shutdowns == 0
+
+
+def test_closing_early_cancels_the_rest(fake_ray):
+    stream = RayBackend(num_cpus=1, max_in_flight=2).run(SPEC, range(4))
+    assert next(stream) == 0
+    stream.close()
+    assert fake_ray.cancelled == [[1]]  # the other task in flight; [2], [3] never submitted
+    assert fake_ray.submitted == [[0], [1]]
+    assert fake_ray.shutdowns == 1
+
+
+def test_checks_before_starting(fake_ray):
+    with pytest.raises(UnknownNameError, match="engine"):
+        RayBackend().run(SPEC, [0], engine="nope")
+    resnet = make_spec("resnet18-cifar100")
+    with pytest.raises(InvalidOptionError, match="vectorised"):
+        RayBackend().run(resnet, [0], engine="vectorised")
+    assert list(RayBackend().run(SPEC, [])) == []
+    assert fake_ray.init_kwargs is None
+    for bad in ({"num_cpus": 0}, {"group_size": 0}, {"max_in_flight": 0}):
+        with pytest.raises(InvalidOptionError):
+            RayBackend(**bad)
+
+
+# ----------------------------------------------------------------------------- no Ray
+
+
+def test_missing_ray_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # makes "import ray" fail
+    with pytest.raises(InvalidOptionError, match=r"pip install posteriorzoo\[ray\]"):
+        RayBackend().run(SPEC, [0])
+
+
+def test_train_zoo_does_not_import_ray():
+    code = ("import sys, train_zoo, train_zoo.backends.ray_backend\n"
+            "from train_zoo.backends import make_backend\n"
+            "make_backend('ray', workers=1)\n"
+            "assert 'ray' not in sys.modules, 'ray imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

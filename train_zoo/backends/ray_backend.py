@@ -1,0 +1,142 @@
+"""Ray backend: the same job list as Ray tasks, results streamed back to the single writer.
+
+Ray is an optional extra (``pip install posteriorzoo[ray]``): it is imported only inside
+this module's functions, when the backend is used, so ``import train_zoo`` never needs it.
+
+Every task trains one group of checkpoint indices with
+:func:`train_zoo.job.train_checkpoints` in a Ray worker process with one torch thread;
+the worker loads the data set once (:func:`train_zoo.data.load_training_data` caches it
+per process) and returns a list of :class:`CheckpointResult`, whose weights are numpy
+arrays (no torch tensors cross the object store). The driver keeps a bounded number of
+tasks in flight and yields each result as soon as its task finishes (``ray.wait``), so the
+caller, the only writer of the zoo file, appends it at once.
+
+On a cluster every node needs posteriorzoo installed (same torch build for bit-identical
+weights) and the data set reachable (``data_dir`` of the spec, or the default locations).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator, Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+from posteriorzoo.errors import InvalidOptionError
+from train_zoo.backends.local import groups
+from train_zoo.job import resolve_engine
+from train_zoo.result import CheckpointResult
+from train_zoo.spec import ZooSpec
+
+__all__ = ["RayBackend", "import_ray"]
+
+
+def import_ray() -> ModuleType:
+    """The ``ray`` module, or InvalidOptionError saying how to install it."""
+    try:
+        return importlib.import_module("ray")
+    except ImportError as error:
+        raise InvalidOptionError(
+            "the ray backend needs Ray: pip install posteriorzoo[ray] "
+            f"(or pip install 'ray>=2.9'); import failed: {error}") from None
+
+
+def train_group(spec: ZooSpec, group: list[int], engine: str) -> list[CheckpointResult]:
+    """Body of one Ray task: train checkpoints ``group`` of ``spec`` with one torch thread."""
+    import torch
+
+    from train_zoo.data import load_training_data
+    from train_zoo.job import train_checkpoints
+
+    torch.set_num_threads(1)
+    data = load_training_data(spec.dataset, spec.data_dir)  # cached per worker process
+    return train_checkpoints(spec, group, data=data, engine=engine)
+
+
+class RayBackend:
+    """Train checkpoints as Ray tasks and stream the results back.
+
+    Parameters
+    ----------
+    address : str or None
+        ``None``: start a private local Ray instance (``ray.init(address="local",
+        num_cpus=num_cpus, include_dashboard=False)``), shut down when :meth:`run`
+        ends. ``"auto"`` (on a cluster node) or ``"ray://HEAD:10001"`` (Ray client):
+        connect to an existing cluster; at the end this driver disconnects and the
+        cluster keeps running. If Ray is already initialised in this process, that
+        connection is used and left open.
+    num_cpus : int or None
+        CPUs of the local instance (default: all); ignored when connecting to a cluster.
+    group_size : int
+        Checkpoint indices per task (with ``engine="vectorised"`` a group trains in
+        lockstep; otherwise one after another in the same worker).
+    max_in_flight : int or None
+        Tasks submitted but not yet collected (default: twice the cluster's CPUs).
+    init_options : mapping, optional
+        Extra keyword arguments of ``ray.init`` (e.g. ``runtime_env``).
+    """
+
+    def __init__(self, address: str | None = None, num_cpus: int | None = None,
+                 group_size: int = 1, *, max_in_flight: int | None = None,
+                 init_options: Mapping[str, Any] | None = None) -> None:
+        if num_cpus is not None and num_cpus < 1:
+            raise InvalidOptionError("num_cpus must be at least 1")
+        if group_size < 1:
+            raise InvalidOptionError("group size must be at least 1")
+        if max_in_flight is not None and max_in_flight < 1:
+            raise InvalidOptionError("max_in_flight must be at least 1")
+        self.address = address
+        self.num_cpus = num_cpus
+        self.group_size = group_size
+        self.max_in_flight = max_in_flight
+        self.init_options = dict(init_options or {})
+
+    def run(self, spec: ZooSpec, indices: Sequence[int], engine: str = "auto"
+            ) -> Iterator[CheckpointResult]:
+        """Train checkpoints ``indices`` of ``spec``; yield each result once, as it completes.
+
+        Results come in completion order, not index order. The engine is checked and Ray
+        imported here, before anything starts; the Ray instance is started (or connected
+        to) on the first iteration and shut down when the iterator is exhausted or closed.
+        """
+        ray = import_ray()
+        resolve_engine(spec, engine)  # fail here, not in a worker
+        pending = groups([int(i) for i in indices], self.group_size)
+        return self._stream(ray, spec, pending, engine)
+
+    def _connect(self, ray: ModuleType) -> bool:
+        """Initialise Ray as configured; True if this call did (so we shut it down)."""
+        if ray.is_initialized():
+            return False
+        options = {"include_dashboard": False, **self.init_options}
+        if self.address is None:
+            ray.init(address="local", num_cpus=self.num_cpus, **options)
+        else:
+            options.pop("include_dashboard")  # only meaningful when starting an instance
+            ray.init(address=self.address, **options)
+        return True
+
+    def _stream(self, ray: ModuleType, spec: ZooSpec, pending: list[list[int]],
+                engine: str) -> Iterator[CheckpointResult]:
+        if not pending:
+            return
+        started = self._connect(ray)
+        running: list[Any] = []
+        try:
+            limit = self.max_in_flight or max(1, 2 * int(ray.cluster_resources().get("CPU", 1)))
+            # Tasks are deterministic, so Ray's retries after a worker crash are safe.
+            task = ray.remote(num_cpus=1)(train_group)
+            spec_ref = ray.put(spec)
+            while pending or running:
+                while pending and len(running) < limit:
+                    running.append(task.remote(spec_ref, pending.pop(0), engine))
+                done, running = ray.wait(running, num_returns=1)
+                for ref in done:
+                    yield from ray.get(ref)
+        finally:
+            for ref in running:  # closed early or failed: drop the rest
+                with contextlib.suppress(Exception):
+                    ray.cancel(ref, force=True)
+            if started:
+                ray.shutdown()
