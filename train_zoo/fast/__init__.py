@@ -1,19 +1,31 @@
-"""Fast path for small networks on CPU (numba). Placeholder until implemented."""
+"""Fast path for small networks on CPU: OptuNet-shaped networks trained by numba kernels.
+
+:func:`supports` says whether a spec can be trained here exactly as the generic torch
+engine would train it (``optunet`` and ``optunet-v1`` without dropout, any recipe);
+:func:`train_fast` trains one checkpoint. Everything else falls back to the torch engine
+(``train_zoo.job.resolve_engine(spec, "auto")``).
+
+Modules: :mod:`~train_zoo.fast.layout` (layer shapes read from the model, flat weights),
+:mod:`~train_zoo.fast.kernels` (numba forward, cross-entropy, backward, SGD, batch
+preparation), :mod:`~train_zoo.fast.batches` (the torch engine's batches in the kernels'
+layout), :mod:`~train_zoo.fast.engine` (the training loop).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from train_zoo.fast.batches import FastTransform, fast_batches
+from train_zoo.fast.engine import FastNet, supports, train_fast, unsupported_reason
+from train_zoo.fast.layout import ARCHITECTURES, NetLayout, UnsupportedModelError, describe_model
 
-from train_zoo.data import TrainingData
-from train_zoo.result import CheckpointResult
-from train_zoo.spec import ZooSpec
-
-
-def supports(spec: ZooSpec) -> bool:
-    """Whether the fast path can train ``spec`` exactly as the torch engine would."""
-    return False
-
-
-def train_fast(spec: ZooSpec, index: int, data: TrainingData,
-               callbacks: Sequence[object] = ()) -> CheckpointResult:
-    raise NotImplementedError
+__all__ = [
+    "ARCHITECTURES",
+    "FastNet",
+    "FastTransform",
+    "NetLayout",
+    "UnsupportedModelError",
+    "describe_model",
+    "fast_batches",
+    "supports",
+    "train_fast",
+    "unsupported_reason",
+]

@@ -1,0 +1,498 @@
+"""The numba fast path (train_zoo.fast) against the generic torch engine it must reproduce.
+
+Tolerances (why, in short):
+
+* loss and gradients vs torch autograd on the same weights and batch: the loss to
+  ``1e-5`` relative; every gradient tensor to ``1e-5`` relative *to that tensor's largest
+  entry* (``|fast - torch| <= 1e-5 * max|torch|`` elementwise). Both sides compute in
+  float32 but sum in different orders, so single entries that are sums with cancellation
+  can only be compared on the tensor's scale. Measured: about 1e-6 of the scale.
+* SGD: given torch's gradient, the update is bit-identical (exact equality).
+* Batches: bit-identical (exact equality).
+* Whole runs: float32 summation order differs per step, and training is chaotic where a
+  ReLU input or a max-pool near-tie lies within rounding of its switching point: then one
+  step's gradient routes differently and the runs drift apart (measured on digits: about
+  one 338-step run in ten). The run compared here has no such event; its final weights
+  agree to a few float32 ulps (measured 3e-7 relative), the test allows ``1e-5`` of each
+  tensor's scale. :func:`test_every_step_follows_torch` checks every step separately.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from posteriorzoo.data import (
+    ArrayDataset,
+    Compose,
+    Normalize,
+    RandomCrop,
+    RandomHorizontalFlip,
+    iterate_batches,
+    load_dataset,
+)
+from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.models import build
+from train_zoo import checkpoint_seeds, make_spec, resolve_engine, train_checkpoints
+from train_zoo import fast as fast_engine
+from train_zoo.data import TrainingData, load_training_data, train_transform
+from train_zoo.fast import (
+    FastNet,
+    FastTransform,
+    UnsupportedModelError,
+    describe_model,
+    fast_batches,
+    supports,
+    train_fast,
+)
+from train_zoo.fast.kernels import loss_and_grad, sgd_update
+from train_zoo.torch_engine import initial_model, train_torch
+
+GRAD_RTOL = 1e-5  # of each tensor's largest |entry|; see the module docstring
+FASHION_FILE = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+
+
+@pytest.fixture(scope="module")
+def digits() -> TrainingData:
+    return load_training_data("digits")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _spec(architecture: str = "optunet", **overrides):
+    return make_spec("optunet-mnist", dataset="digits", architecture=architecture, base_seed=3,
+                     recipe_overrides=overrides)
+
+
+def _inner(images: torch.Tensor) -> np.ndarray:
+    """(B, C, H, W) tensor -> the kernels' C-contiguous (C, H, W, B) float32 array."""
+    return np.ascontiguousarray(images.numpy().transpose(1, 2, 3, 0), dtype=np.float32)
+
+
+def _torch_loss_grads(model: nn.Module, images: torch.Tensor, labels: torch.Tensor
+                      ) -> tuple[float, dict[str, np.ndarray]]:
+    model.zero_grad(set_to_none=True)
+    loss = nn.functional.cross_entropy(model(images), labels)
+    loss.backward()
+    return loss.item(), {k: p.grad.numpy().copy() for k, p in model.named_parameters()}
+
+
+def _fast_loss_grads(model: nn.Module, images: torch.Tensor, labels: torch.Tensor
+                     ) -> tuple[float, dict[str, np.ndarray], np.ndarray]:
+    layout = describe_model(model, tuple(images.shape[1:]))
+    theta = layout.flatten(model.state_dict())
+    grad = np.empty_like(theta)
+    logits = np.empty((layout.num_classes, images.shape[0]), np.float32)
+    loss = loss_and_grad(_inner(images), labels.numpy(), theta, layout.dims(), grad, logits)
+    return loss, layout.views(grad), logits.T
+
+
+def _assert_grads_close(fast: dict, reference: dict) -> None:
+    assert fast.keys() == reference.keys()
+    for key, expected in reference.items():
+        scale = float(np.abs(expected).max())
+        assert scale > 0, key
+        np.testing.assert_allclose(fast[key], expected, rtol=0, atol=GRAD_RTOL * scale,
+                                   err_msg=key)
+
+
+def _check_against_autograd(model: nn.Module, images: torch.Tensor,
+                            labels: torch.Tensor) -> None:
+    loss_t, grads_t = _torch_loss_grads(model, images, labels)
+    loss_f, grads_f, logits = _fast_loss_grads(model, images, labels)
+    with torch.no_grad():
+        np.testing.assert_allclose(logits, model(images).numpy(), rtol=1e-5, atol=1e-6)
+    assert loss_f == pytest.approx(loss_t, rel=1e-5)
+    _assert_grads_close(grads_f, grads_t)
+
+
+def _augmented_batch(dataset, seed: int, batch_size: int = 64, flip: bool = True):
+    recipe = _spec(crop_padding=4, horizontal_flip=flip).recipe
+    batches = iterate_batches(dataset, batch_size, seed=seed, epoch=0,
+                              transform=train_transform(recipe, dataset))
+    return next(iter(batches))
+
+
+def _positive_ties(model: nn.Module, images: torch.Tensor) -> int:
+    """Max-pool windows of relu(conv1) whose positive maximum occurs more than once."""
+    with torch.no_grad():
+        relu = torch.relu(model.conv1(images))
+    k, s = model.pool1.kernel_size, model.pool1.stride
+    windows = relu.unfold(2, k, s).unfold(3, k, s).flatten(-2)
+    best = windows.max(-1, keepdim=True).values
+    return int((((windows == best).sum(-1) > 1) & (best[..., 0] > 0)).sum())
+
+
+# ------------------------------------------------------------ loss and gradients
+@pytest.mark.parametrize("architecture", ["optunet", "optunet-v1"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_loss_and_gradients_match_autograd(digits, architecture, seed):
+    model = initial_model(_spec(architecture), 100 + seed)
+    with torch.no_grad():  # random weights, not just an initialisation
+        generator = torch.Generator().manual_seed(seed)
+        for parameter in model.parameters():
+            parameter.add_(0.3 * parameter.abs().mean()
+                           * torch.randn(parameter.shape, generator=generator))
+        if architecture == "optunet-v1":
+            model.fc1.bias.fill_(0.5)  # three hidden units: keep them alive
+    images, labels = _augmented_batch(digits.train, seed)
+    _check_against_autograd(model, images, labels)
+
+
+def test_real_batches_have_max_pool_ties(digits):
+    """The zero padding and flat backgrounds of augmented batches make exact ties."""
+    ties = 0
+    for seed in range(3):
+        model = initial_model(_spec(), 100 + seed)
+        ties += _positive_ties(model, _augmented_batch(digits.train, seed)[0])
+    assert ties > 0
+
+
+def test_max_pool_ties_route_like_torch():
+    """Exact ties between *different* patches, so the routing decides the gradient.
+
+    Inputs in {0, 0.5, 1} and conv1 weights that are multiples of 1/16 make every conv1
+    output exact in any summation order, so torch and the kernels see the same ties. The
+    test would catch a different tie rule: routing ties to the last maximum instead (made
+    in torch by adding a tiny ramp in window order) moves conv1's gradient far outside
+    the tolerance.
+    """
+    generator = torch.Generator().manual_seed(5)
+    blocks = torch.randint(0, 3, (32, 1, 7, 7), generator=generator).float() / 2
+    images = nn.functional.interpolate(blocks, size=(28, 28), mode="nearest")
+    images += (torch.rand(images.shape, generator=generator) < 0.1) * 0.5
+    labels = torch.randint(0, 10, (32,), generator=generator)
+    model = build("optunet")
+    with torch.no_grad():
+        model.conv1.weight[0].fill_(0.25)
+        model.conv1.weight[1] = torch.randint(-4, 5, (1, 4, 4), generator=generator) / 16
+        model.conv2.weight.normal_(0, 0.3, generator=generator)
+    assert _positive_ties(model, images) > 100
+    _check_against_autograd(model, images, labels)
+
+    _, first = _torch_loss_grads(model, images, labels)
+    ramp = (torch.arange(3.0)[:, None] * 3 + torch.arange(3.0)).repeat(8, 8) * 1e-6
+    ramp = nn.functional.pad(ramp, (0, 1, 0, 1))[None, None]
+
+    def last_max(x: torch.Tensor) -> torch.Tensor:  # OptuNet with ties going to the last
+        x = model.pool1(torch.relu(model.conv1(x)) + ramp)
+        return model.fc(model.pool2(torch.relu(model.conv2(x))).flatten(1))
+
+    model.zero_grad()
+    nn.functional.cross_entropy(last_max(images), labels).backward()
+    difference = np.abs(model.conv1.weight.grad.numpy() - first["conv1.weight"]).max()
+    assert difference > 1000 * GRAD_RTOL * np.abs(first["conv1.weight"]).max()
+
+
+@pytest.mark.parametrize("variant", ["small-pool", "overlapping-pool", "grouped-conv1"])
+def test_other_optunet_shapes_match_autograd(variant):
+    """Sizes, groups, kernels and pooling are read from the model, not hard-coded."""
+    model = build("optunet", num_classes=7)
+    shape = (1, 28, 28)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)
+        if variant == "small-pool":  # 20x22 -> 18x20 -> pool 2 -> 9x10 -> conv2 (3, 2)
+            model.conv1 = nn.Conv2d(1, 4, 3, bias=False)
+            model.pool1 = nn.MaxPool2d(2)
+            model.conv2 = nn.Conv2d(4, 8, (3, 2), groups=4, bias=False)
+            model.fc = nn.Linear(8, 7)
+            shape = (1, 20, 22)
+        elif variant == "overlapping-pool":  # pool 3, stride 2: a position in two windows
+            model.conv1 = nn.Conv2d(1, 3, (2, 3), bias=False)
+            model.pool1 = nn.MaxPool2d(3, stride=2)
+            model.conv2 = nn.Conv2d(3, 6, 3, groups=3, bias=False)
+            model.fc = nn.Linear(6, 7)
+        else:  # two input channels, grouped conv1, ungrouped conv2
+            model.conv1 = nn.Conv2d(2, 4, 3, groups=2, bias=False)
+            model.conv2 = nn.Conv2d(4, 10, 2, bias=False)
+            shape = (2, 18, 17)
+        images = torch.randn(16, *shape)
+        images[:, :, :5] = 0.5  # flat region: ties
+        labels = torch.randint(0, 7, (16,))
+    layout = describe_model(model, shape)
+    assert layout.input_shape == shape and layout.num_params == sum(
+        p.numel() for p in model.parameters())
+    _check_against_autograd(model, images, labels)
+
+
+def test_describe_model_refuses_what_kernels_do_not_implement():
+    model = build("optunet")
+    assert describe_model(model, (1, 28, 28)).num_params == 392
+    assert describe_model(build("optunet-v1"), (1, 28, 28)).hidden == 3
+    with pytest.raises(UnsupportedModelError, match="dropout"):
+        describe_model(build("optunet", dropout=0.2), (1, 28, 28))
+    with pytest.raises(UnsupportedModelError, match="not OptuNet-shaped"):
+        describe_model(build("mlp", widths=(784, 10)), (1, 28, 28))
+    with pytest.raises(UnsupportedModelError, match="too small"):
+        describe_model(model, (1, 12, 12))
+    with pytest.raises(UnsupportedModelError, match="channels"):
+        describe_model(model, (3, 28, 28))
+    model.conv1 = nn.Conv2d(1, 2, 4, bias=True)
+    with pytest.raises(UnsupportedModelError, match="bias"):
+        describe_model(model, (1, 28, 28))
+
+
+@pytest.mark.fashion_mnist
+@pytest.mark.skipif(not FASHION_FILE.is_file(),
+                    reason=f"Debian's dataset-fashion-mnist files are not installed "
+                           f"({FASHION_FILE} is absent)")
+def test_gradients_on_fashion_mnist():
+    train = load_dataset("fashion-mnist", "train", data_dir=FASHION_FILE.parent, download=False)
+    model = initial_model(_spec(), 7)
+    images, labels = _augmented_batch(train, 9)
+    _check_against_autograd(model, images, labels)
+
+
+# ------------------------------------------------------------ batches
+@pytest.mark.parametrize("crop, flip", [(4, False), (4, True), (0, True), (0, False), (2, True)])
+def test_batches_identical_to_torch_transforms(digits, crop, flip):
+    transform = train_transform(_spec(crop_padding=crop, horizontal_flip=flip).recipe,
+                                digits.train)
+    fast = FastTransform(transform, digits.train.image_shape)
+    assert fast.fused
+    images = torch.from_numpy(digits.train.images[:50])
+    for seed in range(3):
+        ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        got = fast(images, ours)
+        expected = transform(images, theirs)
+        assert got.dtype == torch.float32 and got.shape == expected.shape
+        assert torch.equal(got, expected)
+        assert torch.equal(torch.rand(4, generator=ours), torch.rand(4, generator=theirs))
+
+
+def test_epoch_of_batches_identical_to_iterate_batches(digits):
+    recipe = _spec(crop_padding=4, horizontal_flip=True, batch_size=100).recipe
+    transform = train_transform(recipe, digits.train)
+    fast = FastTransform(transform, digits.train.image_shape)
+    expected = list(iterate_batches(digits.train, 100, seed=17, epoch=2, transform=transform))
+    got = list(fast_batches(digits.train, 100, 17, 2, fast))
+    assert len(got) == len(expected) == 14  # 1347 examples: the last batch has 47
+    for (x, labels), (images, reference_labels) in zip(got, expected, strict=True):
+        assert x.flags.c_contiguous and x.dtype == np.float32
+        assert np.array_equal(x, _inner(images))
+        assert np.array_equal(labels, reference_labels.numpy())
+
+
+def test_unrecognised_pipeline_falls_back_to_torch_transforms(digits):
+    transform = Compose([RandomHorizontalFlip(), RandomCrop(28, 3),
+                         Normalize(digits.train.mean, digits.train.std)])
+    fast = FastTransform(transform, digits.train.image_shape)
+    assert not fast.fused
+    images = torch.from_numpy(digits.train.images[:20])
+    got = fast(images, torch.Generator().manual_seed(1))
+    assert torch.equal(got, transform(images, torch.Generator().manual_seed(1)))
+
+
+# ------------------------------------------------------------ SGD
+@pytest.mark.parametrize("weight_decay, momentum, nesterov",
+                         [(2e-4, 0.0, False), (0.0, 0.0, False), (5e-4, 0.9, False),
+                          (5e-4, 0.9, True)])
+def test_sgd_update_is_torch_sgd_bit_for_bit(digits, weight_decay, momentum, nesterov):
+    model = initial_model(_spec(), 1)
+    layout = describe_model(model, (1, 28, 28))
+    theta = layout.flatten(model.state_dict())
+    buffer = np.zeros_like(theta)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.04, momentum=momentum,
+                                nesterov=nesterov, weight_decay=weight_decay)
+    for step in range(3):
+        images, labels = _augmented_batch(digits.train, step, batch_size=32)
+        _, grads = _torch_loss_grads(model, images, labels)
+        optimizer.step()
+        sgd_update(theta, layout.flatten(grads), buffer, 0.04 / (step + 1), weight_decay,
+                   momentum, nesterov, step > 0)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.04 / (step + 2)
+        for key, value in layout.views(theta).items():
+            assert np.array_equal(value, model.state_dict()[key].numpy()), (step, key)
+
+
+def test_one_training_step_matches_torch(digits):
+    spec = _spec(weight_decay=1e-3)
+    model = initial_model(spec, 4)
+    net = FastNet(describe_model(model, (1, 28, 28)), model.state_dict(), spec.recipe)
+    images, labels = _augmented_batch(digits.train, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, weight_decay=1e-3)
+    loss_t, _ = _torch_loss_grads(model, images, labels)
+    optimizer.step()
+    assert net.step(_inner(images), labels.numpy(), 0.5) == pytest.approx(loss_t, rel=1e-5)
+    for key, value in net.arrays().items():
+        expected = model.state_dict()[key].numpy()
+        np.testing.assert_allclose(value, expected, rtol=0,
+                                   atol=GRAD_RTOL * np.abs(expected).max())
+
+
+# ------------------------------------------------------------ whole runs
+class Recorder:
+    def __init__(self) -> None:
+        self.steps: list[tuple] = []
+        self.epochs: list[tuple] = []
+        self.first_weights: dict[str, np.ndarray] = {}
+
+    def on_step_end(self, info, weights) -> None:
+        assert all(not w.flags.writeable for w in weights.values())
+        with pytest.raises(ValueError, match="read-only"):
+            weights["conv1.weight"][0, 0, 0, 0] = 1.0
+        self.steps.append((info.index, info.epoch, info.step, info.lr, info.loss))
+        if info.step == 1:
+            self.first_weights = {k: w.copy() for k, w in weights.items()}
+
+    def on_epoch_end(self, info, weights) -> None:
+        self.epochs.append((info.epoch, info.step, sorted(weights)))
+
+
+def test_train_fast_reproduces_train_torch(digits):
+    """338 steps (2 epochs of batch 8) with the optunet-mnist recipe (weight decay, crop)."""
+    spec = _spec(epochs=2, batch_size=8)
+    fast_log, torch_log = Recorder(), Recorder()
+    fast = train_fast(spec, 0, digits, [fast_log])
+    reference = train_torch(spec, 0, digits, [torch_log])
+    assert fast.engine == "fast" and reference.engine == "torch"
+    assert fast.steps == reference.steps == 2 * 169
+    assert fast.seeds == reference.seeds == checkpoint_seeds(3, 0)
+    for key, expected in reference.state.items():
+        assert fast.state[key].dtype == np.float32
+        np.testing.assert_allclose(fast.state[key], expected, rtol=0,
+                                   atol=GRAD_RTOL * np.abs(expected).max(), err_msg=key)
+    for name, value in reference.metrics.items():
+        assert fast.metrics[name] == pytest.approx(value, rel=1e-4, abs=1e-3), name
+    assert fast.diverged == reference.diverged
+    # callbacks: the same calls with the same information, weights read-only
+    assert [s[:4] for s in fast_log.steps] == [s[:4] for s in torch_log.steps]
+    assert [s[2] for s in fast_log.steps] == list(range(1, 339))
+    np.testing.assert_allclose([s[4] for s in fast_log.steps], [s[4] for s in torch_log.steps],
+                               rtol=1e-4)
+    assert fast_log.epochs == torch_log.epochs == [
+        (0, 169, sorted(reference.state)), (1, 338, sorted(reference.state))]
+    for key, expected in torch_log.first_weights.items():
+        np.testing.assert_allclose(fast_log.first_weights[key], expected, rtol=0, atol=1e-6)
+
+
+def _near_switch(model: nn.Module, images: torch.Tensor, rel: float = 1e-5) -> bool:
+    """Whether float32 rounding could flip a decision of this forward pass: a max-pool
+    window whose two largest values differ by less than ``rel`` of the larger, or a ReLU
+    input within ``rel`` of the layer's scale from zero."""
+    with torch.no_grad():
+        c1 = model.conv1(images)
+        windows = torch.relu(c1).unfold(2, 3, 3).unfold(3, 3, 3).flatten(-2)
+        top = windows.topk(2, dim=-1).values
+        gap = top[..., 0] - top[..., 1]
+        if bool(((gap > 0) & (gap <= rel * top[..., 0])).any()):
+            return True
+        c2 = model.conv2(model.pool1(torch.relu(c1)))
+        inputs = [c1, c2]
+        if hasattr(model, "fc1"):
+            inputs.append(model.fc1(model.pool2(torch.relu(c2)).flatten(1)))
+    return any(bool(((v != 0) & (v.abs() <= rel * v.abs().max())).any()) for v in inputs)
+
+
+def test_every_step_follows_torch(digits):
+    """Teacher forcing: from torch's weights (and momentum buffer) before each step, the
+    fast step gives torch's weights after it (optunet-v1, Nesterov momentum, flips, a
+    multistep schedule, the last small batch of each epoch). A step may differ only where
+    torch's own values sit within rounding of a ReLU or max-pool switch."""
+    spec = _spec("optunet-v1", epochs=2, batch_size=32, momentum=0.9, nesterov=True,
+                 horizontal_flip=True, milestones=[1], lr=0.05)
+    recipe, seeds = spec.recipe, checkpoint_seeds(3, 1)
+    model = initial_model(spec, seeds.init)
+    layout = describe_model(model, (1, 28, 28))
+    optimizer = torch.optim.SGD(model.parameters(), lr=recipe.lr, momentum=recipe.momentum,
+                                nesterov=True, weight_decay=recipe.weight_decay)
+    fast = FastTransform(train_transform(recipe, digits.train), digits.train.image_shape)
+    net = FastNet(layout, model.state_dict(), recipe)
+    steps, differing = 0, []
+    for epoch in range(recipe.epochs):
+        lr = recipe.learning_rate(epoch)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batches = zip(iterate_batches(digits.train, 32, seed=seeds.data, epoch=epoch,
+                                      transform=train_transform(recipe, digits.train)),
+                      fast_batches(digits.train, 32, seeds.data, epoch, fast), strict=True)
+        for (images, labels), (x, fast_labels) in batches:
+            assert np.array_equal(x, _inner(images))
+            net.theta[:] = layout.flatten(model.state_dict())
+            if steps:
+                net.momentum_buffer[:] = layout.flatten(
+                    {k: optimizer.state[p]["momentum_buffer"]
+                     for k, p in model.named_parameters()})
+            near = _near_switch(model, images)
+            loss_t, _ = _torch_loss_grads(model, images, labels)
+            optimizer.step()
+            loss_f = net.step(x, fast_labels, lr)
+            steps += 1
+            expected = layout.flatten(model.state_dict())
+            if not (abs(loss_f - loss_t) <= 1e-5 * loss_t
+                    and np.abs(net.theta - expected).max() <= 1e-6 * np.abs(expected).max()):
+                differing.append((steps, len(labels), near))
+    assert recipe.learning_rate(1) == pytest.approx(0.025)  # gamma 0.5 at epoch 1
+    assert steps == 2 * 43
+    assert all(near and size == 32 for _, size, near in differing), differing
+    assert len(differing) <= 2, differing  # measured here: none
+
+
+def test_divergence_stops_like_torch(digits):
+    spec = _spec(epochs=2, batch_size=32, lr=1e6)
+    fast_log, torch_log = Recorder(), Recorder()
+    fast = train_fast(spec, 0, digits, [fast_log])
+    reference = train_torch(spec, 0, digits, [torch_log])
+    assert fast.steps == reference.steps == 4
+    assert not np.isfinite(fast_log.steps[-1][4]) and not np.isfinite(torch_log.steps[-1][4])
+    assert fast.diverged and reference.diverged
+    assert [e[:2] for e in fast_log.epochs] == [e[:2] for e in torch_log.epochs] == [(0, 4)]
+
+
+# ------------------------------------------------------------ engine choice
+def test_supports_and_auto_engine():
+    assert supports(_spec()) and supports(_spec("optunet-v1"))
+    assert supports(_spec(momentum=0.9, nesterov=True, horizontal_flip=True))
+    assert resolve_engine(_spec(), "auto") == "fast"
+    assert resolve_engine(_spec("optunet-v1"), "auto") == "fast"
+    refused = [
+        make_spec("resnet18-cifar100"),
+        _spec("resnet18", model_options={"width": 8}),
+        _spec("mlp", model_options={"widths": (784, 10)}),
+        _spec(model_options={"dropout": 0.2}),
+        _spec("optunet-v1", model_options={"dropout": 0.1}),
+        make_spec("optunet-mnist", dataset="digits", method="mc-dropout"),
+    ]
+    for spec in refused:
+        assert not supports(spec), spec
+        assert fast_engine.unsupported_reason(spec)
+        assert resolve_engine(spec, "auto") == "torch"
+        with pytest.raises(InvalidOptionError, match="fast engine does not support"):
+            resolve_engine(spec, "fast")
+    assert "dropout" in fast_engine.unsupported_reason(_spec(model_options={"dropout": 0.2}))
+
+
+def test_train_checkpoints_auto_uses_fast_engine(digits):
+    results = train_checkpoints(_spec(epochs=1), [2], data=digits, engine="auto")
+    assert [r.engine for r in results] == ["fast"]
+    assert results[0].steps == 22 and results[0].index == 2
+    assert sorted(results[0].state) == sorted(build("optunet").state_dict())
+
+
+def test_other_image_sizes_and_bad_labels(digits):
+    """The kernels take any image size OptuNet takes; labels outside the head go to the
+    torch engine, which raises its own error (the kernels would index out of bounds)."""
+    small = ArrayDataset(digits.train.images[:200, :, 4:24, 4:24], digits.train.labels[:200],
+                         10, "digits-20", "train", digits.train.mean, digits.train.std)
+    spec = _spec(epochs=1, batch_size=16)
+    fast = train_fast(spec, 0, TrainingData(small, small))
+    reference = train_torch(spec, 0, TrainingData(small, small))
+    assert fast.engine == "fast" and fast.steps == reference.steps == 13
+    for key, expected in reference.state.items():
+        np.testing.assert_allclose(fast.state[key], expected, rtol=0,
+                                   atol=GRAD_RTOL * np.abs(expected).max(), err_msg=key)
+    bad = ArrayDataset(small.images, np.full(200, 11, dtype=np.int64), 12, "bad", "train",
+                       small.mean, small.std)
+    with pytest.raises((IndexError, RuntimeError)):
+        train_fast(spec, 0, TrainingData(bad, bad))

@@ -1,0 +1,185 @@
+"""The fast engine: train one OptuNet-shaped checkpoint exactly as the torch engine does.
+
+Same initial weights (:func:`train_zoo.torch_engine.initial_model`), same batches in the
+same order with the same augmentation (:func:`posteriorzoo.data.iterate_batches` with the
+recipe's transform, replayed by :class:`~train_zoo.fast.batches.FastTransform`), the same
+loss and gradients (numba, :mod:`train_zoo.fast.kernels`), the same SGD update and
+learning-rate schedule, callbacks at the same points with the same arguments, the same
+stop at a non-finite loss, and the same evaluation and packaging
+(:func:`train_zoo.torch_engine.finish`). Only float32 rounding differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from posteriorzoo.models import input_shape
+from train_zoo.callbacks import StepInfo, notify
+from train_zoo.data import TrainingData, train_transform
+from train_zoo.fast.batches import FastTransform, fast_batches
+from train_zoo.fast.kernels import train_step
+from train_zoo.fast.layout import (
+    ARCHITECTURES,
+    NetLayout,
+    UnsupportedModelError,
+    describe_model,
+)
+from train_zoo.recipes import Recipe
+from train_zoo.result import CheckpointResult
+from train_zoo.seeds import checkpoint_seeds
+from train_zoo.spec import ZooSpec
+from train_zoo.torch_engine import finish, initial_model, train_torch
+
+__all__ = ["FastNet", "supports", "train_fast", "unsupported_reason"]
+
+#: Recipe fields whose meaning this engine implements. A field added to Recipe later is
+#: unknown here, so such recipes fall back to the torch engine until it is implemented.
+KNOWN_RECIPE_FIELDS = frozenset({
+    "architecture", "dataset", "epochs", "batch_size", "lr", "weight_decay", "momentum",
+    "nesterov", "schedule", "milestones", "gamma", "crop_padding", "horizontal_flip",
+    "model_options"})
+
+
+class FastNet:
+    """One network's flat weights, gradient and SGD state, trained by the numba kernels.
+
+    Parameters
+    ----------
+    layout : NetLayout
+    state : mapping of str to tensor or array
+        Initial weights in state_dict layout (copied).
+    recipe : Recipe
+        Supplies weight_decay, momentum and nesterov (the learning rate is per step).
+
+    Attributes
+    ----------
+    theta, grad, momentum_buffer : float32 arrays ``(P,)``
+        Weights in state_dict order, the last step's gradient (without weight decay) and
+        SGD's momentum buffer (used when ``recipe.momentum > 0``).
+    steps : int
+        Updates taken (the momentum buffer is initialised on the first).
+    """
+
+    def __init__(self, layout: NetLayout, state: Mapping[str, torch.Tensor | np.ndarray],
+                 recipe: Recipe) -> None:
+        self.layout = layout
+        self.theta = layout.flatten(state)
+        self.grad = np.zeros_like(self.theta)
+        self.momentum_buffer = np.zeros_like(self.theta)
+        self.dims = layout.dims()
+        self.weight_decay = float(recipe.weight_decay)
+        self.momentum = float(recipe.momentum)
+        self.nesterov = bool(recipe.nesterov)
+        self.steps = 0
+        self._views = layout.views(self.theta)
+        self._logits: dict[int, np.ndarray] = {}
+
+    def step(self, x: np.ndarray, labels: np.ndarray, lr: float) -> float:
+        """One SGD step on a batch ``x`` float32 ``(C, H, W, B)``, ``labels`` int64
+        ``(B,)``; returns the batch's mean cross-entropy before the update."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        labels = np.ascontiguousarray(labels, dtype=np.int64)
+        count = x.shape[3]
+        logits = self._logits.get(count)
+        if logits is None:
+            logits = self._logits[count] = np.empty((self.layout.num_classes, count),
+                                                    dtype=np.float32)
+        loss = train_step(x, labels, self.theta, self.dims, self.grad, logits,
+                          self.momentum_buffer, lr, self.weight_decay, self.momentum,
+                          self.nesterov, self.steps > 0)
+        self.steps += 1
+        return loss
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The live weights as numpy views in state_dict layout (no copy)."""
+        return self._views
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """A copy of the weights as tensors (``model.load_state_dict`` accepts it)."""
+        return {key: torch.from_numpy(value.copy()) for key, value in self._views.items()}
+
+
+def unsupported_reason(spec: ZooSpec) -> str | None:
+    """Why the fast engine cannot reproduce the torch engine on ``spec``, or None if it can."""
+    if spec.architecture not in ARCHITECTURES:
+        return f"architecture {spec.architecture!r} is not one of {ARCHITECTURES}"
+    unknown = {f.name for f in dataclasses.fields(spec.recipe)} - KNOWN_RECIPE_FIELDS
+    if unknown:
+        return f"recipe fields {sorted(unknown)} are not implemented"
+    try:
+        shape = input_shape(spec.architecture, **spec.model_options)
+        describe_model(initial_model(spec, 0), shape)
+    except UnsupportedModelError as error:
+        return str(error)
+    except Exception as error:  # a spec the registry refuses: the torch engine reports it
+        return f"the model cannot be built: {error}"
+    return None
+
+
+def supports(spec: ZooSpec) -> bool:
+    """Whether the fast engine trains ``spec`` exactly as the torch engine would.
+
+    True for ``optunet`` and ``optunet-v1`` without dropout, with any recipe (SGD with
+    weight decay, momentum, Nesterov; any schedule; random crop, horizontal flip).
+    """
+    return unsupported_reason(spec) is None
+
+
+def _layout_for(model: nn.Module, data: TrainingData) -> NetLayout | None:
+    """``model``'s layout for ``data``'s images, or None if the kernels cannot take them
+    (labels outside the head included: torch raises its own error for those)."""
+    try:
+        layout = describe_model(model, data.train.image_shape)
+    except UnsupportedModelError:
+        return None
+    labels = data.train.labels
+    if len(labels) and (labels.min() < 0 or labels.max() >= layout.num_classes):
+        return None
+    return layout
+
+
+def train_fast(spec: ZooSpec, index: int, data: TrainingData,
+               callbacks: Sequence[object] = ()) -> CheckpointResult:
+    """Train checkpoint ``index`` of ``spec`` with the numba kernels.
+
+    Reproduces :func:`train_zoo.torch_engine.train_torch` (same seeds, batches, updates,
+    callbacks, stopping and evaluation) up to float32 rounding; data the kernels do not
+    take (another image size, labels outside the head) go to ``train_torch`` instead.
+    The result's ``engine`` is ``"fast"``.
+    """
+    started = time.perf_counter()
+    seeds = checkpoint_seeds(spec.base_seed, index)
+    recipe = spec.recipe
+    model = initial_model(spec, seeds.init)
+    layout = _layout_for(model, data)
+    if layout is None:
+        return train_torch(spec, index, data, callbacks)
+    net = FastNet(layout, model.state_dict(), recipe)
+    augment = FastTransform(train_transform(recipe, data.train), data.train.image_shape)
+    step, loss_value, finite = 0, float("nan"), True
+    for epoch in range(recipe.epochs):
+        lr = recipe.learning_rate(epoch)
+        for x, labels in fast_batches(data.train, recipe.batch_size, seeds.data, epoch,
+                                      augment):
+            loss_value = net.step(x, labels, lr)
+            step += 1
+            if callbacks:
+                notify(callbacks, "on_step_end",
+                       StepInfo(index, epoch, step, lr, loss_value), net.arrays())
+            if not math.isfinite(loss_value):
+                finite = False
+                break
+        if callbacks:
+            notify(callbacks, "on_epoch_end",
+                   StepInfo(index, epoch, step, lr, loss_value), net.arrays())
+        if not finite:
+            break
+    model.load_state_dict(net.state_dict())
+    return finish(spec, index, model, seeds, step, started, "fast", data)

@@ -1,0 +1,532 @@
+"""numba kernels: OptuNet-shaped forward pass, cross-entropy, backward pass and SGD.
+
+Layout. The batch is the *innermost* axis everywhere: images are ``x[C, H, W, B]``
+(float32, C-contiguous) and every activation is ``[channel, row, col, B]``, so each
+inner loop runs over the batch and compiles to SIMD code even though the layers
+themselves are tiny (a 4x4 kernel, 8x8 maps, 10 channels). Weights come as one flat
+float32 vector ``theta`` in state_dict order (see :class:`~train_zoo.fast.layout.NetLayout`)
+and the layer sizes as the int64 vector ``dims`` (:data:`~train_zoo.fast.layout.DIM_NAMES`).
+
+Arithmetic follows torch's float32 forward/backward:
+
+* activations and activation gradients are float32, each output accumulated over its
+  taps in a fixed order (the same order at every position, so equal inputs give
+  bit-equal outputs and max-pool ties are real ties, as in torch);
+* ReLU propagates NaN and its gradient passes where the output is > 0;
+* max-pool routes the gradient to the first maximal element in window scan order
+  (row-major), a NaN taking the place as in PyTorch's CPU kernel;
+* cross-entropy is the mean over the batch of a max-shifted log-softmax;
+* parameter gradients (sums over the batch and positions) are accumulated in float32
+  over short runs (one example's positions, or one pool window's examples) and those
+  partial sums in float64, then rounded to float32 once. torch reduces these sums with
+  blocked float32 GEMMs; a plain sequential float32 sum over 64 x 16 terms can drift from
+  it by more than the 1e-5 tolerance the tests use, this stays well inside it;
+* conv1's weight gradient uses only each pool window's recorded maximum (one input
+  patch per example and window) instead of a dense correlation over all positions;
+* the SGD update replays ``torch.optim.SGD``'s single-tensor path op by op, including
+  its fused multiply-adds (``Tensor.add(other, alpha=...)`` is one ``fma`` on CPU), so
+  the same gradient gives bit-identical weights.
+
+Everything is single-threaded on purpose: the trainer runs one process per core.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+__all__ = ["fma32", "loss_and_grad", "prepare_batch", "sgd_update", "train_step"]
+
+# Indices into ``dims`` (train_zoo.fast.layout.DIM_NAMES).
+_CIN, _H, _W, _C1, _K1H, _K1W, _G1 = 0, 1, 2, 3, 4, 5, 6
+_PKH, _PKW, _PSH, _PSW = 7, 8, 9, 10
+_C2, _K2H, _K2W, _G2, _HID, _NCLS = 11, 12, 13, 14, 15, 16
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """``a * b + c`` in float32 with a single rounding (LLVM's ``llvm.fma.f32``)."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32] * 3))
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+@njit(cache=True, fastmath=False)
+def _relu(v: np.float32) -> np.float32:
+    """torch.relu on one float32: 0 for v <= 0, NaN stays NaN."""
+    return np.float32(0.0) if v <= 0 else v
+
+
+@njit(cache=True, fastmath=False)
+def _lane_sum(lanes: np.ndarray) -> float:
+    """Sum of a float32 vector ``(n,)`` in float64 (eight interleaved partial sums)."""
+    n = lanes.size
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
+    i = 0
+    while i + 8 <= n:
+        s0 += np.float64(lanes[i])
+        s1 += np.float64(lanes[i + 1])
+        s2 += np.float64(lanes[i + 2])
+        s3 += np.float64(lanes[i + 3])
+        s4 += np.float64(lanes[i + 4])
+        s5 += np.float64(lanes[i + 5])
+        s6 += np.float64(lanes[i + 6])
+        s7 += np.float64(lanes[i + 7])
+        i += 8
+    while i < n:
+        s0 += np.float64(lanes[i])
+        i += 1
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+
+
+@njit(cache=True, fastmath=False)
+def _fold_sum(lanes: np.ndarray, nb: int, scratch: np.ndarray) -> float:
+    """Sum of ``lanes`` ``(m * nb,)``: folded to ``nb`` batch lanes in float32 (each lane
+    sums one example's positions), then :func:`_lane_sum` over the batch."""
+    for b in range(nb):
+        scratch[b] = lanes[b]
+    for q in range(1, lanes.size // nb):
+        seg = lanes[q * nb:(q + 1) * nb]
+        for b in range(nb):
+            scratch[b] += seg[b]
+    return _lane_sum(scratch[:nb])
+
+
+@njit(cache=True, fastmath=False)
+def _axpy(acc: np.ndarray, x: np.ndarray, w: np.float32) -> None:
+    """``acc += w * x`` elementwise (float32 vectors of one length; no fused multiply-add)."""
+    for t in range(acc.size):
+        acc[t] += w * x[t]
+
+
+@njit(cache=True, fastmath=False)
+def _zero(a: np.ndarray) -> None:
+    for t in range(a.size):
+        a[t] = 0.0
+
+
+@njit(cache=True, fastmath=False)
+def _taps(acc: np.ndarray, src: np.ndarray, offsets: np.ndarray, weights: np.ndarray) -> None:
+    """``acc[t] += weights[k] * src[offsets[k] + t]`` for k = 0, 1, ... in that order.
+
+    ``acc`` float32 ``(n,)``; ``src`` float32 1-D; ``offsets`` int64 ``(K,)``; ``weights``
+    float32 ``(K,)``. Four taps per pass over ``acc`` (fewer loads and stores), with the
+    same rounding as one tap at a time.
+    """
+    n = acc.size
+    count = offsets.size
+    k = 0
+    while k + 4 <= count:
+        x0 = src[offsets[k]:offsets[k] + n]
+        x1 = src[offsets[k + 1]:offsets[k + 1] + n]
+        x2 = src[offsets[k + 2]:offsets[k + 2] + n]
+        x3 = src[offsets[k + 3]:offsets[k + 3] + n]
+        w0, w1, w2, w3 = weights[k], weights[k + 1], weights[k + 2], weights[k + 3]
+        for t in range(n):
+            a = acc[t]
+            a += w0 * x0[t]
+            a += w1 * x1[t]
+            a += w2 * x2[t]
+            a += w3 * x3[t]
+            acc[t] = a
+        k += 4
+    while k < count:
+        _axpy(acc, src[offsets[k]:offsets[k] + n], weights[k])
+        k += 1
+
+
+@njit(cache=True, fastmath=False)
+def _patch_sums(scale: np.ndarray, origin: np.ndarray, x: np.ndarray, offset: int, nb: int,
+                nwin: int, out: np.ndarray) -> None:
+    """``out[j] += sum_t scale[t] * x[origin[t] + offset + j * nb]`` for ``j < out.size``
+    (at most 4): one column run of every example's patch. ``scale``, ``origin``:
+    ``(nwin * nb,)``; ``x``: the flat batch; ``out``: float64. Partial sums over one
+    window's ``nb`` examples are float32 (in registers), then added in float64."""
+    if out.size == 4:
+        for q in range(nwin):
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            for t in range(q * nb, (q + 1) * nb):
+                g = scale[t]
+                patch = x[origin[t] + offset:]
+                a0 += g * patch[0]
+                a1 += g * patch[nb]
+                a2 += g * patch[2 * nb]
+                a3 += g * patch[3 * nb]
+            out[0] += a0
+            out[1] += a1
+            out[2] += a2
+            out[3] += a3
+    else:
+        for j in range(out.size):
+            for q in range(nwin):
+                a0 = np.float32(0.0)
+                for t in range(q * nb, (q + 1) * nb):
+                    a0 += scale[t] * x[origin[t] + offset + j * nb]
+                out[j] += a0
+
+
+@njit(cache=True, fastmath=False)
+def loss_and_grad(x: np.ndarray, labels: np.ndarray, theta: np.ndarray, dims: np.ndarray,
+                  grad: np.ndarray, logits: np.ndarray) -> float:
+    """Mean cross-entropy of a batch and its gradient with respect to ``theta``.
+
+    Parameters
+    ----------
+    x : float32 array ``(C, H, W, B)``, C-contiguous
+        Normalised images, batch innermost.
+    labels : int64 array ``(B,)``
+        In ``0 .. num_classes - 1`` (else IndexError).
+    theta : float32 array ``(P,)``
+        Flat weights in state_dict order.
+    dims : int64 array ``(17,)``
+        Layer sizes (``NetLayout.dims()``).
+    grad : float32 array ``(P,)``
+        Receives d loss / d theta (overwritten).
+    logits : float32 array ``(num_classes, B)``
+        Receives the logits (overwritten).
+
+    Returns
+    -------
+    float
+        The float32 loss (mean over the batch, nats), as a Python float.
+    """
+    cin, h, w = dims[_CIN], dims[_H], dims[_W]
+    c1, k1h, k1w, g1 = dims[_C1], dims[_K1H], dims[_K1W], dims[_G1]
+    pkh, pkw, psh, psw = dims[_PKH], dims[_PKW], dims[_PSH], dims[_PSW]
+    c2, k2h, k2w, g2 = dims[_C2], dims[_K2H], dims[_K2W], dims[_G2]
+    hid, ncls = dims[_HID], dims[_NCLS]
+    nb = x.shape[3]
+    ph = (h - k1h + 1 - pkh) // psh + 1
+    pw = (w - k1w + 1 - pkw) // psw + 1
+    wu = (pw - 1) * psw + pkw  # conv1 output columns the pool reads
+    h2, w2 = ph - k2h + 1, pw - k2w + 1
+    cpg1, opg1 = cin // g1, c1 // g1
+    cpg2, opg2 = c1 // g2, c2 // g2
+    na = hid if hid > 0 else ncls
+    rl1, rl2 = wu * nb, w2 * nb  # lengths of one (column, batch) row of conv1 / conv2
+    xf = x.reshape(x.size)
+
+    # Views of the weights and of the float64 gradient accumulators.
+    g64 = np.zeros(theta.size, np.float64)
+    o = 0
+    n = c1 * cpg1 * k1h * k1w
+    wc1 = theta[o:o + n].reshape((c1, cpg1, k1h, k1w))
+    gc1 = g64[o:o + n].reshape((c1, cpg1, k1h, k1w))
+    o += n
+    n = c2 * cpg2 * k2h * k2w
+    wc2 = theta[o:o + n].reshape((c2, cpg2, k2h, k2w))
+    gc2 = g64[o:o + n].reshape((c2, cpg2, k2h, k2w))
+    o += n
+    wa = theta[o:o + na * c2].reshape((na, c2))
+    gwa = g64[o:o + na * c2].reshape((na, c2))
+    o += na * c2
+    ba = theta[o:o + na]
+    gba = g64[o:o + na]
+    o += na
+    if hid > 0:
+        wb = theta[o:o + ncls * hid].reshape((ncls, hid))
+        gwb = g64[o:o + ncls * hid].reshape((ncls, hid))
+        o += ncls * hid
+        bb = theta[o:o + ncls]
+        gbb = g64[o:o + ncls]
+    else:
+        wb, gwb, bb, gbb = wa, gwa, ba, gba  # unused
+
+    acc = np.empty(nb, np.float32)
+    scratch = np.empty(nb, np.float32)
+
+    # ---- conv1 -> ReLU -> max-pool. One band of pool-kernel rows of conv1 outputs at a
+    # time (each output summed over its taps in (in-channel, row, col) order), then the
+    # pool keeps the value of the first maximum in row-major window order and, in
+    # ``arg``, its offset in x relative to the window's corner (for the backward pass).
+    p1 = np.empty(c1 * ph * pw * nb, np.float32)
+    arg = np.empty(c1 * ph * pw * nb, np.int32)
+    band = np.empty(pkh * rl1, np.float32)
+    taps1 = cpg1 * k1h * k1w
+    tap_offsets = np.empty(taps1, np.int64)  # of each tap in x, relative to its row
+    tap_weights = np.empty(taps1, np.float32)
+    row_offsets = np.empty(taps1, np.int64)
+    for c in range(c1):
+        first = (c // opg1) * cpg1
+        tap = 0
+        for ci in range(cpg1):
+            for ki in range(k1h):
+                for kj in range(k1w):
+                    tap_offsets[tap] = ((ci * h + ki) * w + kj) * nb
+                    tap_weights[tap] = wc1[c, ci, ki, kj]
+                    tap += 1
+        for py in range(ph):
+            for i in range(pkh):
+                row = band[i * rl1:(i + 1) * rl1]
+                _zero(row)
+                base = ((first * h + py * psh + i) * w) * nb
+                for tap in range(taps1):
+                    row_offsets[tap] = base + tap_offsets[tap]
+                _taps(row, xf, row_offsets, tap_weights)
+            for px in range(pw):
+                o = ((c * ph + py) * pw + px) * nb
+                best = p1[o:o + nb]
+                where = arg[o:o + nb]
+                for b in range(nb):
+                    best[b] = -np.inf
+                    where[b] = 0
+                for i in range(pkh):
+                    for j in range(pkw):
+                        k = np.int32((i * w + j) * nb)  # the position's offset in x
+                        col = i * rl1 + (px * psw + j) * nb
+                        vals = band[col:col + nb]
+                        for b in range(nb):
+                            r = _relu(vals[b])
+                            take = (r > best[b]) | (r != r)
+                            best[b] = r if take else best[b]
+                            where[b] = k if take else where[b]
+
+    # ---- conv2 -> ReLU -> global average pool
+    a2 = np.empty(c2 * h2 * rl2, np.float32)
+    feat = np.empty((c2, nb), np.float32)
+    npos = np.float32(h2 * w2)
+    taps2 = cpg2 * k2h * k2w
+    tap_weights2 = np.empty(taps2, np.float32)
+    row_offsets2 = np.empty(taps2, np.int64)
+    for oc in range(c2):
+        first = (oc // opg2) * cpg2
+        tap = 0
+        for ci in range(cpg2):
+            for ki in range(k2h):
+                for kj in range(k2w):
+                    tap_weights2[tap] = wc2[oc, ci, ki, kj]
+                    tap += 1
+        for y in range(h2):
+            row = a2[(oc * h2 + y) * rl2:(oc * h2 + y + 1) * rl2]
+            _zero(row)
+            tap = 0
+            for ci in range(cpg2):
+                for ki in range(k2h):
+                    for kj in range(k2w):
+                        row_offsets2[tap] = (((first + ci) * ph + y + ki) * pw + kj) * nb
+                        tap += 1
+            _taps(row, p1, row_offsets2, tap_weights2)
+        total = feat[oc]
+        _zero(total)
+        for q in range(h2 * w2):
+            vals = a2[(oc * h2 * w2 + q) * nb:(oc * h2 * w2 + q + 1) * nb]
+            for b in range(nb):
+                total[b] += _relu(vals[b])
+        for b in range(nb):
+            total[b] = total[b] / npos
+
+    # ---- head
+    ha = np.empty((na, nb), np.float32)
+    for j in range(na):
+        _zero(ha[j])
+        for k in range(c2):
+            _axpy(ha[j], feat[k], wa[j, k])
+        for b in range(nb):
+            ha[j, b] += ba[j]
+    hr = np.empty((hid, nb), np.float32)
+    if hid > 0:
+        for j in range(hid):
+            for b in range(nb):
+                hr[j, b] = _relu(ha[j, b])
+        for j in range(ncls):
+            _zero(logits[j])
+            for k in range(hid):
+                _axpy(logits[j], hr[k], wb[j, k])
+            for b in range(nb):
+                logits[j, b] += bb[j]
+    else:
+        for j in range(ncls):
+            for b in range(nb):
+                logits[j, b] = ha[j, b]
+
+    # ---- cross-entropy (mean over the batch) and d loss / d logits
+    inv = np.float32(1.0) / np.float32(nb)
+    dl = np.empty((ncls, nb), np.float32)
+    loss64 = 0.0
+    for b in range(nb):
+        m = logits[0, b]
+        for j in range(1, ncls):
+            if logits[j, b] > m:
+                m = logits[j, b]
+        s = np.float32(0.0)
+        for j in range(ncls):
+            e = np.exp(logits[j, b] - m)
+            dl[j, b] = e
+            s += e
+        lse = np.log(s)
+        t = labels[b]
+        if t < 0 or t >= ncls:
+            raise IndexError("a label is outside 0 .. num_classes - 1")
+        loss64 -= np.float64(logits[t, b] - m - lse)
+        for j in range(ncls):
+            dl[j, b] = dl[j, b] / s * inv  # softmax / B
+        dl[t, b] -= inv
+    loss = np.float32(loss64 / nb)
+
+    # ---- head backward
+    dfeat = np.empty((c2, nb), np.float32)
+    if hid > 0:
+        dh = np.empty((hid, nb), np.float32)
+        for k in range(hid):
+            _zero(acc)
+            for j in range(ncls):
+                _axpy(acc, dl[j], wb[j, k])
+            for b in range(nb):
+                dh[k, b] = acc[b] if hr[k, b] > 0 else np.float32(0.0)
+        for j in range(ncls):
+            gbb[j] += _lane_sum(dl[j])
+            for k in range(hid):
+                for b in range(nb):
+                    acc[b] = dl[j, b] * hr[k, b]
+                gwb[j, k] += _lane_sum(acc)
+        dout = dh
+    else:
+        dout = dl
+    for j in range(na):
+        gba[j] += _lane_sum(dout[j])
+        for k in range(c2):
+            for b in range(nb):
+                acc[b] = dout[j, b] * feat[k, b]
+            gwa[j, k] += _lane_sum(acc)
+    for k in range(c2):
+        _zero(dfeat[k])
+        for j in range(na):
+            _axpy(dfeat[k], dout[j], wa[j, k])
+
+    # ---- global average pool, ReLU and conv2 backward
+    da2 = np.empty(c2 * h2 * rl2, np.float32)
+    for oc in range(c2):
+        for b in range(nb):
+            acc[b] = dfeat[oc, b] / npos
+        for q in range(h2 * w2):
+            o = (oc * h2 * w2 + q) * nb
+            vals = a2[o:o + nb]
+            out = da2[o:o + nb]
+            for b in range(nb):
+                out[b] = acc[b] if vals[b] > 0 else np.float32(0.0)
+    dp1 = np.zeros(c1 * ph * pw * nb, np.float32)
+    lanes2 = np.empty(rl2, np.float32)
+    for oc in range(c2):
+        first = (oc // opg2) * cpg2
+        for ci in range(cpg2):
+            for ki in range(k2h):
+                for kj in range(k2w):
+                    wv = wc2[oc, ci, ki, kj]
+                    _zero(lanes2)
+                    for y in range(h2):
+                        d = da2[(oc * h2 + y) * rl2:(oc * h2 + y + 1) * rl2]
+                        off = (((first + ci) * ph + y + ki) * pw + kj) * nb
+                        pv = p1[off:off + rl2]
+                        dv = dp1[off:off + rl2]
+                        for t in range(rl2):
+                            lanes2[t] += d[t] * pv[t]
+                            dv[t] += d[t] * wv
+                    gc2[oc, ci, ki, kj] += _fold_sum(lanes2, nb, scratch)
+
+    # ---- max-pool backward, ReLU and conv1 weights. A window's gradient goes to its
+    # recorded maximum only, so each example adds one input patch per window, scaled by
+    # the gradient (0 where the pooled value, the ReLU output there, is not > 0).
+    nwin = ph * pw
+    scale = np.empty(nwin * nb, np.float32)
+    origin = np.empty(nwin * nb, np.int64)
+    for c in range(c1):
+        first = (c // opg1) * cpg1
+        for py in range(ph):
+            for px in range(pw):
+                q = py * pw + px
+                o = (c * nwin + q) * nb
+                corner = ((first * h + py * psh) * w + px * psw) * nb
+                for b in range(nb):
+                    scale[q * nb + b] = dp1[o + b] if p1[o + b] > 0 else np.float32(0.0)
+                    origin[q * nb + b] = corner + arg[o + b] + b
+        for ci in range(cpg1):
+            for ki in range(k1h):
+                for kj in range(0, k1w, 4):
+                    _patch_sums(scale, origin, xf, ((ci * h + ki) * w + kj) * nb, nb, nwin,
+                                gc1[c, ci, ki, kj:min(kj + 4, k1w)])
+
+    for i in range(theta.size):
+        grad[i] = np.float32(g64[i])
+    return float(loss)
+
+
+@njit(cache=True, fastmath=False)
+def sgd_update(theta: np.ndarray, grad: np.ndarray, buf: np.ndarray, lr: float,
+               weight_decay: float, momentum: float, nesterov: bool, has_buf: bool) -> None:
+    """One ``torch.optim.SGD`` step (dampening 0, not maximising), in place.
+
+    Replays ``_single_tensor_sgd`` op for op: ``g = fma(p, wd, g)``; momentum buffer
+    ``b = g`` on the first step, else ``b = fma(g, 1, b * m)``; ``g = fma(b, m, g)``
+    (Nesterov) or ``g = b``; ``p = fma(g, -lr, p)``. Scalars are rounded to float32 as
+    torch does. ``theta``, ``grad``, ``buf``: float32 ``(P,)``; ``grad`` is left as the
+    raw gradient, ``buf`` is the momentum buffer (ignored when ``momentum == 0``).
+    """
+    alpha = np.float32(-lr)
+    wd = np.float32(weight_decay)
+    mom = np.float32(momentum)
+    one = np.float32(1.0)
+    for i in range(theta.size):
+        g = grad[i]
+        if weight_decay != 0:
+            g = fma32(theta[i], wd, g)
+        if momentum != 0:
+            b = fma32(g, one, buf[i] * mom) if has_buf else g
+            buf[i] = b
+            g = fma32(b, mom, g) if nesterov else b
+        theta[i] = fma32(g, alpha, theta[i])
+
+
+@njit(cache=True, fastmath=False)
+def train_step(x: np.ndarray, labels: np.ndarray, theta: np.ndarray, dims: np.ndarray,
+               grad: np.ndarray, logits: np.ndarray, buf: np.ndarray, lr: float,
+               weight_decay: float, momentum: float, nesterov: bool, has_buf: bool) -> float:
+    """:func:`loss_and_grad` then :func:`sgd_update`; returns the batch loss (before the
+    update). Shapes as there: ``x (C, H, W, B)``, ``labels (B,)``, ``theta, grad, buf
+    (P,)``, ``logits (num_classes, B)``."""
+    loss = loss_and_grad(x, labels, theta, dims, grad, logits)
+    sgd_update(theta, grad, buf, lr, weight_decay, momentum, nesterov, has_buf)
+    return loss
+
+
+@njit(cache=True, fastmath=False)
+def prepare_batch(images: np.ndarray, tops: np.ndarray, lefts: np.ndarray, flips: np.ndarray,
+                  padding: int, lut: np.ndarray, out: np.ndarray) -> None:
+    """Zero-pad, crop, mirror and normalise a uint8 batch into the kernels' layout.
+
+    Parameters
+    ----------
+    images : uint8 array ``(B, C, H, W)``
+    tops, lefts : int64 arrays ``(B,)``
+        Crop offsets into the images padded by ``padding`` on every side.
+    flips : bool array ``(B,)``
+        Mirror the crop left-right.
+    padding : int
+    lut : float32 array ``(C, 256)``
+        The normalised value of each uint8 level (padding is level 0).
+    out : float32 array ``(C, h, w, B)``
+        Receives the batch (``h, w``: crop size), batch innermost.
+    """
+    nb, nc, hin, win = images.shape
+    ho, wo = out.shape[1], out.shape[2]
+    for b in range(nb):
+        top = tops[b] - padding
+        left = lefts[b] - padding
+        flip = flips[b]
+        for c in range(nc):
+            zero = lut[c, 0]
+            for y in range(ho):
+                sy = top + y
+                inside = 0 <= sy < hin
+                for xx in range(wo):
+                    sx = left + (wo - 1 - xx if flip else xx)
+                    if inside and 0 <= sx < win:
+                        out[c, y, xx, b] = lut[c, images[b, c, sy, sx]]
+                    else:
+                        out[c, y, xx, b] = zero
