@@ -30,6 +30,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_zoo_store.py
+	$(PY) benchmarks/bench_training.py
 
 clean-venv:
 	rm -rf $(VENV)
