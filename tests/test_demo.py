@@ -13,7 +13,8 @@ def test_demo_runs_and_resumes(tmp_path, capsys):
     assert main(["demo", "--out", str(out), "--checkpoints", "2", "--epochs", "1",
                  "--no-progress"]) == 0
     text = capsys.readouterr().out
-    assert "bit-identical" in text and "OK, 2 checkpoints" in text
+    assert "bit-identical" in text and "[3] trained 2 checkpoint(s)" in text
+    assert "CORRUPT" not in text
     summary = json.loads((out / "demo-summary.json").read_text())
     assert summary["command"].startswith("posteriorzoo demo")
     assert summary["base_seed"] == 0 and summary["recipe"]["dataset"] == "digits"

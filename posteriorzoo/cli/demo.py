@@ -1,10 +1,15 @@
-"""``posteriorzoo demo``: the main job end to end on data every machine has offline.
+"""``posteriorzoo demo``: the main job end to end, with no download.
 
-Trains a small OptuNet collection on scikit-learn's digits (resized to 28x28) with the
-mass trainer, then runs
-the store's whole round trip: info, verify, export to safetensors, import into a new
-collection (bit-identical check), and a SHA256SUMS manifest. Rerunning resumes: only
-missing checkpoints are trained. Later issues grow this into the full pipeline.
+1. The shipped reference zoo (OptuNet on Fashion-MNIST: 1,000 target checkpoints and a
+   100-member Deep Ensemble): what it holds, and a full integrity check.
+2. The Deep Ensemble's predictions on the Fashion-MNIST test set, members against the
+   ensemble (when Debian's Fashion-MNIST files are installed).
+3. The mass trainer on data every machine has: a small OptuNet zoo on scikit-learn's
+   digits (resumable: rerunning trains only what is missing).
+4. The store's round trip: export to safetensors, import into a new collection
+   (bit-identical check), and a SHA256SUMS manifest of the output folder.
+
+Later issues grow this into the full pipeline (symmetry removal, MMD tables).
 """
 
 from __future__ import annotations
@@ -12,29 +17,97 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "demo", help="run the main job on bundled offline data (a smoke run)",
-        description=__doc__.split("\n\n")[1].replace("\n", " "))
+        "demo", help="run the main job on the shipped reference zoo and bundled data",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("demo-output"),
                         help="output folder (default: %(default)s)")
     parser.add_argument("--checkpoints", type=int, default=8,
-                        help="checkpoints to train (default: %(default)s)")
+                        help="checkpoints of the digits zoo (default: %(default)s)")
     parser.add_argument("--epochs", type=int, default=20,
-                        help="epochs per checkpoint (default: %(default)s)")
+                        help="epochs per digits checkpoint (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0,
-                        help="base seed: checkpoint i's seeds derive from (seed, i) "
-                             "(default: %(default)s)")
+                        help="base seed of the digits zoo: checkpoint i's seeds derive from "
+                             "(seed, i) (default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.set_defaults(func=run_demo)
 
 
+def _accuracy_line(info: dict[str, Any]) -> str:
+    accuracy = info["metadata"]["test_accuracy"]
+    return (f"{info['checkpoints']} x {info['architecture']} on {info['dataset']}, test "
+            f"accuracy min {accuracy['min']:.3f} median {accuracy['median']:.3f} "
+            f"max {accuracy['max']:.3f}, {info['metadata']['diverged']} diverged")
+
+
+def reference_step(progress: bool) -> dict[str, Any]:
+    """Describe and verify the shipped collections (skipped if not installed)."""
+    from posteriorzoo.cli.zoo_commands import describe
+    from posteriorzoo.errors import ZooFormatError
+    from posteriorzoo.reference import COLLECTIONS, reference_path
+    from posteriorzoo.zoo import verify_zoo
+
+    results: dict[str, Any] = {}
+    for name in COLLECTIONS:
+        try:
+            path = reference_path(name)
+        except ZooFormatError as error:
+            print(f"[1] reference {name}: skipped ({error})")
+            continue
+        info = describe(path)
+        report = verify_zoo(path, progress=progress)
+        print(f"[1] reference {name}: {_accuracy_line(info)}; "
+              f"{'verified' if report.ok else 'CORRUPT'}")
+        results[name] = {"info": info, "verify_ok": report.ok}
+    return results
+
+
+def ensemble_step() -> dict[str, Any] | None:
+    """The Deep Ensemble's members and their average on the Fashion-MNIST test set."""
+    from posteriorzoo.data import load_dataset
+    from posteriorzoo.errors import PosteriorZooError
+    from posteriorzoo.metrics import (
+        accuracy,
+        member_probabilities,
+        negative_log_likelihood,
+        normalized_images,
+    )
+    from posteriorzoo.reference import open_reference
+
+    try:
+        test = load_dataset("fashion-mnist", "test", download=False)
+        zoo = open_reference("de")
+    except PosteriorZooError as error:
+        print(f"[2] ensemble on Fashion-MNIST: skipped ({error})")
+        return None
+    with zoo:
+        members = member_probabilities(zoo, normalized_images(test))
+    labels = test.labels
+    member_accuracy = [accuracy(p, labels) for p in members]
+    member_nll = [negative_log_likelihood(p, labels) for p in members]
+    ensemble = members.mean(axis=0)
+    result = {"members": len(members), "member_accuracy_mean": float(np.mean(member_accuracy)),
+              "member_nll_mean": float(np.mean(member_nll)),
+              "ensemble_accuracy": accuracy(ensemble, labels),
+              "ensemble_nll": negative_log_likelihood(ensemble, labels)}
+    print(f"[2] Deep Ensemble of {result['members']} on Fashion-MNIST test: members "
+          f"accuracy {result['member_accuracy_mean']:.3f} / NLL {result['member_nll_mean']:.3f} "
+          f"(mean), ensemble accuracy {result['ensemble_accuracy']:.3f} / NLL "
+          f"{result['ensemble_nll']:.3f}")
+    return result
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from posteriorzoo.cli.zoo_commands import describe
+    from posteriorzoo.errors import InvalidOptionError
     from posteriorzoo.zoo import (
         MANIFEST_NAME,
         export_checkpoint,
@@ -50,12 +123,15 @@ def run_demo(args: argparse.Namespace) -> int:
     from train_zoo.run import train_collection
 
     if args.checkpoints < 1 or args.epochs < 1:
-        from posteriorzoo.errors import InvalidOptionError
         raise InvalidOptionError("--checkpoints and --epochs must be at least 1")
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     # The folder's files are about to change; the manifest is rewritten at the end.
     (out / MANIFEST_NAME).unlink(missing_ok=True)
+
+    reference = reference_step(progress=not args.no_progress)
+    ensemble = ensemble_step()
+
     # The paper's OptuNet recipe with a larger step, milder crops and a constant rate:
     # digits has only 1,347 training images (22 steps per epoch), upscaled from 8x8.
     spec = make_spec("optunet-mnist", name="demo", dataset="digits", method="de",
@@ -63,18 +139,13 @@ def run_demo(args: argparse.Namespace) -> int:
                      recipe_overrides={"epochs": args.epochs, "lr": 0.2, "crop_padding": 2,
                                        "schedule": "constant", "milestones": []})
     zoo_path = out / "optunet-digits-de.h5"
-    summary = train_collection(spec, zoo_path, backend=SerialBackend(),
+    trained = train_collection(spec, zoo_path, backend=SerialBackend(),
                                progress=not args.no_progress, command=args.command_line)
-    print(f"trained {summary.trained} checkpoint(s) now at {summary.steps_per_second:.0f} "
-          f"model-steps/s ({summary.checkpoints} in the collection)")
-
     info = describe(zoo_path)
-    accuracy = info["metadata"]["test_accuracy"]
-    print(f"{zoo_path}: {info['checkpoints']} x {info['architecture']} "
-          f"({info['values_per_checkpoint']} values each); test accuracy "
-          f"min {accuracy['min']:.3f} median {accuracy['median']:.3f} max {accuracy['max']:.3f}")
     report = verify_zoo(zoo_path)
-    print(report.summary())
+    print(f"[3] trained {trained.trained} checkpoint(s) at {trained.steps_per_second:.0f} "
+          f"model-steps/s: {zoo_path} holds {_accuracy_line(info)}; "
+          f"{'verified' if report.ok else 'CORRUPT'}")
 
     exported = out / "checkpoint-0.safetensors"
     copy_path = out / "roundtrip.h5"
@@ -86,14 +157,16 @@ def run_demo(args: argparse.Namespace) -> int:
     with open_zoo(copy_path) as copy:
         restored = copy.state_dict(0)
     identical = all(torch.equal(original[k], restored[k]) for k in original)
-    print(f"safetensors round trip {exported.name} -> {copy_path.name}: "
-          f"{'bit-identical' if identical else 'DIFFERENT'}")
     manifest = write_manifest(out)
     verified = verify_manifest(out)
-    print(f"{manifest}: {len(verified)} files, all SHA-256 match")
+    print(f"[4] safetensors round trip {exported.name} -> {copy_path.name}: "
+          f"{'bit-identical' if identical else 'DIFFERENT'}; {manifest.name} covers "
+          f"{len(verified)} files, all SHA-256 match")
 
     summary = {"command": args.command_line, "versions": library_versions(),
                "base_seed": args.seed, "recipe": spec.collection_recipe(),
-               "collection": info, "verify_ok": report.ok, "roundtrip_identical": identical}
+               "reference": reference, "ensemble": ensemble, "collection": info,
+               "verify_ok": report.ok, "roundtrip_identical": identical}
     (out / "demo-summary.json").write_text(json.dumps(summary, indent=2))
-    return 0 if report.ok and identical else 1
+    all_verified = report.ok and all(r["verify_ok"] for r in reference.values())
+    return 0 if all_verified and identical else 1
