@@ -9,7 +9,7 @@ import pytest
 
 from posteriorzoo.errors import UnknownNameError, ZooFormatError
 from posteriorzoo.reference import COLLECTIONS, SPECS, open_reference, reference_path
-from posteriorzoo.zoo import verify_zoo
+from posteriorzoo.zoo import verify_manifest, verify_zoo
 from train_zoo import checkpoint_seeds, load_spec, train_checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,6 +51,12 @@ def test_reference_collection_is_complete_and_made_by_its_spec(name):
             assert (row["seed"], row["data_seed"]) == (seeds.init, seeds.data)
         assert (rows["epoch"] == spec.recipe.epochs).all()
         assert (np.asarray(rows["test_accuracy"])[~rows["diverged"]] > 0.5).all()
+
+
+@needs_reference
+def test_reference_manifest_matches():
+    assert sorted(verify_manifest(reference_path("target").parent)) == sorted(
+        COLLECTIONS.values())
 
 
 @needs_reference
