@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from posteriorzoo.cli import main
 from posteriorzoo.zoo import open_zoo, verify_manifest
 
 
-def test_demo_runs_and_resumes(tmp_path, capsys):
+def test_demo_runs_and_resumes(tmp_path, capsys, monkeypatch):
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out), "--checkpoints", "2", "--epochs", "1",
                  "--no-progress"]) == 0
     text = capsys.readouterr().out
     assert "bit-identical" in text and "[3] trained 2 checkpoint(s)" in text
     assert "CORRUPT" not in text
+    assert "[1] reference target: 1000 x optunet on fashion-mnist" in text
+    if Path("/usr/share/datasets/fashion-mnist").is_dir():
+        ensemble = json.loads((out / "demo-summary.json").read_text())["ensemble"]
+        assert ensemble["members"] == 100
+        # averaging members' probabilities beats the average member
+        assert ensemble["ensemble_nll"] < ensemble["member_nll_mean"]
     summary = json.loads((out / "demo-summary.json").read_text())
     assert summary["command"].startswith("posteriorzoo demo")
     assert summary["base_seed"] == 0 and summary["recipe"]["dataset"] == "digits"
@@ -23,6 +30,9 @@ def test_demo_runs_and_resumes(tmp_path, capsys):
         first = [bytes(d) for d in zoo.metadata["sha256"]]
         assert zoo.created_by["command"] == summary["command"]
     verify_manifest(out)
+    # The reference steps were checked above; the resume checks below do not need them.
+    monkeypatch.setattr("posteriorzoo.cli.demo.reference_step", lambda progress: {})
+    monkeypatch.setattr("posteriorzoo.cli.demo.ensemble_step", lambda: None)
     # Asking for more trains only the missing checkpoint; the others stay as they were.
     assert main(["demo", "--out", str(out), "--checkpoints", "3", "--epochs", "1",
                  "--no-progress"]) == 0
