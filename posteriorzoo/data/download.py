@@ -23,7 +23,6 @@ seconds.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import http.client
 import os
@@ -37,6 +36,7 @@ from tqdm import tqdm
 
 from posteriorzoo.data.sources import DatasetSource, FileSpec, dataset_source
 from posteriorzoo.errors import ChecksumError, DataNotFoundError
+from posteriorzoo.hashing import sha256_file as file_sha256
 
 __all__ = [
     "DEBIAN_ROOT",
@@ -94,23 +94,6 @@ def search_dirs(name: str, data_dir: str | os.PathLike[str] | None = None) -> li
     dirs.append(Path(DEBIAN_ROOT) / name)
     dirs.append(cache_root() / name)
     return dirs
-
-
-def file_sha256(path: str | os.PathLike[str], decompress: bool = False) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB chunks.
-
-    Parameters
-    ----------
-    path : str or os.PathLike
-    decompress : bool, default False
-        Hash the gunzipped content instead of the bytes on disk.
-    """
-    h = hashlib.sha256()
-    opener = gzip.open if decompress else open
-    with opener(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _is_gzip(path: Path) -> bool:

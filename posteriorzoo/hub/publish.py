@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+import h5py
 from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.utils import validate_repo_id
 
@@ -19,7 +20,6 @@ from posteriorzoo.errors import HubError, ZooFormatError
 from posteriorzoo.hub._errors import handled_errors, is_offline, to_hub_error
 from posteriorzoo.zoo.manifest import MANIFEST_NAME, sha256_file
 
-HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 CARD_NAME = "README.md"
 COLLECTION_PATTERN = "*.h5"
 
@@ -32,14 +32,8 @@ class CollectionFile:
     name: str
 
 
-def is_hdf5(path: str | Path) -> bool:
-    """Whether ``path`` starts with the 8-byte HDF5 signature."""
-    with open(path, "rb") as handle:
-        return handle.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE
-
-
 def _checked(path: Path, name: str) -> CollectionFile:
-    if not is_hdf5(path):
+    if not h5py.is_hdf5(path):
         raise ZooFormatError(f"not an HDF5 file (bad signature), refusing to upload: {path}")
     return CollectionFile(local=path, name=name)
 

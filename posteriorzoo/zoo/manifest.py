@@ -8,23 +8,13 @@ too. Inside each collection, every checkpoint also carries its own digest (see
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 
 from posteriorzoo.errors import ChecksumError, ZooFormatError
+from posteriorzoo.hashing import sha256_file
 
 MANIFEST_NAME = "SHA256SUMS"
-_BLOCK = 1 << 20
-
-
-def sha256_file(path: str | Path) -> str:
-    """Hex SHA-256 digest of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def read_manifest(path: str | Path) -> dict[str, str]:
