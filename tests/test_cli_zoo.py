@@ -149,3 +149,13 @@ def test_import_with_model_options(capsys, tmp_path):
     assert code == 0, err
     with open_zoo(tmp_path / "mlp.h5") as zoo:
         assert zoo.model_options == {"widths": [2, 4, 3]}
+
+
+@pytest.mark.parametrize("argv", [["info"], ["frobnicate"], ["export", "z.h5", "x", "y"],
+                                  ["train", "spec.toml"]])
+def test_usage_errors_are_one_line_with_exit_2(capsys, argv):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--help" in err

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from posteriorzoo import __version__
 from posteriorzoo.errors import PosteriorZooError
@@ -26,11 +27,18 @@ _SUBCOMMAND_MODULES = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line on stderr (exit code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with every subcommand registered."""
     import importlib
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="posteriorzoo",
         description=(
             "Study Bayesian neural network posteriors through collections of trained "
