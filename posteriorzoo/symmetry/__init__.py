@@ -1,4 +1,92 @@
-"""Weight-space symmetries (permutations, ReLU scalings, softmax shift, min-mass).
+"""Weight-space symmetries: permutations, positive scalings, the softmax shift.
 
-Not implemented yet: the canonicalizer is the next piece of work.
+The structure of a network's symmetry group is derived by tracing it with torch.fx
+(:func:`symmetry_structure`), not from a list of architectures. :func:`random_symmetry`
+applies a random group element, for tests and for users checking their own models.
+The canonicalizer (sorting, scaling normalisation, min-mass) builds on these pieces.
 """
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from posteriorzoo.errors import NonFiniteWeightsError
+from posteriorzoo.symmetry.structure import (
+    ScaleVariable,
+    SymmetryStructure,
+    TensorAxis,
+    UnitSpace,
+    trace_structure,
+)
+from posteriorzoo.symmetry.transform import apply_symmetry, sample_permutations
+
+__all__ = [
+    "ScaleVariable",
+    "SymmetryStructure",
+    "TensorAxis",
+    "UnitSpace",
+    "apply_symmetry",
+    "random_symmetry",
+    "resolve_model",
+    "sample_permutations",
+    "symmetry_structure",
+]
+
+
+def resolve_model(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.Tensor],
+                  **options: Any) -> tuple[nn.Module, tuple[int, ...]]:
+    """A module and its input shape from a module (needs ``input_shape=``) or a registry name.
+
+    With a name, ``state_dict`` is checked against ``build(name, **options)`` (raises
+    :class:`~posteriorzoo.errors.ZooSchemaError` when it does not fit).
+    """
+    from posteriorzoo import models
+
+    if isinstance(model_or_name, nn.Module):
+        if "input_shape" not in options:
+            raise TypeError("pass input_shape=(C, H, W) with a module")
+        return model_or_name, tuple(options["input_shape"])
+    models.check_state_dict(model_or_name, state_dict, **options)
+    model_options = {k: v for k, v in options.items() if k != "num_classes"}
+    model = models.build(model_or_name, num_classes=options.get("num_classes"), **model_options)
+    return model, models.input_shape(model_or_name, **model_options)
+
+
+def symmetry_structure(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.Tensor],
+                       **options: Any) -> SymmetryStructure:
+    """The symmetry structure of a model given by name (and options) or as a module."""
+    model, shape = resolve_model(model_or_name, state_dict, **options)
+    return trace_structure(model, shape)
+
+
+def random_symmetry(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.Tensor],
+                    seed: int, scale_range: tuple[float, float] = (0.1, 10.0),
+                    batchnorm_prescale: bool = True, softmax: bool = True,
+                    **options: Any) -> dict[str, torch.Tensor]:
+    """Apply a random element of the network's symmetry group; returns a new state_dict.
+
+    Permutations are uniform (block-structured around grouped convolutions); every
+    scalable unit gets a log-uniform scale in ``scale_range``; the output biases are
+    shifted by a standard normal constant. Scalings absorbed by a BatchNorm's running
+    statistics (``batchnorm_prescale``) keep the outputs only up to the BatchNorm's
+    epsilon: the normalised value changes by a relative amount below
+    ``eps / (2 * running_var)`` times ``|1 - 1 / lambda**2|``.
+    """
+    for key, value in state_dict.items():
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise NonFiniteWeightsError(f"{key} has NaN or infinite values")
+    structure = symmetry_structure(model_or_name, state_dict, **options)
+    rng = np.random.default_rng(seed)
+    low, high = np.log(scale_range[0]), np.log(scale_range[1])
+    scales = {index: np.exp(rng.uniform(low, high, structure.spaces[
+        structure.scales[index].space].size))
+        for index in structure.scalable()
+        if batchnorm_prescale or not structure.scales[index].through_batchnorm}
+    permutations = sample_permutations(structure, rng)
+    shift = float(rng.standard_normal()) if softmax else 0.0
+    return apply_symmetry(state_dict, structure, permutations, scales, shift)

@@ -1,0 +1,227 @@
+"""Symmetry structure traced with torch.fx, and random group elements that keep the function."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from posteriorzoo.errors import NonFiniteWeightsError, UnknownNameError, ZooSchemaError
+from posteriorzoo.models import build, input_shape
+from posteriorzoo.symmetry import random_symmetry, symmetry_structure
+
+
+# ---------------------------------------------------------------- test-only architectures
+class TinyVGG(nn.Module):
+    """Conv-BN-ReLU blocks with padding and a max-pool, global pooling, a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6)
+        self.c2, self.b2 = nn.Conv2d(6, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.pool, self.gap = nn.MaxPool2d(2), nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        x = self.pool(torch.relu(self.b1(self.c1(x))))
+        x = torch.relu(self.b2(self.c2(x)))
+        return self.head(torch.flatten(self.gap(x), 1))
+
+
+class OddResidual(nn.Module):
+    """A skip connection around one dense layer in the middle, and a flatten of C x H x W."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 3, 3)
+        self.l1 = nn.Linear(3 * 4 * 4, 6)
+        self.l2 = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.conv(x)).flatten(1)
+        y = torch.relu(self.l1(h))
+        z = torch.relu(self.l2(y) + y)
+        return self.out(z)
+
+
+class GroupedNet(nn.Module):
+    """A grouped convolution with several input channels per group."""
+
+    def __init__(self, pooled: bool = False) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(2, 6, 3)
+        self.c2 = nn.Conv2d(6, 9, 3, groups=3)
+        self.head = nn.Linear(9, 3)
+        # x.mean is not traced as a pooling, which fixes c2's outputs: then the groups
+        # may not be swapped, only permuted inside
+        self.pool = nn.AdaptiveAvgPool2d(1) if pooled else None
+
+    def forward(self, x):
+        x = torch.relu(self.c2(torch.relu(self.c1(x))))
+        pooled = self.pool(x).flatten(1) if self.pool is not None else x.mean(dim=(2, 3))
+        return self.head(pooled)
+
+
+class TanhNet(nn.Module):
+    """A non-homogeneous activation: its units may be permuted but not scaled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.act, self.l2, self.l3 = nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4), \
+            nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.l3(torch.relu(self.l2(self.act(self.l1(x)))))
+
+
+class CatNet(nn.Module):
+    """Concatenated branches: an operation the tracer does not handle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 4), nn.Linear(3, 2), nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.c(torch.cat([torch.relu(self.a(x)), torch.relu(self.b(x))], dim=1))
+
+
+CUSTOM = {"tiny-vgg": (TinyVGG, (3, 8, 8)), "grouped": (GroupedNet, (2, 7, 7)),
+          "grouped-pooled": (lambda: GroupedNet(pooled=True), (2, 7, 7)),
+          "odd-residual": (OddResidual, (1, 6, 6)),
+          "tanh": (TanhNet, (3,)), "cat": (CatNet, (3,))}
+REGISTERED = [("optunet", {}), ("optunet-v1", {}), ("mlp", {"widths": (5, 7, 6, 4, 3)}),
+              ("resnet18", {"width": 4, "num_classes": 10}),
+              ("resnet18-tiny", {"width": 4, "num_classes": 7})]
+
+
+def _randomise_batchnorm(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.running_mean.uniform_(-1, 1)
+            module.running_var.uniform_(0.5, 2)
+            module.weight.data.uniform_(0.5, 1.5)
+            module.bias.data.uniform_(-0.5, 0.5)
+
+
+def _model(name: str, options: dict) -> tuple[nn.Module, tuple[int, ...]]:
+    torch.manual_seed(0)
+    if name in CUSTOM:
+        factory, shape = CUSTOM[name]
+        model = factory()
+    else:
+        model = build(name, **options)
+        shape = input_shape(name, **{k: v for k, v in options.items() if k != "num_classes"})
+    model = model.double().eval()
+    _randomise_batchnorm(model)
+    return model, shape
+
+
+def _relative_change(model, shape, new_state) -> float:
+    x = torch.randn(6, *shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    twin = copy.deepcopy(model)  # float64 already, so loading does not round
+    twin.load_state_dict(new_state)
+    with torch.no_grad():
+        reference, output = model(x), twin(x)
+    # the softmax shift moves every logit by the same constant
+    difference = (reference - reference.mean(1, keepdim=True)) - (
+        output - output.mean(1, keepdim=True))
+    return float(difference.abs().max() / reference.abs().max())
+
+
+def _symmetry(name, model, shape, options, seed, **kwargs):
+    if name in CUSTOM:
+        return random_symmetry(model, model.state_dict(), seed, input_shape=shape, **kwargs)
+    return random_symmetry(name, model.state_dict(), seed, **options, **kwargs)
+
+
+# ---------------------------------------------------------------- structure
+def test_optunet_structure():
+    structure = symmetry_structure("optunet", build("optunet").state_dict())
+    assert [s.size for s in structure.spaces] == [1, 2, 10, 10]
+    assert [s.fixed for s in structure.spaces] == [True, False, False, True]
+    assert structure.spaces[1].group_constraints == [("conv2", "in", 2)]
+    assert structure.spaces[2].group_constraints == [("conv2", "out", 2)]
+    assert structure.output_bias == "fc.bias"
+    assert len(structure.scalable()) == 2 and not structure.notes
+
+
+def test_resnet_residual_streams_are_tied():
+    options = {"width": 4, "num_classes": 10}
+    structure = symmetry_structure("resnet18", build("resnet18", **options).state_dict(),
+                                   **options)
+    assert len(structure.permutable()) == 12  # 4 streams + 8 block-internal spaces
+
+    def space_of(key):
+        return next(s for s in structure.spaces if any(w.key == key for w in s.writers))
+
+    stem = space_of("conv1.weight")
+    assert stem is space_of("layer1.0.conv2.weight") is space_of("layer1.1.bn2.weight")
+    last = space_of("layer4.0.shortcut.1.weight")
+    assert last is space_of("layer4.1.conv2.weight")
+    assert any(r.key == "fc.weight" for r in last.readers)
+    prescales = [v for v in structure.scales if v.through_batchnorm]
+    assert len(prescales) == 20  # one per BatchNorm: 17 in the blocks and stem, 3 shortcuts
+
+
+def test_unsupported_operations_are_reported():
+    tanh = symmetry_structure(TanhNet(), TanhNet().state_dict(), input_shape=(3,))
+    assert any("Tanh" in note for note in tanh.notes)
+    assert [s.size for s in tanh.spaces if not s.fixed] == [5, 4]  # both permutable
+    assert len(tanh.scalable()) == 1  # only the ReLU units
+    cat = symmetry_structure(CatNet(), CatNet().state_dict(), input_shape=(3,))
+    assert any("cat" in note for note in cat.notes)
+    assert cat.permutable() == []
+
+
+def test_bad_input():
+    state = build("optunet").state_dict()
+    with pytest.raises(UnknownNameError):
+        random_symmetry("no-such-net", state, seed=0)
+    with pytest.raises(ZooSchemaError):
+        random_symmetry("optunet", {**state, "fc.bias": torch.zeros(3)}, seed=0)
+    state["conv1.weight"][0, 0, 0, 0] = float("nan")
+    with pytest.raises(NonFiniteWeightsError):
+        random_symmetry("optunet", state, seed=0)
+
+
+# ---------------------------------------------------------------- function preserved
+@pytest.mark.parametrize("name,options", REGISTERED + [(n, {}) for n in CUSTOM])
+def test_random_symmetry_keeps_the_function(name, options):
+    model, shape = _model(name, options)
+    for seed in range(4):
+        new = _symmetry(name, model, shape, options, seed, batchnorm_prescale=False)
+        assert _relative_change(model, shape, new) < 1e-10
+        assert any(not torch.equal(new[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("name,options", [("resnet18", {"width": 4, "num_classes": 10}),
+                                          ("tiny-vgg", {})])
+def test_batchnorm_prescaling_is_exact_up_to_epsilon(name, options):
+    # Scaling a BatchNorm's input by lambda in [0.1, 10] turns its epsilon into
+    # eps / lambda**2: the normalised value moves by at most eps * 99 / (2 var) relative,
+    # about 1e-3 for var >= 0.5, and less through the rest of the network here.
+    model, shape = _model(name, options)
+    for seed in range(3):
+        new = _symmetry(name, model, shape, options, seed)
+        assert _relative_change(model, shape, new) < 1e-3
+
+
+def test_grouped_convolution_swaps_whole_groups():
+    model, shape = _model("optunet", {})
+    swapped = 0
+    for seed in range(20):
+        new = random_symmetry("optunet", model.state_dict(), seed, scale_range=(1.0, 1.0))
+        # conv1's two channels feed conv2's two groups; a swap moves both together
+        old_conv1, new_conv1 = model.state_dict()["conv1.weight"], new["conv1.weight"]
+        if torch.equal(new_conv1[0], old_conv1[1]):
+            swapped += 1
+            # conv2's first group now holds the old second group's filters, in some order
+            first_group = np.sort(new["conv2.weight"][:5].flatten().numpy())
+            old_second = np.sort(model.state_dict()["conv2.weight"][5:].flatten().numpy())
+            np.testing.assert_array_equal(first_group, old_second)
+        assert _relative_change(model, shape, new) < 1e-10
+    assert 0 < swapped < 20
