@@ -225,3 +225,45 @@ def test_grouped_convolution_swaps_whole_groups():
             np.testing.assert_array_equal(first_group, old_second)
         assert _relative_change(model, shape, new) < 1e-10
     assert 0 < swapped < 20
+
+
+# ---------------------------------------------------------------- canonical forms
+def _canonical(name, model, options, state, **kwargs):
+    from posteriorzoo.symmetry import canonicalize
+
+    if name in CUSTOM:
+        return canonicalize(model, state, input_shape=CUSTOM[name][1], **kwargs)
+    return canonicalize(name, state, **options, **kwargs)
+
+
+def _close(a, b) -> bool:
+    return all(torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-6 * float(a[k].abs().max()))
+               for k in a if a[k].is_floating_point())
+
+
+@pytest.mark.parametrize("scaling", ["norm", "std", "none"])
+@pytest.mark.parametrize("name,options", REGISTERED + [(n, {}) for n in CUSTOM])
+def test_symmetric_copies_have_one_canonical_form(name, options, scaling):
+    model, shape = _model(name, options)
+    state = model.state_dict()
+    canonical = _canonical(name, model, options, state, scaling=scaling)
+    assert _relative_change(model, shape, canonical) < 1e-3  # BatchNorm epsilon at most
+    wide = (0.1, 10.0) if scaling != "none" else (1.0, 1.0)
+    for seed in range(3):
+        moved = _symmetry(name, model, shape, options, seed, scale_range=wide)
+        assert _close(_canonical(name, model, options, moved, scaling=scaling), canonical)
+
+
+@pytest.mark.parametrize("key", ["first", "max"])
+def test_canonical_units_are_sorted(key):
+    model, _ = _model("mlp", {"widths": (5, 7, 6, 4, 3)})
+    canonical = _canonical("mlp", model, {"widths": (5, 7, 6, 4, 3)}, model.state_dict(),
+                           permutation=key)
+    for layer in ("layers.0.weight", "layers.1.weight", "layers.2.weight"):
+        rows = canonical[layer].reshape(canonical[layer].shape[0], -1)
+        keys = rows[:, 0] if key == "first" else rows.max(dim=1).values
+        assert torch.all(keys[1:] >= keys[:-1])
+        norms = torch.linalg.norm(torch.cat([rows, canonical[layer.replace("weight", "bias")]
+                                             [:, None]], dim=1), dim=1)
+        torch.testing.assert_close(norms, torch.ones_like(norms))
+    assert abs(float(canonical["layers.3.bias"].sum())) < 1e-12

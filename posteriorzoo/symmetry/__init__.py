@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from posteriorzoo.errors import NonFiniteWeightsError
+from posteriorzoo.symmetry.canonical import CanonicalReport, canonicalize_state
 from posteriorzoo.symmetry.structure import (
     ScaleVariable,
     SymmetryStructure,
@@ -26,11 +27,14 @@ from posteriorzoo.symmetry.structure import (
 from posteriorzoo.symmetry.transform import apply_symmetry, sample_permutations
 
 __all__ = [
+    "CanonicalReport",
     "ScaleVariable",
     "SymmetryStructure",
     "TensorAxis",
     "UnitSpace",
     "apply_symmetry",
+    "canonicalize",
+    "canonicalize_state",
     "random_symmetry",
     "resolve_model",
     "sample_permutations",
@@ -64,6 +68,41 @@ def symmetry_structure(model_or_name: nn.Module | str, state_dict: Mapping[str, 
     return trace_structure(model, shape)
 
 
+def _require_finite(state_dict: Mapping[str, torch.Tensor]) -> None:
+    for key, value in state_dict.items():
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise NonFiniteWeightsError(f"{key} has NaN or infinite values")
+
+
+def canonicalize(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.Tensor],
+                 permutation: str = "first", scaling: str = "norm", softmax: bool = True,
+                 **options: Any) -> dict[str, torch.Tensor]:
+    """The canonical form of a checkpoint: a new state_dict with the same keys and shapes.
+
+    Parameters
+    ----------
+    model_or_name : nn.Module or str
+        A registered model name (with its options, e.g. ``num_classes=10``) or a module
+        (with ``input_shape=(C, H, W)``).
+    state_dict : mapping of str to tensor
+    permutation : {"first", "max", "none"}
+        Sort hidden units by their first incoming weight (the paper's default) or by their
+        largest incoming weight, after the scales are canonical.
+    scaling : {"norm", "std", "none"}
+        Give each scalable unit's incoming weights unit L2 norm or unit standard deviation,
+        layer by layer, pushing the scale into the next layer.
+    softmax : bool
+        Shift the output biases to sum to zero.
+
+    Symmetric copies of one network map to the same canonical state_dict (up to float
+    rounding), and the canonical network computes the same function (BatchNorm inputs
+    rescaled: exact up to the BatchNorm's epsilon, see :func:`random_symmetry`).
+    """
+    _require_finite(state_dict)
+    structure = symmetry_structure(model_or_name, state_dict, **options)
+    return canonicalize_state(state_dict, structure, permutation, scaling, softmax)[0]
+
+
 def random_symmetry(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.Tensor],
                     seed: int, scale_range: tuple[float, float] = (0.1, 10.0),
                     batchnorm_prescale: bool = True, softmax: bool = True,
@@ -77,9 +116,7 @@ def random_symmetry(model_or_name: nn.Module | str, state_dict: Mapping[str, tor
     epsilon: the normalised value changes by a relative amount below
     ``eps / (2 * running_var)`` times ``|1 - 1 / lambda**2|``.
     """
-    for key, value in state_dict.items():
-        if value.is_floating_point() and not torch.isfinite(value).all():
-            raise NonFiniteWeightsError(f"{key} has NaN or infinite values")
+    _require_finite(state_dict)
     structure = symmetry_structure(model_or_name, state_dict, **options)
     rng = np.random.default_rng(seed)
     low, high = np.log(scale_range[0]), np.log(scale_range[1])
