@@ -23,6 +23,7 @@ _SUBCOMMAND_MODULES = (
     "posteriorzoo.cli.zoo_commands",
     "posteriorzoo.cli.hub_commands",
     "posteriorzoo.cli.train_command",
+    "posteriorzoo.cli.canonicalize_command",
     "posteriorzoo.cli.demo",
 )
 

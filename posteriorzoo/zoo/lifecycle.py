@@ -106,6 +106,7 @@ def create_zoo(
     num_classes: int | None = None,
     model_options: Mapping[str, Any] | None = None,
     recipe: Mapping[str, Any] | None = None,
+    annotations: Mapping[str, Any] | None = None,
     command: str | None = None,
     validate: bool = True,
     overwrite: bool = False,
@@ -129,6 +130,9 @@ def create_zoo(
     model_options : mapping, optional
     recipe : mapping, optional
         JSON-serialisable training recipe, stored as a file attribute.
+    annotations : mapping, optional
+        JSON-serialisable facts about how the collection was derived (e.g. which
+        symmetries were removed), stored as a file attribute.
     command : str, optional
         The command that produced the collection (provenance); defaults to none recorded.
     validate : bool
@@ -160,6 +164,7 @@ def create_zoo(
             attrs["num_classes"] = -1 if num_classes is None else int(num_classes)
             attrs["model_options"] = canonical_json(model_options)
             attrs["recipe"] = canonical_json(dict(recipe or {}))
+            attrs["annotations"] = canonical_json(dict(annotations or {}))
             attrs["state_keys"] = json.dumps(list(spec))
             attrs["created_by"] = canonical_json(provenance)
             attrs["validated"] = bool(validate)

@@ -103,6 +103,8 @@ class Zoo:
         Keyword options of ``posteriorzoo.models.build`` (e.g. ``{"width": 8}``).
     recipe : dict
         The training recipe (free-form, JSON-serialisable).
+    annotations : dict
+        How the collection was derived from another one, if it was (e.g. canonicalized).
     """
 
     def __init__(self, path: Path, handle: h5py.File, lock_fd: int | None = None) -> None:
@@ -118,6 +120,7 @@ class Zoo:
         self.num_classes = None if num_classes < 0 else num_classes
         self.model_options: dict[str, Any] = json.loads(attrs["model_options"])
         self.recipe: dict[str, Any] = json.loads(attrs["recipe"])
+        self.annotations: dict[str, Any] = json.loads(attrs.get("annotations", "{}"))
         self.created_by: dict[str, Any] = json.loads(attrs["created_by"])
         self._keys: list[str] = json.loads(attrs["state_keys"])
         group = handle[_STATE_GROUP]

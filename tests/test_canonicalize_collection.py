@@ -1,0 +1,67 @@
+"""Canonicalizing whole collections, through the API and the CLI."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from posteriorzoo.cli import main
+from posteriorzoo.models import build
+from posteriorzoo.symmetry import random_symmetry
+from posteriorzoo.symmetry.collection import canonicalize_collection
+from posteriorzoo.zoo import create_zoo, open_zoo, verify_zoo
+
+
+def _zoo(path, states):
+    with create_zoo(path, architecture="optunet", dataset="digits", method="de",
+                    num_classes=10, template=states[0]) as zoo:
+        for seed, state in enumerate(states):
+            zoo.append(state, seed=seed, test_accuracy=0.5)
+
+
+@pytest.fixture
+def twin_collections(tmp_path):
+    states = []
+    for seed in range(4):
+        torch.manual_seed(seed)
+        states.append(build("optunet").state_dict())
+    moved = [random_symmetry("optunet", state, seed=10 + i) for i, state in enumerate(states)]
+    _zoo(tmp_path / "a.h5", states)
+    _zoo(tmp_path / "b.h5", moved)
+    return tmp_path
+
+
+def test_symmetric_collections_canonicalize_to_the_same_weights(twin_collections):
+    folder = twin_collections
+    first = canonicalize_collection(folder / "a.h5", folder / "ca.h5", verify=4)
+    canonicalize_collection(folder / "b.h5", folder / "cb.h5")
+    assert first.checkpoints == 4 and first.verified == [0, 1, 2, 3]
+    assert first.largest_change < 1e-5  # float32 storage of a float64 computation
+    with open_zoo(folder / "ca.h5") as a, open_zoo(folder / "cb.h5") as b:
+        for key in a.state_keys:
+            np.testing.assert_allclose(a.layer(key), b.layer(key), rtol=1e-5, atol=1e-6)
+        assert list(a.metadata["seed"]) == [0, 1, 2, 3]
+        assert a.annotations["permutation"] == "first" and a.annotations["scaling"] == "norm"
+        assert a.annotations["canonicalized_from"] == "a.h5"
+    with open_zoo(folder / "a.h5") as original, open_zoo(folder / "ca.h5") as canonical:
+        assert not np.allclose(original.layer("conv1.weight"), canonical.layer("conv1.weight"))
+    assert verify_zoo(folder / "ca.h5").ok
+
+
+def test_cli_canonicalize(twin_collections, capsys):
+    folder = twin_collections
+    code = main(["canonicalize", str(folder / "a.h5"), str(folder / "c.h5"), "--verify", "2",
+                 "--scaling", "std", "--permutation", "max", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0 and "4 canonical checkpoints" in out and "2 verified" in out
+    with open_zoo(folder / "c.h5") as zoo:
+        assert zoo.annotations["scaling"] == "std"
+        assert zoo.created_by["command"].startswith("posteriorzoo canonicalize")
+    for argv, fragment in ((["canonicalize", str(folder / "absent.h5"), str(folder / "x.h5")],
+                            "no such file"),
+                           (["canonicalize", str(folder / "a.h5"), str(folder / "c.h5")],
+                            "already exists")):
+        assert main(argv + ["--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert fragment in err and len(err.strip().splitlines()) == 1
