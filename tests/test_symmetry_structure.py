@@ -267,3 +267,20 @@ def test_canonical_units_are_sorted(key):
                                              [:, None]], dim=1), dim=1)
         torch.testing.assert_close(norms, torch.ones_like(norms))
     assert abs(float(canonical["layers.3.bias"].sum())) < 1e-12
+
+
+def test_dead_units_are_reported_and_left_unscaled():
+    from posteriorzoo.symmetry import symmetry_structure
+    from posteriorzoo.symmetry.canonical import canonicalize_state
+
+    options = {"widths": (5, 7, 6, 3)}
+    model, shape = _model("mlp", options)
+    state = model.state_dict()
+    state["layers.0.weight"][2] = 0.0  # a dead unit: no incoming weights, no bias
+    state["layers.0.bias"][2] = 0.0
+    model.load_state_dict(state)
+    structure = symmetry_structure("mlp", state, **options)
+    canonical, report = canonicalize_state(state, structure, "first", "norm", True)
+    assert len(report.dead_units) == 1
+    assert all(torch.isfinite(v).all() for v in canonical.values())
+    assert _relative_change(model, shape, canonical) < 1e-10
