@@ -17,6 +17,7 @@ from torch import nn
 
 from posteriorzoo.errors import NonFiniteWeightsError
 from posteriorzoo.symmetry.canonical import CanonicalReport, canonicalize_state
+from posteriorzoo.symmetry.minmass import MinMassResult, solve_min_mass
 from posteriorzoo.symmetry.structure import (
     ScaleVariable,
     SymmetryStructure,
@@ -28,6 +29,7 @@ from posteriorzoo.symmetry.transform import apply_symmetry, sample_permutations
 
 __all__ = [
     "CanonicalReport",
+    "MinMassResult",
     "ScaleVariable",
     "SymmetryStructure",
     "TensorAxis",
@@ -35,6 +37,7 @@ __all__ = [
     "apply_symmetry",
     "canonicalize",
     "canonicalize_state",
+    "min_mass",
     "random_symmetry",
     "resolve_model",
     "sample_permutations",
@@ -101,6 +104,19 @@ def canonicalize(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.
     _require_finite(state_dict)
     structure = symmetry_structure(model_or_name, state_dict, **options)
     return canonicalize_state(state_dict, structure, permutation, scaling, softmax)[0]
+
+
+def min_mass(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.Tensor],
+             solver: str = "fast", **options: Any) -> MinMassResult:
+    """Rescale a checkpoint to its minimum weight mass (see :mod:`posteriorzoo.symmetry.minmass`).
+
+    Returns the mass before and after, the optimal scales per scale variable, each weight
+    tensor's largest absolute value before and after, and the rescaled state_dict (same
+    function). ``solver``: ``"fast"`` (Newton) or ``"cvxpy"`` (the reference).
+    """
+    _require_finite(state_dict)
+    structure = symmetry_structure(model_or_name, state_dict, **options)
+    return solve_min_mass(state_dict, structure, solver)
 
 
 def random_symmetry(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.Tensor],
