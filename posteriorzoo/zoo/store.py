@@ -276,7 +276,10 @@ class Zoo:
 
     def metadata_dict(self, index: int) -> dict[str, Any]:
         """Metadata row ``index`` as a plain dict (strings decoded)."""
-        row = self.metadata[index]
+        count = len(self)
+        if not -count <= index < count:
+            raise IndexError(f"checkpoint {index} out of range; the zoo holds {count}")
+        row = self._file["metadata"][index % count]  # one row, not the whole table
         return {name: schema.decode(row[name]) for name in METADATA_DTYPE.names}
 
     # ------------------------------------------------------------------ writing
