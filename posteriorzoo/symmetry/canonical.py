@@ -80,8 +80,7 @@ def canonical_permutations(state: State, structure: SymmetryStructure, key: str)
     Around a grouped convolution, units are sorted within their groups; the groups of the
     convolution's input are ordered by their smallest key, and its output groups follow.
     """
-    frozen = {layer for space in structure.spaces if space.fixed
-              for layer, _, _ in space.group_constraints}
+    frozen = structure.fixed_group_layers()
     outputs = {layer: index for index, space in enumerate(structure.spaces)
                for layer, side, _ in space.group_constraints if side == "out"}
     for index in structure.permutable():

@@ -98,6 +98,11 @@ class SymmetryStructure:
         """Indices of the spaces that may be permuted."""
         return [i for i, space in enumerate(self.spaces) if not space.fixed and space.size > 1]
 
+    def fixed_group_layers(self) -> set[str]:
+        """Grouped layers with a fixed space on either side: their groups may not be swapped."""
+        return {layer for space in self.spaces if space.fixed
+                for layer, _, _ in space.group_constraints}
+
     def scalable(self) -> list[int]:
         """Indices of the scale variables that may be scaled."""
         return [i for i, var in enumerate(self.scales)

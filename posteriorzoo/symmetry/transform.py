@@ -107,8 +107,7 @@ def sample_permutations(structure: SymmetryStructure, rng: np.random.Generator
             old, new = leader[layer], leader[layers[0]]
             leader = {k: (new if v == old else v) for k, v in leader.items()}
     # A fixed space on either side of a grouped layer forbids swapping its groups.
-    frozen = {leader[layer] for space in structure.spaces if space.fixed
-              for layer, _, _ in space.group_constraints}
+    frozen = {leader[layer] for layer in structure.fixed_group_layers()}
     block_orders: dict[str, np.ndarray] = {}
     result = {}
     for index in structure.permutable():
