@@ -241,7 +241,7 @@ def _close(a, b) -> bool:
                for k in a if a[k].is_floating_point())
 
 
-@pytest.mark.parametrize("scaling", ["norm", "std", "none"])
+@pytest.mark.parametrize("scaling", ["norm", "std", "minmass", "none"])
 @pytest.mark.parametrize("name,options", REGISTERED + [(n, {}) for n in CUSTOM])
 def test_symmetric_copies_have_one_canonical_form(name, options, scaling):
     model, shape = _model(name, options)

@@ -3,7 +3,10 @@
 The structure of a network's symmetry group is derived by tracing it with torch.fx
 (:func:`symmetry_structure`), not from a list of architectures. :func:`random_symmetry`
 applies a random group element, for tests and for users checking their own models.
-The canonicalizer (sorting, scaling normalisation, min-mass) builds on these pieces.
+The canonicalizer (sorting, scaling normalisation, min-mass) builds on these pieces:
+:func:`canonicalize` and :func:`min_mass` for one checkpoint, :func:`canonicalize_many`
+for a batch in memory, and :func:`canonicalize_collection` / :func:`min_mass_collection`
+for a whole collection file, all vectorised over the checkpoint axis.
 """
 
 from __future__ import annotations
@@ -16,8 +19,20 @@ import torch
 from torch import nn
 
 from posteriorzoo.errors import NonFiniteWeightsError
-from posteriorzoo.symmetry.canonical import CanonicalReport, canonicalize_state
-from posteriorzoo.symmetry.minmass import MinMassResult, solve_min_mass
+from posteriorzoo.symmetry.canonical import CanonicalReport, canonicalize_batch, canonicalize_state
+from posteriorzoo.symmetry.collection import (
+    CanonicalizeSummary,
+    MinMassReport,
+    canonicalize_collection,
+    min_mass_collection,
+)
+from posteriorzoo.symmetry.minmass import (
+    MinMassBatch,
+    MinMassResult,
+    mass_problem,
+    solve_min_mass,
+    solve_min_mass_batch,
+)
 from posteriorzoo.symmetry.structure import (
     ScaleVariable,
     SymmetryStructure,
@@ -25,19 +40,36 @@ from posteriorzoo.symmetry.structure import (
     UnitSpace,
     trace_structure,
 )
-from posteriorzoo.symmetry.transform import apply_symmetry, sample_permutations
+from posteriorzoo.symmetry.transform import (
+    apply_symmetry,
+    apply_symmetry_batch,
+    sample_permutations,
+    stack_states,
+)
 
 __all__ = [
     "CanonicalReport",
+    "CanonicalizeSummary",
+    "MinMassBatch",
+    "MinMassReport",
     "MinMassResult",
     "ScaleVariable",
     "SymmetryStructure",
     "TensorAxis",
     "UnitSpace",
     "apply_symmetry",
+    "apply_symmetry_batch",
     "canonicalize",
+    "canonicalize_batch",
+    "canonicalize_collection",
+    "canonicalize_many",
     "canonicalize_state",
+    "mass_problem",
     "min_mass",
+    "min_mass_collection",
+    "solve_min_mass",
+    "solve_min_mass_batch",
+    "stack_states",
     "random_symmetry",
     "resolve_model",
     "sample_permutations",
@@ -79,7 +111,7 @@ def _require_finite(state_dict: Mapping[str, torch.Tensor]) -> None:
 
 def canonicalize(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.Tensor],
                  permutation: str = "first", scaling: str = "norm", softmax: bool = True,
-                 **options: Any) -> dict[str, torch.Tensor]:
+                 solver: str = "fast", **options: Any) -> dict[str, torch.Tensor]:
     """The canonical form of a checkpoint: a new state_dict with the same keys and shapes.
 
     Parameters
@@ -91,11 +123,14 @@ def canonicalize(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.
     permutation : {"first", "max", "none"}
         Sort hidden units by their first incoming weight (the paper's default) or by their
         largest incoming weight, after the scales are canonical.
-    scaling : {"norm", "std", "none"}
+    scaling : {"norm", "std", "minmass", "none"}
         Give each scalable unit's incoming weights unit L2 norm or unit standard deviation,
-        layer by layer, pushing the scale into the next layer.
+        layer by layer, pushing the scale into the next layer; or ``norm`` followed by
+        the minimum-mass scaling (see :mod:`posteriorzoo.symmetry.canonical`).
     softmax : bool
         Shift the output biases to sum to zero.
+    solver : {"fast", "cvxpy"}
+        Min-mass solver (``scaling="minmass"`` only).
 
     Symmetric copies of one network map to the same canonical state_dict (up to float
     rounding), and the canonical network computes the same function (BatchNorm inputs
@@ -103,7 +138,28 @@ def canonicalize(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.
     """
     _require_finite(state_dict)
     structure = symmetry_structure(model_or_name, state_dict, **options)
-    return canonicalize_state(state_dict, structure, permutation, scaling, softmax)[0]
+    return canonicalize_state(state_dict, structure, permutation, scaling, softmax,
+                              solver)[0]
+
+
+def canonicalize_many(model_or_name: nn.Module | str,
+                      states: Mapping[str, torch.Tensor | np.ndarray],
+                      permutation: str = "first", scaling: str = "norm",
+                      softmax: bool = True, solver: str = "fast", **options: Any
+                      ) -> dict[str, torch.Tensor]:
+    """:func:`canonicalize` for B checkpoints at once, vectorised over the checkpoint axis.
+
+    ``states`` maps every state key to an array of shape (B, *shape) (e.g. one
+    ``Zoo.layer(key)`` per key); the result has the same keys and shapes, in float64.
+    The structure is traced once.
+    """
+    batch = {key: torch.as_tensor(value) for key, value in states.items()}
+    _require_finite(batch)
+    batch = {key: value.double() if value.is_floating_point() else value
+             for key, value in batch.items()}
+    structure = symmetry_structure(model_or_name, {k: v[0] for k, v in batch.items()},
+                                   **options)
+    return canonicalize_batch(batch, structure, permutation, scaling, softmax, solver)[0]
 
 
 def min_mass(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.Tensor],

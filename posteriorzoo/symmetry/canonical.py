@@ -3,7 +3,13 @@
 The order is fixed: scalings first (so that sort keys do not depend on the input's
 scale), then the softmax shift, then permutations, each pass in the network's graph
 order so that a layer's incoming weights are already canonical when its own units are
-normalised or sorted.
+normalised or sorted. Every pass works on a batch ``{key: (B, *shape)}`` at once.
+
+``scaling="minmass"`` first applies ``norm`` (which also fixes the scales a BatchNorm
+absorbs, on which the mass has no minimum) and then rescales to the minimum mass over the
+remaining scalings (:mod:`posteriorzoo.symmetry.minmass`). Both steps depend only on the
+orbit, so the result is canonical; without BatchNorm it has the same mass as
+:func:`~posteriorzoo.symmetry.min_mass` of the input.
 """
 
 from __future__ import annotations
@@ -11,70 +17,78 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.symmetry.structure import ScaleVariable, SymmetryStructure
-from posteriorzoo.symmetry.transform import State, apply_symmetry
+from posteriorzoo.symmetry.transform import State, apply_symmetry_batch
 
 PERMUTATION_KEYS = ("first", "max", "none")
-SCALINGS = ("norm", "std", "none")
+SCALINGS = ("norm", "std", "minmass", "none")
 
 
 @dataclass
 class CanonicalReport:
-    """What a canonicalization removed, and the units it could not normalise."""
+    """What a canonicalization removed, and the units it could not normalise.
+
+    ``dead_units`` lists ``(scale variable, unit)`` pairs for one checkpoint, or
+    ``(checkpoint, scale variable, unit)`` triples for a batch: units with no incoming
+    weights, left at scale 1.
+    """
 
     permutation: str
     scaling: str
     softmax: bool
-    dead_units: list[tuple[int, int]] = field(default_factory=list)
+    dead_units: list[tuple[int, ...]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
-def _unit_rows(state: Mapping[str, torch.Tensor], variable: ScaleVariable, size: int
-               ) -> np.ndarray | None:
-    """Each unit's incoming values: the rows of the writers that scale exactly by lambda.
+def _unit_rows(states: Mapping[str, torch.Tensor], variable: ScaleVariable, size: int
+               ) -> torch.Tensor | None:
+    """Each unit's incoming values, (B, size, k): the rows of the writers that scale
+    exactly by lambda.
 
     A tensor that also reads the same variable (a layer inside its own residual stream)
     scales by lambda_i / lambda_j, not by lambda_i, so it does not define the scale.
     """
     readers = {axis.key for axis in variable.readers}
-    rows = [state[axis.key].detach().double().reshape(size, -1).numpy()
+    rows = [states[axis.key].reshape(states[axis.key].shape[0], size, -1)
             for axis in variable.writers if axis.key not in readers and axis.power == 1]
-    return np.concatenate(rows, axis=1) if rows else None
+    return torch.cat(rows, dim=2) if rows else None
 
 
-def canonical_scales(state: State, structure: SymmetryStructure, method: str,
+def canonical_scales(states: State, structure: SymmetryStructure, method: str,
                      report: CanonicalReport) -> State:
     """Give every scalable unit's incoming values unit L2 norm (``norm``) or unit standard
     deviation (``std``), variable by variable in graph order (the scale is pushed forward
     into the next layer)."""
+    tiny = torch.finfo(torch.float64).tiny
     for index in structure.scalable():
         variable = structure.scales[index]
-        size = structure.spaces[variable.space].size
-        rows = _unit_rows(state, variable, size)
+        rows = _unit_rows(states, variable, structure.spaces[variable.space].size)
         if rows is None:
             continue
-        spread = np.linalg.norm(rows, axis=1) if method == "norm" else rows.std(axis=1)
-        dead = spread <= np.finfo(np.float64).tiny
-        report.dead_units += [(index, int(unit)) for unit in np.flatnonzero(dead)]
-        factors = np.where(dead, 1.0, 1.0 / np.where(dead, 1.0, spread))
-        state = apply_symmetry(state, structure, scales={index: factors})
-    return state
+        rows = rows.double()
+        spread = (torch.linalg.vector_norm(rows, dim=2) if method == "norm"
+                  else rows.std(dim=2, correction=0))
+        dead = spread <= tiny
+        report.dead_units += [(int(b), index, int(unit)) for b, unit in dead.nonzero().tolist()]
+        factors = torch.where(dead, 1.0, 1.0 / torch.where(dead, 1.0, spread))
+        states = apply_symmetry_batch(states, structure, scales={index: factors})
+    return states
 
 
-def _sort_keys(state: Mapping[str, torch.Tensor], structure: SymmetryStructure, index: int,
-               key: str) -> np.ndarray:
+def _sort_keys(states: Mapping[str, torch.Tensor], structure: SymmetryStructure, index: int,
+               key: str) -> torch.Tensor:
+    """(B, size) sort key of every unit of space ``index``."""
     space = structure.spaces[index]
-    weight = next((axis.key for axis in space.writers if state[axis.key].dim() >= 2),
+    weight = next((axis.key for axis in space.writers if states[axis.key].dim() >= 3),
                   space.writers[0].key)
-    rows = state[weight].detach().double().reshape(space.size, -1).numpy()
-    return rows[:, 0] if key == "first" else rows.max(axis=1)
+    rows = states[weight].reshape(states[weight].shape[0], space.size, -1)
+    return rows[:, :, 0] if key == "first" else rows.amax(dim=2)
 
 
-def canonical_permutations(state: State, structure: SymmetryStructure, key: str) -> State:
+def canonical_permutations(states: State, structure: SymmetryStructure, key: str) -> State:
     """Sort every permutable space's units by ``key`` of their first incoming weight row.
 
     Around a grouped convolution, units are sorted within their groups; the groups of the
@@ -85,45 +99,78 @@ def canonical_permutations(state: State, structure: SymmetryStructure, key: str)
                for layer, side, _ in space.group_constraints if side == "out"}
     for index in structure.permutable():
         space = structure.spaces[index]
-        keys = _sort_keys(state, structure, index, key)
+        keys = _sort_keys(states, structure, index, key)
         if not space.group_constraints:
-            state = apply_symmetry(state, structure,
-                                   permutations={index: np.argsort(keys, kind="stable")})
+            order = torch.argsort(keys, dim=1, stable=True)
+            states = apply_symmetry_batch(states, structure, permutations={index: order})
             continue
         layer, side, groups = space.group_constraints[0]
-        per_group = space.size // groups
-        blocks = [block * per_group + np.argsort(keys[block * per_group:(block + 1) * per_group],
-                                                 kind="stable") for block in range(groups)]
+        batch, per_group = keys.shape[0], space.size // groups
+        grouped = keys.reshape(batch, groups, per_group)
+        within = (torch.argsort(grouped, dim=2, stable=True)
+                  + (torch.arange(groups) * per_group)[None, :, None])
         permutations = {}
-        block_order = np.arange(groups)
+        block_order = torch.arange(groups).expand(batch, groups)
         if side == "in" and layer not in frozen:
             # Groups are ordered by their smallest key; the convolution's output groups
             # move with them in the same step (its input axis is local to each group).
-            block_order = np.argsort([keys[block[0]] for block in blocks], kind="stable")
+            block_order = torch.argsort(grouped.amin(dim=2), dim=1, stable=True)
             out = outputs[layer]
             per_out = structure.spaces[out].size // groups
-            permutations[out] = np.concatenate([b * per_out + np.arange(per_out)
-                                                for b in block_order])
-        permutations[index] = np.concatenate([blocks[b] for b in block_order])
-        state = apply_symmetry(state, structure, permutations=permutations)
-    return state
+            permutations[out] = (block_order[:, :, None] * per_out
+                                 + torch.arange(per_out)).reshape(batch, -1)
+        permutations[index] = within.gather(
+            1, block_order[:, :, None].expand(batch, groups, per_group)).reshape(batch, -1)
+        states = apply_symmetry_batch(states, structure, permutations=permutations)
+    return states
+
+
+def check_options(permutation: str, scaling: str, solver: str = "fast") -> None:
+    """Raise :class:`InvalidOptionError` for an unknown sort key, scaling or solver."""
+    from posteriorzoo.symmetry.minmass import SOLVERS
+
+    for name, value, allowed in (("permutation", permutation, PERMUTATION_KEYS),
+                                 ("scaling", scaling, SCALINGS), ("solver", solver, SOLVERS)):
+        if value not in allowed:
+            raise InvalidOptionError(f"{name} must be one of {', '.join(allowed)}, "
+                                     f"not {value!r}")
+
+
+def canonicalize_batch(states: Mapping[str, torch.Tensor], structure: SymmetryStructure,
+                       permutation: str = "first", scaling: str = "norm",
+                       softmax: bool = True, solver: str = "fast"
+                       ) -> tuple[State, CanonicalReport]:
+    """Canonical forms of a batch ``{key: (B, *shape)}``; dead units reported as
+    ``(checkpoint, variable, unit)``. ``solver`` is used by ``scaling="minmass"`` only."""
+    check_options(permutation, scaling, solver)
+    report = CanonicalReport(permutation, scaling, softmax, notes=list(structure.notes))
+    result = dict(states)
+    if scaling != "none":
+        result = canonical_scales(result, structure, "std" if scaling == "std" else "norm",
+                                  report)
+    if scaling == "minmass":
+        from posteriorzoo.symmetry.minmass import solve_min_mass_batch
+
+        result = solve_min_mass_batch(result, structure, solver).states
+    if softmax and structure.output_bias is not None:
+        bias = result[structure.output_bias]
+        result[structure.output_bias] = bias - bias.mean(dim=1, keepdim=True)
+    if permutation != "none":
+        result = canonical_permutations(result, structure, permutation)
+    return {key: value.clone() if value is states[key] else value
+            for key, value in result.items()}, report
 
 
 def canonicalize_state(state: Mapping[str, torch.Tensor], structure: SymmetryStructure,
                        permutation: str = "first", scaling: str = "norm",
-                       softmax: bool = True) -> tuple[State, CanonicalReport]:
-    """The canonical form of ``state`` under ``structure``'s symmetries, and a report."""
-    if permutation not in PERMUTATION_KEYS:
-        raise InvalidOptionError(f"permutation must be one of {PERMUTATION_KEYS}")
-    if scaling not in SCALINGS:
-        raise InvalidOptionError(f"scaling must be one of {SCALINGS}")
-    report = CanonicalReport(permutation, scaling, softmax, notes=list(structure.notes))
-    result = {key: value.clone() for key, value in state.items()}
-    if scaling != "none":
-        result = canonical_scales(result, structure, scaling, report)
-    if softmax and structure.output_bias is not None:
-        bias = result[structure.output_bias]
-        result[structure.output_bias] = bias - bias.mean()
-    if permutation != "none":
-        result = canonical_permutations(result, structure, permutation)
-    return result, report
+                       softmax: bool = True, solver: str = "fast"
+                       ) -> tuple[State, CanonicalReport]:
+    """The canonical form of one checkpoint under ``structure``'s symmetries, and a report
+    whose dead units are ``(variable, unit)`` pairs."""
+    batch, report = canonicalize_batch({key: value[None] for key, value in state.items()},
+                                       structure, permutation, scaling, softmax, solver)
+    report.dead_units = [unit[1:] for unit in report.dead_units]
+    return {key: value[0] for key, value in batch.items()}, report
+
+
+

@@ -1,23 +1,33 @@
-"""Canonicalizing a whole collection into a new one."""
+"""Whole collections: canonical copies and min-mass reports, vectorised over checkpoints.
+
+The symmetry structure is traced once per collection; checkpoints are then read, solved
+and written in batches (``{key: (B, *shape)}``), each batch one call of the batched
+canonicalizer or Newton solver.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from posteriorzoo.errors import ChecksumError
+from posteriorzoo.errors import ChecksumError, InvalidOptionError, NonFiniteWeightsError
 from posteriorzoo.models import build, input_shape
-from posteriorzoo.symmetry.canonical import canonicalize_state
-from posteriorzoo.symmetry.structure import trace_structure
+from posteriorzoo.symmetry.canonical import canonicalize_batch, check_options
+from posteriorzoo.symmetry.minmass import MinMassBatch, mass_problem, solve_min_mass_batch
+from posteriorzoo.symmetry.structure import SymmetryStructure, trace_structure
 from posteriorzoo.zoo import Zoo, create_zoo, open_zoo
+from posteriorzoo.zoo.schema import decode
 
 #: Largest relative change of the logits that ``verify`` accepts. BatchNorm's epsilon
 #: makes rescaling its inputs exact only to about eps / running_var.
 VERIFY_TOLERANCE = 1e-3
+#: Memory budget of one batch of float64 checkpoints and their temporaries, in bytes.
+BATCH_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -29,11 +39,67 @@ class CanonicalizeSummary:
     dead_units: int
     verified: list[int]
     largest_change: float
+    #: checkpoints with non-finite weights (flagged diverged), copied unchanged
+    copied_unchanged: int = 0
+
+
+@dataclass
+class MinMassReport:
+    """:func:`min_mass_collection`'s result: arrays over the N checkpoints.
+
+    ``mass_before``/``mass_after``: (N,) sums of squared weights; ``max_abs_before``/
+    ``max_abs_after``: weight key -> (N,) largest |w| (paper Fig. 2); ``scales``: scale
+    variable -> (N, size); ``dead_units``: ``(checkpoint, variable, unit)``;
+    ``iterations``: (N,) Newton iterations (0 for cvxpy).
+    """
+
+    mass_before: np.ndarray
+    mass_after: np.ndarray
+    max_abs_before: dict[str, np.ndarray]
+    max_abs_after: dict[str, np.ndarray]
+    scales: dict[int, np.ndarray]
+    iterations: np.ndarray
+    dead_units: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def _model(zoo: Zoo) -> tuple[torch.nn.Module, tuple[int, ...]]:
     model = build(zoo.architecture, num_classes=zoo.num_classes, **zoo.model_options)
     return model.double().eval(), input_shape(zoo.architecture, **zoo.model_options)
+
+
+def default_batch_size(zoo: Zoo, structure: SymmetryStructure | None = None,
+                       requested: int | None = None) -> int:
+    """``requested``, or checkpoints per batch so that one batch stays within
+    :data:`BATCH_BYTES`."""
+    if requested is not None:
+        if requested < 1:
+            raise InvalidOptionError(f"batch size must be at least 1, not {requested}")
+        return requested
+    values = sum(int(np.prod(shape)) for shape in zoo.shapes.values())
+    unknowns = 0 if structure is None else sum(
+        structure.spaces[structure.scales[i].space].size for i in structure.scalable())
+    per_checkpoint = 8 * (8 * values + 3 * (unknowns + 1) ** 2)
+    return int(np.clip(BATCH_BYTES // per_checkpoint, 1, 16384))
+
+
+def _batches(zoo: Zoo, batch_size: int
+             ) -> Iterator[tuple[int, dict[str, torch.Tensor], torch.Tensor]]:
+    """Yield ``(start, {key: float64 tensor (B, *shape)}, non_finite (B,))`` over the whole
+    collection. Checkpoints with NaN or infinite values (stored only when flagged
+    diverged) are zeroed in the batch and marked in ``non_finite``."""
+    for start in range(0, len(zoo), batch_size):
+        stop = min(len(zoo), start + batch_size)
+        batch = {key: torch.from_numpy(zoo.layer(key, slice(start, stop)))
+                 for key in zoo.state_keys}
+        non_finite = torch.zeros(stop - start, dtype=torch.bool)
+        for key, value in batch.items():
+            if value.is_floating_point():
+                batch[key] = value.double()
+                non_finite |= ~torch.isfinite(value.reshape(stop - start, -1)).all(dim=1)
+        if non_finite.any():
+            batch = {key: torch.where(non_finite.reshape(-1, *[1] * (v.dim() - 1)), 0, v)
+                     if v.is_floating_point() else v for key, v in batch.items()}
+        yield start, batch, non_finite
 
 
 def logit_change(model: torch.nn.Module, shape: tuple[int, ...], before: dict,
@@ -54,59 +120,135 @@ def logit_change(model: torch.nn.Module, shape: tuple[int, ...], before: dict,
 
 def canonicalize_collection(source: str | os.PathLike, target: str | os.PathLike, *,
                             permutation: str = "first", scaling: str = "norm",
-                            softmax: bool = True, verify: int = 0, seed: int = 0,
+                            softmax: bool = True, solver: str = "fast", verify: int = 0,
+                            seed: int = 0, batch_size: int | None = None,
                             progress: bool = False, command: str | None = None
                             ) -> CanonicalizeSummary:
     """Write the canonical form of every checkpoint of ``source`` to a new collection.
 
+    The structure is traced once; checkpoints are canonicalized ``batch_size`` at a time
+    (default: :func:`default_batch_size`) in float64 and stored in the source's dtypes.
     The target keeps each checkpoint's metadata row and records in its ``annotations``
     attribute exactly what was removed and how. With ``verify = N``, N checkpoints drawn
     with ``seed`` are checked to compute the same function before and after (random
     float64 inputs; :class:`ChecksumError` if the logits move by more than
-    :data:`VERIFY_TOLERANCE` relative). Computation is in float64; results are stored in
-    the source's dtypes.
+    :data:`VERIFY_TOLERANCE` relative; a partial target is removed). Checkpoints with NaN
+    or infinite weights, which a collection holds only flagged as diverged, have no
+    canonical form: they are copied unchanged, still flagged, and counted in
+    :attr:`CanonicalizeSummary.copied_unchanged`.
     """
     from tqdm.auto import tqdm
 
+    check_options(permutation, scaling, solver)
     source, target = Path(source), Path(target)
     with open_zoo(source) as zoo:
         model, shape = _model(zoo)
         structure = trace_structure(model, shape)
         annotations = {"canonicalized_from": source.name, "permutation": permutation,
-                       "scaling": scaling, "softmax": softmax,
+                       "scaling": scaling, "solver": solver if scaling == "minmass" else None,
+                       "softmax": softmax,
                        "softmax_rule": "output biases sum to zero" if softmax else None,
                        "permuted_spaces": len(structure.permutable()),
                        "scaled_variables": len(structure.scalable()),
-                       "not_removed": structure.notes}
+                       "not_removed": structure.notes,
+                       "dead_units": "units without incoming weights keep scale 1",
+                       "non_finite": "checkpoints with NaN or infinite weights (flagged "
+                                     "diverged) are copied unchanged"}
         count = len(zoo)
-        checked = sorted(np.random.default_rng(seed).choice(count, min(verify, count),
-                                                            replace=False).tolist())
-        dead, largest = 0, 0.0
+        checked = set(np.random.default_rng(seed).choice(count, min(verify, count),
+                                                         replace=False).tolist())
+        batch_size = default_batch_size(zoo, structure, batch_size)
+        rows = zoo.metadata
+        dtypes = {key: torch.from_numpy(np.zeros(0, dtype)).dtype
+                  for key, dtype in zoo.dtypes.items()}
+        dead, copied, largest, verified = 0, 0, 0.0, []
         out = create_zoo(target, architecture=zoo.architecture, dataset=zoo.dataset,
                          method=zoo.method, num_classes=zoo.num_classes,
                          model_options=zoo.model_options, template=zoo.spec,
                          recipe=zoo.recipe, annotations=annotations, command=command)
-        with out, tqdm(total=count, desc="canonicalize", unit="ckpt",
-                       disable=not progress) as bar:
-            for index in range(count):
-                original = zoo.state_dict(index)
-                state = {k: v.double() if v.is_floating_point() else v
-                         for k, v in original.items()}
-                canonical, report = canonicalize_state(state, structure, permutation,
-                                                       scaling, softmax)
-                dead += len(report.dead_units)
-                stored = {k: canonical[k].to(original[k].dtype) for k in original}
-                if index in checked:
-                    change = logit_change(model, shape, original, stored, seed + index)
-                    largest = max(largest, change)
-                    if not change < VERIFY_TOLERANCE:
-                        raise ChecksumError(
-                            f"checkpoint {index}: the canonical network's logits differ by "
-                            f"{change:.3g} (relative); nothing more was written")
-                row = zoo.metadata_dict(index)
-                for automatic in ("sha256", "written_at"):
-                    row.pop(automatic)
-                row["source"] = f"canonical {source.name}[{index}]"[-256:]
-                out.append(stored, **row)
-                bar.update(1)
-    return CanonicalizeSummary(target, count, dead, checked, largest)
+        try:
+            with out, tqdm(total=count, desc="canonicalize", unit="ckpt",
+                           disable=not progress) as bar:
+                for start, batch, non_finite in _batches(zoo, batch_size):
+                    canonical, report = canonicalize_batch(batch, structure, permutation,
+                                                           scaling, softmax, solver)
+                    dead += sum(1 for unit in report.dead_units if not non_finite[unit[0]])
+                    size = len(non_finite)
+                    stored = [zoo.arrays(start + b) if non_finite[b] else
+                              {key: canonical[key][b].to(dtypes[key]) for key in canonical}
+                              for b in range(size)]
+                    copied += int(non_finite.sum())
+                    for b in sorted(i - start for i in checked if start <= i < start + size):
+                        if non_finite[b]:
+                            continue
+                        change = logit_change(model, shape, zoo.state_dict(start + b),
+                                              stored[b], seed + start + b)
+                        largest = max(largest, change)
+                        verified.append(start + b)
+                        if not change < VERIFY_TOLERANCE:
+                            raise ChecksumError(
+                                f"checkpoint {start + b}: the canonical network's logits "
+                                f"differ by {change:.3g} (relative)")
+                    out.append_many(stored, [_copied_row(rows[start + b], source.name,
+                                                         start + b) for b in range(size)])
+                    bar.update(size)
+        except BaseException:
+            target.unlink(missing_ok=True)
+            raise
+    return CanonicalizeSummary(target, count, dead, verified, largest, copied)
+
+
+def _copied_row(row: np.void, source: str, index: int) -> dict:
+    values = {name: decode(row[name]) for name in row.dtype.names
+              if name not in ("sha256", "written_at")}
+    values["source"] = f"canonical {source}[{index}]"[-256:]
+    return values
+
+
+def _blank(result: MinMassBatch, rows: np.ndarray) -> None:
+    """Set the non-finite checkpoints' entries of ``result`` to NaN."""
+    for values in (result.mass_before, result.mass_after, *result.max_abs_before.values(),
+                   *result.max_abs_after.values(), *result.scales.values()):
+        values[rows] = np.nan
+
+
+def min_mass_collection(source: str | os.PathLike, *, solver: str = "fast",
+                        batch_size: int | None = None, progress: bool = False
+                        ) -> MinMassReport:
+    """Minimum mass of every checkpoint of a collection (nothing is written).
+
+    Returns the masses before and after, each weight tensor's largest |w| before and
+    after (paper Fig. 2), the optimal scales and the dead units, as arrays over the
+    checkpoint axis. ``solver``: ``"fast"`` (batched Newton) or ``"cvxpy"``. Checkpoints
+    with non-finite weights (flagged diverged) get NaN in every array.
+    """
+    from tqdm.auto import tqdm
+
+    with open_zoo(source) as zoo:
+        model, shape = _model(zoo)
+        structure = trace_structure(model, shape)
+        problem = mass_problem(structure, {k: torch.from_numpy(np.zeros(s, zoo.dtypes[k]))
+                                           for k, s in zoo.shapes.items()})
+        parts: list[MinMassBatch] = []
+        dead: list[tuple[int, int, int]] = []
+        with tqdm(total=len(zoo), desc="min-mass", unit="ckpt", disable=not progress) as bar:
+            for start, batch, non_finite in _batches(
+                    zoo, default_batch_size(zoo, structure, batch_size)):
+                result = solve_min_mass_batch(batch, structure, solver, problem)
+                result.states = {}
+                _blank(result, non_finite.numpy())
+                parts.append(result)
+                dead += [(start + b, variable, unit) for b, variable, unit in result.dead_units
+                         if not non_finite[b]]
+                bar.update(len(result.mass_before))
+    if not parts:
+        raise InvalidOptionError(f"{source}: the collection holds no checkpoints")
+
+    def joined(name: str) -> dict:
+        return {key: np.concatenate([getattr(p, name)[key] for p in parts])
+                for key in getattr(parts[0], name)}
+
+    return MinMassReport(np.concatenate([p.mass_before for p in parts]),
+                         np.concatenate([p.mass_after for p in parts]),
+                         joined("max_abs_before"), joined("max_abs_after"), joined("scales"),
+                         np.concatenate([p.iterations for p in parts]), dead)

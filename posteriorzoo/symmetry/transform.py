@@ -1,9 +1,13 @@
-"""Applying elements of the symmetry group to a state_dict.
+"""Applying elements of the symmetry group to checkpoints.
 
 An element is a permutation per unit space, a positive scale vector per scale variable
 and a softmax shift. Scalings are applied first, in the input's coordinates, then
 permutations: axis 0 (the writers) of every tensor, then axis 1 (the readers), because a
 grouped convolution's input axis is local to the output group its row belongs to.
+
+Everything works on a *batch*: ``{key: tensor of shape (B, *shape)}`` with one group
+element per checkpoint, so a whole collection is transformed without a Python loop over
+checkpoints. :func:`apply_symmetry` is the one-checkpoint form.
 """
 
 from __future__ import annotations
@@ -18,52 +22,100 @@ from posteriorzoo.symmetry.structure import SymmetryStructure, TensorAxis, UnitS
 State = dict[str, torch.Tensor]
 
 
-def _grouped_unit_index(tensor: torch.Tensor, axis: TensorAxis) -> np.ndarray:
-    """For a grouped reader, the input unit of each (row, local column): shape (rows, cols)."""
-    rows, local = tensor.shape[0], tensor.shape[1]
-    per_group_rows = rows // axis.groups
-    group = np.arange(rows) // per_group_rows
-    return group[:, None] * local + np.arange(local)[None, :]
+def _grouped_unit_index(rows: int, local: int, groups: int) -> torch.Tensor:
+    """For a grouped reader, the input unit of each (row, local column): shape (rows, local)."""
+    group = torch.arange(rows) // (rows // groups)
+    return group[:, None] * local + torch.arange(local)[None, :]
 
 
-def _scale_axis(tensor: torch.Tensor, axis: TensorAxis, factors: np.ndarray) -> torch.Tensor:
-    """``tensor`` multiplied along ``axis`` by ``factors ** axis.power`` (per unit)."""
-    powered = factors.astype(np.float64) ** axis.power
+def _unit_multiplier(factors: torch.Tensor, shape: torch.Size, axis: TensorAxis
+                     ) -> torch.Tensor:
+    """Per-entry multipliers ``factors ** power`` broadcastable to ``(B, *shape)``.
+
+    ``factors``: (B, size) positive scales of the units indexing ``axis``.
+    """
+    powered = factors ** axis.power
+    trailing = len(shape) - 2
     if axis.groups > 1:
-        multiplier = powered[_grouped_unit_index(tensor, axis)]
-    else:
-        multiplier = np.repeat(powered, axis.block)
-        shape = [1] * tensor.dim()
-        shape[axis.axis] = multiplier.shape[0]
-        multiplier = multiplier.reshape(shape)
-    if multiplier.ndim == 2:
-        multiplier = multiplier.reshape(*multiplier.shape, *([1] * (tensor.dim() - 2)))
-    return tensor * torch.as_tensor(multiplier, dtype=tensor.dtype)
+        index = _grouped_unit_index(shape[0], shape[1], axis.groups)
+        return powered[:, index].reshape(*powered.shape[:1], shape[0], shape[1],
+                                         *([1] * trailing))
+    multiplier = powered.repeat_interleave(axis.block, dim=1)
+    view = [multiplier.shape[0]] + [1] * len(shape)
+    view[axis.axis + 1] = multiplier.shape[1]
+    return multiplier.reshape(view)
 
 
-def _permute_axis(tensor: torch.Tensor, axis: TensorAxis, order: np.ndarray) -> torch.Tensor:
-    """``tensor`` with units reordered along ``axis``: new position p holds old unit order[p]."""
+def _permute_axis(tensor: torch.Tensor, axis: TensorAxis, order: torch.Tensor
+                  ) -> torch.Tensor:
+    """``tensor`` (B, *shape) with units reordered along ``axis``: new position p of
+    checkpoint b holds old unit ``order[b, p]``."""
+    batch = tensor.shape[0]
     if axis.groups > 1:
-        # Rows already hold their new groups; within new group b the local columns are
-        # reordered as the block of `order` that group b reads.
-        local = tensor.shape[1]
-        per_group_rows = tensor.shape[0] // axis.groups
-        result = torch.empty_like(tensor)
-        for group in range(axis.groups):
-            block = order[group * local:(group + 1) * local]
-            columns = torch.as_tensor(block % local)
-            rows = slice(group * per_group_rows, (group + 1) * per_group_rows)
-            result[rows] = tensor[rows].index_select(1, columns)
-        return result
-    index = (order[:, None] * axis.block + np.arange(axis.block)[None, :]).reshape(-1)
-    return tensor.index_select(axis.axis, torch.as_tensor(index))
+        # Rows already hold their new groups; within new group g the local columns are
+        # reordered as the block of `order` that group g reads.
+        rows, local = tensor.shape[1], tensor.shape[2]
+        group = torch.arange(rows) // (rows // axis.groups)
+        columns = order.reshape(batch, axis.groups, local)[:, group, :] % local
+        index = columns.reshape(batch, rows, local, *([1] * (tensor.dim() - 3)))
+        return tensor.gather(2, index.expand_as(tensor))
+    index = (order[:, :, None] * axis.block + torch.arange(axis.block)).reshape(batch, -1)
+    view = [batch] + [1] * (tensor.dim() - 1)
+    view[axis.axis + 1] = index.shape[1]
+    return tensor.gather(axis.axis + 1, index.reshape(view).expand_as(tensor))
+
+
+def apply_symmetry_batch(states: Mapping[str, torch.Tensor], structure: SymmetryStructure,
+                         permutations: Mapping[int, torch.Tensor | np.ndarray] | None = None,
+                         scales: Mapping[int, torch.Tensor | np.ndarray] | None = None,
+                         softmax_shift: torch.Tensor | np.ndarray | None = None) -> State:
+    """Apply one group element per checkpoint to a batch of checkpoints.
+
+    Parameters
+    ----------
+    states : mapping of str to tensor of shape (B, *shape)
+    permutations : mapping of space index to int array (B, size), optional
+        New position p of checkpoint b's space holds its old unit ``order[b, p]``.
+    scales : mapping of scale-variable index to positive float array (B, size), optional
+    softmax_shift : float array (B,), optional
+        Added to every output bias of each checkpoint (the softmax is invariant to it).
+
+    Returns
+    -------
+    dict of str to tensor of shape (B, *shape): new tensors, the inputs are not modified.
+    """
+    result = dict(states)
+    for index, factors in (scales or {}).items():
+        variable = structure.scales[index]
+        for axis in (*variable.writers, *variable.readers):
+            tensor = result[axis.key]
+            factors = torch.as_tensor(factors, dtype=tensor.dtype)
+            result[axis.key] = tensor * _unit_multiplier(factors, tensor.shape[1:], axis)
+    permutations = {index: torch.as_tensor(np.asarray(order), dtype=torch.long)
+                    for index, order in (permutations or {}).items()}
+    for side in ("writers", "readers"):
+        for index, order in permutations.items():
+            space: UnitSpace = structure.spaces[index]
+            for axis in getattr(space, side):
+                result[axis.key] = _permute_axis(result[axis.key], axis, order)
+    if softmax_shift is not None and structure.output_bias is not None:
+        bias = result[structure.output_bias]
+        shift = torch.as_tensor(softmax_shift, dtype=bias.dtype).reshape(-1, 1)
+        result[structure.output_bias] = bias + shift
+    return {key: value.clone() if value is states[key] else value
+            for key, value in result.items()}
+
+
+def stack_states(states: list[Mapping[str, torch.Tensor]]) -> State:
+    """Checkpoints with the same keys as one batch ``{key: (B, *shape)}``."""
+    return {key: torch.stack([state[key] for state in states]) for key in states[0]}
 
 
 def apply_symmetry(state: Mapping[str, torch.Tensor], structure: SymmetryStructure,
                    permutations: Mapping[int, np.ndarray] | None = None,
                    scales: Mapping[int, np.ndarray] | None = None,
                    softmax_shift: float = 0.0) -> State:
-    """Apply a group element to ``state`` and return the new state (same keys and shapes).
+    """Apply a group element to one checkpoint; returns a new state (same keys and shapes).
 
     Parameters
     ----------
@@ -73,20 +125,13 @@ def apply_symmetry(state: Mapping[str, torch.Tensor], structure: SymmetryStructu
     softmax_shift : float
         Added to every output bias (the softmax is invariant to it).
     """
-    result = {key: value.clone() for key, value in state.items()}
-    for index, factors in (scales or {}).items():
-        variable = structure.scales[index]
-        for axis in (*variable.writers, *variable.readers):
-            result[axis.key] = _scale_axis(result[axis.key], axis, np.asarray(factors))
-    permutations = permutations or {}
-    for side in ("writers", "readers"):
-        for index, order in permutations.items():
-            space: UnitSpace = structure.spaces[index]
-            for axis in getattr(space, side):
-                result[axis.key] = _permute_axis(result[axis.key], axis, np.asarray(order))
-    if softmax_shift and structure.output_bias is not None:
-        result[structure.output_bias] = result[structure.output_bias] + softmax_shift
-    return result
+    batch = apply_symmetry_batch(
+        {key: value[None] for key, value in state.items()}, structure,
+        {index: np.asarray(order)[None] for index, order in (permutations or {}).items()},
+        {index: torch.as_tensor(np.asarray(factors, dtype=np.float64))[None]
+         for index, factors in (scales or {}).items()},
+        np.array([softmax_shift]) if softmax_shift else None)
+    return {key: value[0] for key, value in batch.items()}
 
 
 def sample_permutations(structure: SymmetryStructure, rng: np.random.Generator
