@@ -31,6 +31,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_zoo_store.py
 	$(PY) benchmarks/bench_training.py
+	$(PY) benchmarks/bench_canonicalize.py
 
 clean-venv:
 	rm -rf $(VENV)
