@@ -164,3 +164,28 @@ def test_bad_options_fail_before_anything_is_written(tmp_path, capsys):
         assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1
         assert not (tmp_path / "c.h5").exists()
     assert (tmp_path / "z.h5").read_bytes() == before
+
+
+@pytest.mark.parametrize("name,options", ARCHITECTURES)
+def test_many_symmetric_copies_share_one_canonical_form(name, options):
+    """48 random group elements (permutations, scales in [0.01, 100], softmax shifts) at
+    once: every copy has the same canonical form, for every scaling method."""
+    state = _states(name, options, 1)[0]
+    structure = symmetry_structure(name, state, **options)
+    rng = np.random.default_rng(3)
+    copies = 48
+    permutations = [sample_permutations(structure, rng) for _ in range(copies)]
+    scales = {i: np.exp(rng.uniform(np.log(0.01), np.log(100.0), (copies, structure.spaces[
+        structure.scales[i].space].size))) for i in structure.scalable()}
+    moved = apply_symmetry_batch(
+        {key: value.expand(copies, *value.shape) for key, value in state.items()}, structure,
+        {i: np.stack([p[i] for p in permutations]) for i in permutations[0]}, scales,
+        rng.standard_normal(copies))
+    for scaling in ("norm", "std", "minmass"):
+        canonical = canonicalize_many(name, moved, scaling=scaling, **options)
+        reference = canonicalize(name, state, scaling=scaling, **options)
+        for key, value in canonical.items():
+            if value.is_floating_point():
+                scale = float(reference[key].abs().max())
+                torch.testing.assert_close(value, reference[key].expand_as(value).double(),
+                                           rtol=1e-6, atol=1e-6 * scale)

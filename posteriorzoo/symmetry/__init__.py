@@ -132,9 +132,8 @@ def canonicalize(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.
     solver : {"fast", "cvxpy"}
         Min-mass solver (``scaling="minmass"`` only).
 
-    Symmetric copies of one network map to the same canonical state_dict (up to float
-    rounding), and the canonical network computes the same function (BatchNorm inputs
-    rescaled: exact up to the BatchNorm's epsilon, see :func:`random_symmetry`).
+    Symmetric copies of one network map to the same canonical state_dict, and the
+    canonical network computes the same function, both up to float rounding.
     """
     _require_finite(state_dict)
     structure = symmetry_structure(model_or_name, state_dict, **options)
@@ -183,10 +182,9 @@ def random_symmetry(model_or_name: nn.Module | str, state_dict: Mapping[str, tor
 
     Permutations are uniform (block-structured around grouped convolutions); every
     scalable unit gets a log-uniform scale in ``scale_range``; the output biases are
-    shifted by a standard normal constant. Scalings absorbed by a BatchNorm's running
-    statistics (``batchnorm_prescale``) keep the outputs only up to the BatchNorm's
-    epsilon: the normalised value changes by a relative amount below
-    ``eps / (2 * running_var)`` times ``|1 - 1 / lambda**2|``.
+    shifted by a standard normal constant. ``batchnorm_prescale=False`` leaves out the
+    scalings a BatchNorm's running statistics absorb (they are exact too: the running
+    variance becomes ``lambda**2 * (var + eps) - eps``).
     """
     _require_finite(state_dict)
     structure = symmetry_structure(model_or_name, state_dict, **options)

@@ -13,8 +13,9 @@ Two kinds of objects are found:
   only where everything between writers and readers is positively homogeneous (ReLU,
   max/average pooling, dropout, flatten, additions). A BatchNorm normalises away the scale
   of its input: the writers of that input get a scale variable read by the BatchNorm's
-  running mean (times lambda) and variance (times lambda**2) instead of by a next layer;
-  that scaling is exact up to BatchNorm's epsilon. The BatchNorm's own weight and bias
+  running mean (times lambda) and variance (``lambda**2 * (var + eps) - eps``, so that
+  the normalisation is exactly the same) instead of by a next layer. The BatchNorm's own
+  weight and bias
   start a new scale variable.
 
 Anything the tracer does not recognise makes the spaces and variables it touches fixed,
@@ -52,7 +53,9 @@ class TensorAxis:
     read by a dense layer). ``groups``: the tensor is a grouped convolution's weight read
     on its input axis, whose entries are local to each of ``groups`` blocks. ``power``:
     how the tensor scales with the unit's scale (1 for weights, 2 for a running variance,
-    -1 for readers).
+    -1 for readers). ``epsilon``: a BatchNorm's epsilon, for its running variance, which
+    maps to ``lambda**2 * (var + eps) - eps`` so that ``sqrt(var + eps)`` scales exactly
+    by lambda.
     """
 
     key: str
@@ -60,6 +63,7 @@ class TensorAxis:
     block: int = 1
     groups: int = 1
     power: int = 1
+    epsilon: float = 0.0
 
 
 @dataclass
@@ -224,7 +228,7 @@ def trace_structure(model: nn.Module, input_shape: tuple[int, ...]) -> SymmetryS
             readers["scale"].append((source.scale, TensorAxis(f"{name}.running_mean", 0,
                                                               power=1)))
             readers["scale"].append((source.scale, TensorAxis(f"{name}.running_var", 0,
-                                                              power=2)))
+                                                              power=2, epsilon=module.eps)))
             batchnorm_scales.add(source.scale)
             flow = _Flow(source.space, new_scale(source.space))
             writers["space"] += [(source.space, TensorAxis(f"{name}.{suffix}", 0))

@@ -90,7 +90,9 @@ def apply_symmetry_batch(states: Mapping[str, torch.Tensor], structure: Symmetry
         for axis in (*variable.writers, *variable.readers):
             tensor = result[axis.key]
             factors = torch.as_tensor(factors, dtype=tensor.dtype)
-            result[axis.key] = tensor * _unit_multiplier(factors, tensor.shape[1:], axis)
+            multiplier = _unit_multiplier(factors, tensor.shape[1:], axis)
+            result[axis.key] = ((tensor + axis.epsilon) * multiplier - axis.epsilon
+                                if axis.epsilon else tensor * multiplier)
     permutations = {index: torch.as_tensor(np.asarray(order), dtype=torch.long)
                     for index, order in (permutations or {}).items()}
     for side in ("writers", "readers"):
