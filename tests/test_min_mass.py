@@ -71,3 +71,29 @@ def test_dead_unit_is_left_at_scale_one_and_reported():
     assert unit == 3 and result.scales[variable][3] == 1.0
     assert result.mass_after == pytest.approx(reference.mass_after, rel=1e-6)
     assert all(torch.isfinite(v).all() for v in result.state.values())
+
+
+def test_unit_without_outgoing_weights_is_left_at_scale_one():
+    # Its incoming weights could shrink forever (the infimum is not attained): dead.
+    options = {"widths": (5, 7, 6, 3)}
+    state = _state("mlp", options)
+    state["layers.1.weight"][:, 4] = 0.0
+    result = min_mass("mlp", state, **options)
+    reference = min_mass("mlp", state, "cvxpy", **options)
+    assert [unit for _, unit in result.dead_units] == [4]
+    variable = result.dead_units[0][0]
+    assert result.scales[variable][4] == 1.0
+    assert result.mass_after == pytest.approx(reference.mass_after, rel=1e-6)
+
+
+def test_bad_input_is_refused():
+    from posteriorzoo.errors import InvalidOptionError, NonFiniteWeightsError, UnknownNameError
+
+    state = _state("optunet", {})
+    with pytest.raises(InvalidOptionError, match="solver"):
+        min_mass("optunet", state, solver="newton")
+    with pytest.raises(UnknownNameError):
+        min_mass("no-such-net", state)
+    state["fc.weight"][0, 0] = float("inf")
+    with pytest.raises(NonFiniteWeightsError, match="fc.weight"):
+        min_mass("optunet", state)

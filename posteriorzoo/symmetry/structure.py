@@ -55,7 +55,8 @@ class TensorAxis:
     how the tensor scales with the unit's scale (1 for weights, 2 for a running variance,
     -1 for readers). ``epsilon``: a BatchNorm's epsilon, for its running variance, which
     maps to ``lambda**2 * (var + eps) - eps`` so that ``sqrt(var + eps)`` scales exactly
-    by lambda.
+    by lambda (for ``lambda**2 < eps / (var + eps)`` the stored value is negative, which
+    BatchNorm accepts: it only uses ``var + eps``, still positive).
     """
 
     key: str
