@@ -189,3 +189,27 @@ def test_many_symmetric_copies_share_one_canonical_form(name, options):
                 scale = float(reference[key].abs().max())
                 torch.testing.assert_close(value, reference[key].expand_as(value).double(),
                                            rtol=1e-6, atol=1e-6 * scale)
+
+
+def test_cli_min_mass_report(tmp_path, capsys):
+    import csv
+    import json
+
+    states = [{k: v.float() for k, v in s.items()} for s in _states("optunet", {}, 3)]
+    _collection(tmp_path / "z.h5", states)
+    out = tmp_path / "report" / "mass.csv"
+    assert main(["min-mass", str(tmp_path / "z.h5"), "--out", str(out), "--no-progress"]) == 0
+    assert "3 of 3 checkpoints" in capsys.readouterr().out
+    rows = list(csv.DictReader(out.open()))
+    report = min_mass_collection(tmp_path / "z.h5")
+    assert [int(r["seed"]) for r in rows] == [0, 1, 2]
+    for row, before, after in zip(rows, report.mass_before, report.mass_after, strict=True):
+        assert float(row["mass_before"]) == before and float(row["mass_after"]) == after
+        assert float(row["max_abs_after:fc.weight"]) > 0
+    provenance = json.loads((tmp_path / "report" / "mass.csv.json").read_text())
+    assert provenance["command"].startswith("posteriorzoo min-mass")
+    assert len(provenance["input"]["sha256"]) == 64
+    # an existing report is never overwritten
+    assert main(["min-mass", str(tmp_path / "z.h5"), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "already exists" in err and len(err.strip().splitlines()) == 1
