@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from posteriorzoo.errors import ChecksumError, InvalidOptionError, NonFiniteWeightsError
+from posteriorzoo.errors import ChecksumError, InvalidOptionError
 from posteriorzoo.models import build, input_shape
 from posteriorzoo.symmetry.canonical import canonicalize_batch, check_options
 from posteriorzoo.symmetry.minmass import MinMassBatch, mass_problem, solve_min_mass_batch
