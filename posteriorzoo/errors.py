@@ -52,3 +52,11 @@ class DataFormatError(PosteriorZooError, ValueError):
 
 class InvalidOptionError(PosteriorZooError, ValueError):
     """An option value out of its valid range (e.g. a dropout probability of 1.5)."""
+
+
+class SampleSizeError(PosteriorZooError, ValueError):
+    """Too few samples for a statistic (an unbiased MMD needs at least 2 per sample)."""
+
+
+class ShapeMismatchError(PosteriorZooError, ValueError):
+    """Samples or collections whose feature dimensions or layers do not correspond."""

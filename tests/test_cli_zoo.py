@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import save_file
-from zoo_helpers import checkpoint, flip_byte_in_chunk
+from zoo_helpers import assert_one_line_error, checkpoint, flip_byte_in_chunk, run
 
 from posteriorzoo.cli import main
 from posteriorzoo.zoo import create_zoo, open_zoo, write_manifest
@@ -26,19 +26,6 @@ def zoo_file(tmp_path):
     return path
 
 
-def run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(code, err, *fragments):
-    assert code == 2
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, lines
-    for fragment in fragments:
-        assert fragment in lines[0]
 
 
 def test_help_lists_subcommands():

@@ -35,3 +35,25 @@ def flip_byte_in_chunk(path: Path, key: str, chunk: int = 0, offset: int = 3) ->
         byte = raw.read(1)
         raw.seek(position)
         raw.write(bytes([byte[0] ^ 0xFF]))
+
+
+def run(capsys, *argv):
+    """Run the CLI; return (exit code, stdout, stderr)."""
+    from posteriorzoo.cli import main
+
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as stop:  # argparse's usage errors
+        code = stop.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, *fragments):
+    """Exit code 2 and exactly one line on stderr containing every fragment."""
+    assert code == 2
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, lines
+    for fragment in fragments:
+        assert fragment in lines[0]

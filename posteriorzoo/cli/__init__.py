@@ -24,6 +24,7 @@ _SUBCOMMAND_MODULES = (
     "posteriorzoo.cli.hub_commands",
     "posteriorzoo.cli.train_command",
     "posteriorzoo.cli.canonicalize_command",
+    "posteriorzoo.cli.mmd_command",
     "posteriorzoo.cli.demo",
 )
 

@@ -1,0 +1,402 @@
+"""Pairwise L1 and squared-L2 distances, accumulated over blocks of features (numba).
+
+The MMD of a layer needs, for the pooled sample Z = [X; Y] (m + n rows of d weights),
+the matrices of L1 distances ``sum_k |z_ik - z_jk|`` and of squared L2 distances
+``sum_k (z_ik - z_jk)^2``. Both are accumulated in one pass over the data, in blocks of
+columns (features), so a layer with millions of weights can stream from an HDF5 zoo:
+memory is O((m + n)^2 + block), never O((m + n) d).
+
+Exactness. Every distance is accumulated in float64 (whatever the input dtype), in the
+order of the features, one feature at a time: the kernels vectorise across *pairs* (the
+j loop), never across features. The result is therefore bit-for-bit the same for every
+way of cutting the features into blocks, every number of threads, and whether a pair
+(i, j) is computed as part of X's self-distances, Y's, or X-against-Y.
+
+When one reference sample X (the target posterior) is compared with several samples
+Y_1, ..., Y_K (the methods), X's self-distances are shared:
+:class:`SharedTargetDistances` accumulates X-X once and X-Y_k, Y_k-Y_k for each k in the
+same pass over the features.
+"""
+
+# ruff: noqa: N803, N806, N815 -- the paper's and MMDAgg's names: X, Y, K, B1, B2, B3
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+from numba import prange, uint64
+
+from posteriorzoo.errors import NonFiniteWeightsError, SampleSizeError, ShapeMismatchError
+
+#: Default number of features per block when an in-memory array is cut into blocks.
+DEFAULT_BLOCK_FEATURES = 16384
+#: Bytes of one task's transposed float64 tile (kept in the core's L2 cache).
+_TILE_BYTES = 1 << 19
+
+
+# ---------------------------------------------------------------------------- numba kernels
+@numba.njit(inline="always")
+def packed_offset(i, rows):  # pragma: no cover - compiled
+    """Start of row i's pairs (i, i+1), ..., (i, rows-1) in packed upper-triangle storage."""
+    return i * (2 * rows - i - 1) // 2
+
+
+@numba.njit(inline="always")
+def _accumulate_row(buffer, width, xs, acc1, acc2, lo, count):  # pragma: no cover - compiled
+    """acc[k] += sum over the tile's features c of |xs[c] - buffer[c, lo + k]| (and squared).
+
+    Features are added one at a time in order, so every accumulator sees exactly the
+    additions of a plain feature-by-feature loop; four features are handled per pass over
+    k so the accumulators are loaded and stored once per four features. The loops use
+    unsigned indices, which lets the compiler vectorise them.
+    """
+    full = width - width % 4
+    for c in range(0, full, 4):
+        c0 = buffer[c][lo:]
+        c1 = buffer[c + 1][lo:]
+        c2 = buffer[c + 2][lo:]
+        c3 = buffer[c + 3][lo:]
+        x0 = xs[c]
+        x1 = xs[c + 1]
+        x2 = xs[c + 2]
+        x3 = xs[c + 3]
+        for k in range(uint64(count)):
+            s1 = acc1[k]
+            s2 = acc2[k]
+            diff = x0 - c0[k]
+            s1 += abs(diff)
+            s2 += diff * diff
+            diff = x1 - c1[k]
+            s1 += abs(diff)
+            s2 += diff * diff
+            diff = x2 - c2[k]
+            s1 += abs(diff)
+            s2 += diff * diff
+            diff = x3 - c3[k]
+            s1 += abs(diff)
+            s2 += diff * diff
+            acc1[k] = s1
+            acc2[k] = s2
+    for c in range(full, width):
+        column = buffer[c][lo:]
+        x = xs[c]
+        for k in range(uint64(count)):
+            diff = x - column[k]
+            acc1[k] += abs(diff)
+            acc2[k] += diff * diff
+
+
+@numba.njit(parallel=True, cache=True)
+def _self_block(block, l1, l2sq, workspace):  # pragma: no cover - compiled
+    """Add the distances between the rows of ``block`` (rows, features) to l1, l2sq.
+
+    ``l1`` and ``l2sq`` hold the pairs i < j in packed upper-triangle order (see
+    :func:`packed_offset`). Rows i and rows - 1 - i are handled by the same task so that
+    tasks get equal work. Each task copies a tile of features into its own float64
+    buffer, feature-major, then updates its rows' accumulators (:func:`_accumulate_row`).
+    """
+    rows, features = block.shape
+    half = (rows + 1) // 2
+    tasks, tile = workspace.shape[0], workspace.shape[1]
+    for task in prange(tasks):
+        buffer = workspace[task]
+        xs = np.empty(tile, dtype=np.float64)
+        for start in range(0, features, tile):
+            width = min(tile, features - start)
+            for r in range(rows):
+                for c in range(width):
+                    buffer[c, r] = block[r, start + c]
+            for p in range(task, half, tasks):
+                for side in range(2):
+                    i = p if side == 0 else rows - 1 - p
+                    if side == 1 and i == p:
+                        continue
+                    for c in range(width):
+                        xs[c] = buffer[c, i]
+                    first = packed_offset(i, rows)
+                    count = rows - i - 1
+                    _accumulate_row(buffer, width, xs, l1[first:first + count],
+                                    l2sq[first:first + count], i + 1, count)
+
+
+@numba.njit(parallel=True, cache=True)
+def _cross_block(a_block, b_block, l1, l2sq, workspace):  # pragma: no cover - compiled
+    """Add the distances between the rows of ``a_block`` and of ``b_block`` to l1, l2sq.
+
+    ``l1[i, j]`` accumulates ``|a_i - b_j|`` (difference taken as a - b, as in the pooled
+    self-distances where X's rows come first).
+    """
+    a_rows, features = a_block.shape
+    b_rows = b_block.shape[0]
+    tasks, tile = workspace.shape[0], workspace.shape[1]
+    for task in prange(tasks):
+        buffer = workspace[task]
+        xs = np.empty(tile, dtype=np.float64)
+        for start in range(0, features, tile):
+            width = min(tile, features - start)
+            for r in range(b_rows):
+                for c in range(width):
+                    buffer[c, r] = b_block[r, start + c]
+            for i in range(task, a_rows, tasks):
+                for c in range(width):
+                    xs[c] = a_block[i, start + c]
+                _accumulate_row(buffer, width, xs, l1[i], l2sq[i], 0, b_rows)
+
+
+# ---------------------------------------------------------------------------- helpers
+def zeros(*shape: int) -> np.ndarray:
+    """A float64 array of zeros whose memory is touched here, in the calling thread.
+
+    Fresh pages first written inside a parallel region cost far more (concurrent page
+    faults) than zeroing them up front.
+    """
+    array = np.empty(shape)
+    array.fill(0.0)
+    return array
+
+
+def workspace(rows: int) -> np.ndarray:
+    """Per-task tile buffers (tasks, tile, rows) for the distance kernels."""
+    tile = int(max(8, min(512, _TILE_BYTES // (8 * max(rows, 1)))))
+    return zeros(max(1, numba.get_num_threads()), tile, rows)
+
+
+def as_block(array: np.ndarray, name: str = "sample", check_finite: bool = True
+             ) -> np.ndarray:
+    """``array`` as a C-contiguous 2-D float32 or float64 block, checked to be finite.
+
+    Parameters
+    ----------
+    array : array-like of shape (rows, features) or (rows, *shape)
+        Trailing axes are flattened in C order. Integer and float16 inputs become float64
+        or float32; other float dtypes are kept.
+
+    Raises
+    ------
+    NonFiniteWeightsError
+        If a value is NaN or infinite (the message names the first such row).
+    """
+    array = np.asarray(array)
+    if array.ndim < 1:
+        raise ShapeMismatchError(f"{name}: expected an array of shape (samples, features)")
+    array = array.reshape(array.shape[0], -1)
+    if array.dtype == np.float16:
+        array = array.astype(np.float32)
+    elif array.dtype not in (np.float32, np.float64):
+        if not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
+            raise ShapeMismatchError(f"{name}: dtype {array.dtype} is not numeric")
+        array = array.astype(np.float64)
+    array = np.ascontiguousarray(array)
+    if check_finite and array.size and not np.isfinite(array).all():
+        row = int(np.flatnonzero(~np.isfinite(array).all(axis=1))[0])
+        raise NonFiniteWeightsError(f"{name}: row {row} has NaN or infinite values")
+    return array
+
+
+def check_samples(m: int, n: int, d_x: int, d_y: int, names: tuple[str, str] = ("X", "Y")
+                  ) -> None:
+    """Raise unless both samples have at least 2 rows and the same positive dimension."""
+    for rows, name in ((m, names[0]), (n, names[1])):
+        if rows < 2:
+            raise SampleSizeError(
+                f"{name} has {rows} sample(s); the unbiased MMD needs at least 2 per sample")
+    if d_x != d_y:
+        raise ShapeMismatchError(
+            f"{names[0]} has {d_x} features per sample but {names[1]} has {d_y}")
+    if d_x == 0:
+        raise ShapeMismatchError("the samples have no features (an empty layer)")
+
+
+@numba.njit(parallel=True, cache=True)
+def _assemble(xx, yy, xy, out):  # pragma: no cover - compiled
+    """The full symmetric pooled matrix from packed X-X and Y-Y pairs and the X-Y block.
+
+    Written in 64 x 64 tiles so that the mirrored (column) writes stay in cache.
+    """
+    m, n = xy.shape
+    rows = m + n
+    size = 64
+    tiles = (rows + size - 1) // size
+    for ti in prange(tiles):
+        for tj in range(ti, tiles):
+            for i in range(ti * size, min(rows, (ti + 1) * size)):
+                out[i, i] = 0.0
+                for j in range(max(i + 1, tj * size), min(rows, (tj + 1) * size)):
+                    if j < m:
+                        value = xx[packed_offset(i, m) + j - i - 1]
+                    elif i < m:
+                        value = xy[i, j - m]
+                    else:
+                        a = i - m
+                        value = yy[packed_offset(a, n) + j - m - a - 1]
+                    out[i, j] = value
+                    out[j, i] = value
+
+
+def unpack(packed: np.ndarray, rows: int) -> np.ndarray:
+    """A symmetric (rows, rows) matrix with zero diagonal from packed pairs i < j."""
+    full = np.zeros((rows, rows))
+    upper = np.triu_indices(rows, 1)
+    full[upper] = packed
+    return full + full.T
+
+
+@dataclass
+class Distances:
+    """Pairwise distances of the pooled sample Z = [X; Y], kept as its three blocks.
+
+    Attributes
+    ----------
+    xx : (ndarray (m (m - 1) / 2,), ndarray (m (m - 1) / 2,))
+        L1 and squared-L2 distances between rows of X, pairs i < j packed row by row:
+        (0, 1), (0, 2), ..., (0, m - 1), (1, 2), ... (``unpack`` gives the matrix).
+    xy : (ndarray (m, n), ndarray (m, n))
+        L1 and squared-L2 distances between X's row i and Y's row j.
+    yy : (ndarray (n (n - 1) / 2,), ndarray (n (n - 1) / 2,))
+        As ``xx`` for Y.
+    m, n : int
+        Rows of X and of Y.
+
+    All values are float64, in the units of the data (L1) and squared (L2). The arrays may
+    be shared with other comparisons of the same X: do not modify them.
+    """
+
+    xx: tuple[np.ndarray, np.ndarray]
+    xy: tuple[np.ndarray, np.ndarray]
+    yy: tuple[np.ndarray, np.ndarray]
+    m: int
+    n: int
+
+    def pooled(self) -> tuple[np.ndarray, np.ndarray]:
+        """The full symmetric (m + n, m + n) L1 and squared-L2 matrices of Z = [X; Y]."""
+        rows = self.m + self.n
+        out = (zeros(rows, rows), zeros(rows, rows))
+        for k in range(2):
+            _assemble(self.xx[k], self.yy[k], self.xy[k], out[k])
+        return out
+
+
+class SharedTargetDistances:
+    """Distances of one reference sample X and several samples Y_k, fed block by block.
+
+    Parameters
+    ----------
+    m : int
+        Rows of X.
+    ns : sequence of int
+        Rows of each Y_k.
+
+    Feed column blocks with :meth:`update` (the same features of X and of every Y_k, in
+    the same order each time), then read :meth:`pooled` (k). X's self-distances are
+    computed once for all k.
+    """
+
+    def __init__(self, m: int, ns: Sequence[int]) -> None:
+        self.m = int(m)
+        self.ns = [int(n) for n in ns]
+        self.features = 0
+        self._xx = [zeros(m * (m - 1) // 2), zeros(m * (m - 1) // 2)]
+        self._xy = [[zeros(m, n), zeros(m, n)] for n in self.ns]
+        self._yy = [[zeros(n * (n - 1) // 2), zeros(n * (n - 1) // 2)] for n in self.ns]
+        self._workspaces: dict[int, np.ndarray] = {}
+
+    def _workspace(self, rows: int) -> np.ndarray:
+        if rows not in self._workspaces:
+            self._workspaces[rows] = workspace(rows)
+        return self._workspaces[rows]
+
+    def update(self, x_block: np.ndarray, y_blocks: Sequence[np.ndarray],
+               check_finite: bool = True) -> None:
+        """Accumulate one block of features.
+
+        Parameters
+        ----------
+        x_block : ndarray of shape (m, b)
+            Features [f, f + b) of X; any float dtype (see :func:`as_block`).
+        y_blocks : sequence of ndarray of shape (n_k, b)
+            The same features of each Y_k.
+        check_finite : bool
+            Raise :class:`NonFiniteWeightsError` on NaN or infinite values (turn off only
+            if the caller has checked).
+        """
+        x_block = as_block(x_block, "X", check_finite)
+        if x_block.shape[0] != self.m or len(y_blocks) != len(self.ns):
+            raise ShapeMismatchError("a block does not match the sample sizes given")
+        y_blocks = [as_block(y_block, f"Y[{k}]", check_finite)
+                    for k, y_block in enumerate(y_blocks)]
+        # One dtype for all blocks (float32 only if every block is float32): the values
+        # are converted to float64 inside the kernels either way.
+        common = np.result_type(x_block, *y_blocks)
+        x_block = x_block.astype(common, copy=False)
+        width = x_block.shape[1]
+        _self_block(x_block, self._xx[0], self._xx[1], self._workspace(self.m))
+        for k, y_block in enumerate(y_blocks):
+            y_block = y_block.astype(common, copy=False)
+            if y_block.shape != (self.ns[k], width):
+                raise ShapeMismatchError(
+                    f"block of Y[{k}] has shape {y_block.shape}; expected "
+                    f"{(self.ns[k], width)}")
+            _cross_block(x_block, y_block, self._xy[k][0], self._xy[k][1],
+                         self._workspace(self.ns[k]))
+            _self_block(y_block, self._yy[k][0], self._yy[k][1], self._workspace(self.ns[k]))
+        self.features += width
+
+    def pooled(self, k: int = 0) -> Distances:
+        """The distances of the pooled sample Z = [X; Y_k] (see :class:`Distances`)."""
+        return Distances(tuple(self._xx), tuple(self._xy[k]), tuple(self._yy[k]), self.m,
+                         self.ns[k])
+
+
+def column_blocks(array: np.ndarray, block_features: int) -> Iterable[np.ndarray]:
+    """Consecutive column blocks of a 2-D array (views)."""
+    width = array.shape[1]
+    for start in range(0, width, max(1, int(block_features))):
+        yield array[:, start:start + block_features]
+
+
+def pooled_distances(X: np.ndarray, Y: np.ndarray, *,
+                     block_features: int = DEFAULT_BLOCK_FEATURES) -> Distances:
+    """L1 and squared-L2 distance matrices of the pooled sample Z = [X; Y].
+
+    Parameters
+    ----------
+    X : array-like of shape (m, d) or (m, *shape)
+        First sample (trailing axes are flattened).
+    Y : array-like of shape (n, d) or (n, *shape)
+        Second sample, same number of features.
+    block_features : int
+        Features per block; the result does not depend on it (see the module notes).
+
+    Returns
+    -------
+    Distances
+        Its blocks X-X, X-Y, Y-Y; ``.pooled()`` gives the (m + n, m + n) matrices.
+    """
+    X = as_block(X, "X")
+    Y = as_block(Y, "Y")
+    check_samples(X.shape[0], Y.shape[0], X.shape[1], Y.shape[1])
+    return stream_pooled_distances(
+        zip(column_blocks(X, block_features), column_blocks(Y, block_features),
+            strict=True), X.shape[0], Y.shape[0])
+
+
+def stream_pooled_distances(blocks: Iterable[tuple[np.ndarray, np.ndarray]], m: int,
+                            n: int) -> Distances:
+    """Pooled distances from a stream of ``(x_block, y_block)`` column blocks.
+
+    Parameters
+    ----------
+    blocks : iterable of (ndarray (m, b_t), ndarray (n, b_t))
+        The same features of X and Y, block after block (e.g. read from HDF5).
+    m, n : int
+        Rows of X and of Y.
+    """
+    shared = SharedTargetDistances(m, [n])
+    for x_block, y_block in blocks:
+        shared.update(x_block, [y_block])
+    if shared.features == 0:
+        raise ShapeMismatchError("the samples have no features (an empty layer)")
+    return shared.pooled(0)

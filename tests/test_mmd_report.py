@@ -1,0 +1,271 @@
+"""Layer-wise comparison reports: zoo files and arrays, streaming, symmetries, the CLI."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+from zoo_helpers import assert_one_line_error, checkpoint, run
+
+from posteriorzoo.errors import InvalidOptionError, SampleSizeError, ShapeMismatchError
+from posteriorzoo.hashing import sha256_file
+from posteriorzoo.mmd import compare_arrays, compare_collections, kernel_mmds
+from posteriorzoo.mmd.sources import block_plan, parameter_keys
+from posteriorzoo.models import build
+from posteriorzoo.reference import reference_path
+from posteriorzoo.symmetry import random_symmetry
+from posteriorzoo.zoo import create_zoo, open_zoo
+
+OPTUNET_LAYERS = {"conv1.weight": 32, "conv2.weight": 250, "fc.weight": 100, "fc.bias": 10}
+
+
+def make_zoo(path, states, architecture="optunet", num_classes=10, **options):
+    with create_zoo(path, architecture=architecture, dataset="digits", method="test",
+                    num_classes=num_classes, model_options=options, template=states[0]) as zoo:
+        zoo.append_many(states, [{"seed": i} for i in range(len(states))])
+    return path
+
+
+@pytest.fixture(scope="module")
+def zoos(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mmd")
+    target = [checkpoint(seed) for seed in range(30)]
+    near = [checkpoint(seed) for seed in range(100, 112)]
+    # a method whose members are symmetric copies of `near`: same functions, other weights
+    moved = [random_symmetry("optunet", state, seed=7 + i) for i, state in enumerate(near)]
+    return {"target": make_zoo(folder / "target.h5", target),
+            "near": make_zoo(folder / "near.h5", near),
+            "moved": make_zoo(folder / "moved.h5", moved), "folder": folder}
+
+
+def layers_of(path):
+    with open_zoo(path) as zoo:
+        return {key: zoo.layer(key) for key in zoo.state_keys}
+
+
+# ------------------------------------------------------------------------ the numbers
+def test_layer_values_and_weighted_means(zoos):
+    report = compare_collections(zoos["target"], {"near": zoos["near"]}, symmetries="keep")
+    target, near = layers_of(zoos["target"]), layers_of(zoos["near"])
+    assert [r.layer for r in report.results] == list(OPTUNET_LAYERS)
+    for result in report.results:
+        direct = kernel_mmds(target[result.layer], near[result.layer])
+        assert np.array_equal(result.mmd.values, direct.values)       # exactly
+        assert np.array_equal(result.mmd.bandwidths, direct.bandwidths)
+        assert result.parameters == OPTUNET_LAYERS[result.layer]
+        assert (result.mmd.m, result.mmd.n) == (30, 12)
+        assert result.median == pytest.approx(np.median(direct.values))
+    summary = report.summary("near", "kept")
+    sizes = np.array([r.parameters for r in report.results])
+    for stat in ("median", "mean", "max"):
+        values = np.array([getattr(r, stat) for r in report.results])
+        assert getattr(summary, stat) == pytest.approx((values * sizes).sum() / sizes.sum())
+    assert summary.parameters == 392 and summary.layers == 4
+
+
+def test_block_plan_covers_every_value_in_order():
+    rng = np.random.default_rng(0)
+    for shape in [(10, 1, 5, 5), (7,), (3, 4, 5), (2, 1, 1, 9), ()]:
+        tensor = rng.normal(size=(4, *shape))
+        flat = tensor.reshape(4, -1)
+        for budget in (1, 2, 3, 7, 26, 1000):
+            pieces = [tensor[(slice(None), *index)].reshape(4, -1)
+                      for index in block_plan(shape, budget)]
+            assert all(p.shape[1] <= max(budget, 1) for p in pieces) or len(pieces) == 1
+            assert np.array_equal(np.concatenate(pieces, axis=1), flat)
+
+
+def test_streaming_from_hdf5_equals_in_memory_exactly(zoos):
+    streamed = compare_collections(zoos["target"], [zoos["near"]], symmetries="keep",
+                                   block_bytes=8 * 42 * 3)       # 3 values per block
+    target, near = layers_of(zoos["target"]), layers_of(zoos["near"])
+    in_memory = compare_arrays(target, {"near": near})
+    for a, b in zip(streamed.results, in_memory.results, strict=True):
+        assert a.layer == b.layer
+        assert np.array_equal(a.mmd.values, b.mmd.values)
+
+
+def test_module_grouping_concatenates_weight_and_bias(zoos):
+    report = compare_collections(zoos["target"], [zoos["near"]], symmetries="keep",
+                                 group="module")
+    assert [(r.layer, r.parameters) for r in report.results] == [
+        ("conv1", 32), ("conv2", 250), ("fc", 110)]
+    target, near = layers_of(zoos["target"]), layers_of(zoos["near"])
+
+    def joined(arrays):
+        return np.concatenate([arrays["fc.weight"].reshape(len(arrays["fc.bias"]), -1),
+                               arrays["fc.bias"]], axis=1)
+
+    direct = kernel_mmds(joined(target), joined(near))
+    assert np.array_equal(report.results[-1].mmd.values, direct.values)
+
+
+def test_ns_mmd_removes_symmetries(zoos):
+    report = compare_collections(zoos["target"], {"near": zoos["near"], "moved": zoos["moved"]},
+                                 symmetries="both")
+    kept = {(r.method, r.layer): r.mmd.values for r in report.results if r.symmetries == "kept"}
+    removed = {(r.method, r.layer): r.mmd.values for r in report.results
+               if r.symmetries == "removed"}
+    assert len(kept) == len(removed) == 8
+    differ = 0
+    for layer in OPTUNET_LAYERS:
+        # canonical forms of symmetric copies agree up to float32 storage of the weights
+        scale = np.abs(removed[("near", layer)]).max()
+        np.testing.assert_allclose(removed[("moved", layer)], removed[("near", layer)],
+                                   rtol=1e-3, atol=1e-4 * scale)
+        differ += not np.allclose(kept[("moved", layer)], kept[("near", layer)], rtol=1e-2)
+    assert differ >= 3                  # with the symmetries kept the copies look different
+    canonical = report.provenance["canonicalizer"]
+    assert canonical["permutation"] == "first" and canonical["scaling"] == "norm"
+    assert canonical["softmax"] is True
+
+
+def test_canonical_copies_are_kept_and_reused(zoos, tmp_path):
+    first = compare_collections(zoos["target"], [zoos["near"]], symmetries="remove",
+                                canonical_dir=tmp_path / "canonical")
+    copies = sorted(p.name for p in (tmp_path / "canonical").iterdir())
+    assert len(copies) == 2 and all("first-norm-softmax" in name for name in copies)
+    second = compare_collections(zoos["target"], [zoos["near"]], symmetries="remove",
+                                 canonical_dir=tmp_path / "canonical")
+    assert all(c["reused"] for c in second.provenance["canonicalizer"]["copies"])
+    for a, b in zip(first.results, second.results, strict=True):
+        assert np.array_equal(a.mmd.values, b.mmd.values)
+
+
+def test_parameters_only_by_default(tmp_path):
+    states = [checkpoint(seed, "resnet18", num_classes=10, width=2) for seed in range(3)]
+    path = make_zoo(tmp_path / "resnet.h5", states, architecture="resnet18", width=2)
+    with open_zoo(path) as zoo:
+        keys = parameter_keys(zoo)
+        with_buffers = parameter_keys(zoo, include_buffers=True)
+    assert {"conv1.weight", "bn1.weight", "bn1.bias", "fc.weight", "fc.bias"} <= set(keys)
+    assert not any(k.endswith(("running_mean", "running_var", "num_batches_tracked"))
+                   for k in keys)
+    assert "bn1.running_mean" in with_buffers and "bn1.running_var" in with_buffers
+    assert not any(k.endswith("num_batches_tracked") for k in with_buffers)
+    model_parameters = sum(p.numel() for p in build("resnet18", num_classes=10,
+                                                     width=2).parameters())
+    with open_zoo(path) as zoo:
+        assert sum(math.prod(zoo.shapes[k]) for k in keys) == model_parameters
+
+
+def test_arrays_api_with_the_test(tmp_path):
+    rng = np.random.default_rng(0)
+    target = {"a": rng.normal(size=(40, 3, 2)), "b": rng.normal(size=(40, 5))}
+    methods = {"same": {"a": rng.normal(size=(20, 3, 2)), "b": rng.normal(size=(20, 5))},
+               "shifted": {"a": rng.normal(size=(20, 3, 2)) + 2, "b": rng.normal(size=(20, 5))}}
+    report = compare_arrays(target, methods, test=True, B1=300, B2=300, B3=20, seed=3)
+    assert report.summary("shifted").median > report.summary("same").median
+    tests = {(r.method, r.layer): r.test for r in report.results}
+    assert tests[("shifted", "a")].reject and tests[("shifted", "a")].seed == 3
+    assert report.summary("shifted").rejected_layers >= 1
+    paths = report.write(tmp_path / "out")
+    data = json.loads(paths["json"].read_text())
+    assert data["provenance"]["seeds"]["mmdagg"] == 3
+    assert data["layers"][0]["mmdagg"]["kernels"][0]["kernel"] == "laplace"
+    only_b = compare_arrays(target, methods, layers=["b"])
+    assert [r.layer for r in only_b.results] == ["b", "b"]
+    with pytest.raises(ShapeMismatchError):
+        compare_arrays(target, {"bad": {"a": rng.normal(size=(20, 6)), "b": target["b"][:5]}})
+    with pytest.raises(SampleSizeError):
+        compare_arrays(target, {"one": {k: v[:1] for k, v in target.items()}})
+    with pytest.raises(InvalidOptionError):
+        compare_arrays(target, {})
+
+
+# ------------------------------------------------------------------------ outputs
+def test_outputs_record_provenance(zoos, tmp_path):
+    report = compare_collections(zoos["target"], {"near": zoos["near"]}, symmetries="both",
+                                 command="posteriorzoo mmd (test)")
+    paths = report.write(tmp_path / "report", scale=100)
+    data = json.loads(paths["json"].read_text())
+    provenance = data["provenance"]
+    assert provenance["command"] == "posteriorzoo mmd (test)"
+    assert {"posteriorzoo", "numpy", "h5py", "numba", "torch"} <= set(provenance["versions"])
+    assert provenance["target"]["sha256"] == sha256_file(zoos["target"])
+    assert provenance["methods"][0]["sha256"] == sha256_file(zoos["near"])
+    assert provenance["seeds"]["mmdagg"] is None
+    assert len(data["layers"]) == 8 and len(data["layers"][0]["mmd2"]) == 20
+    assert [s["symmetries"] for s in data["summary"]] == ["kept", "removed"]
+    for name in ("layers_csv", "summary_csv"):
+        text = paths[name].read_text()
+        comments = [line for line in text.splitlines() if line.startswith("#")]
+        assert any(sha256_file(zoos["target"]) in line for line in comments)
+        assert any(line.startswith("# command: posteriorzoo mmd (test)") for line in comments)
+        rows = list(csv.DictReader(line for line in text.splitlines()
+                                   if not line.startswith("#")))
+        assert len(rows) == (8 if name == "layers_csv" else 2)
+    rows = list(csv.DictReader(line for line in paths["layers_csv"].read_text().splitlines()
+                               if not line.startswith("#")))
+    assert float(rows[0]["mmd2_laplace_1"]) == report.results[0].mmd.values[0]
+    markdown = paths["markdown"].read_text()
+    assert ("| Method | MMD median | MMD mean | MMD max | NS-MMD median | NS-MMD mean | "
+            "NS-MMD max |") in markdown
+    row = next(line for line in markdown.splitlines() if line.startswith("| near |"))
+    assert f"{report.summary('near').median * 100:.4f}" in row
+    assert sha256_file(zoos["near"]) in markdown
+
+
+def test_reports_are_deterministic(zoos):
+    def numbers(report):
+        data = report.to_dict()
+        return data["layers"], data["summary"]
+
+    first = compare_collections(zoos["target"], [zoos["near"]], symmetries="keep")
+    second = compare_collections(zoos["target"], [zoos["near"]], symmetries="keep")
+    assert numbers(first) == numbers(second)
+
+
+# ------------------------------------------------------------------------ the CLI
+
+
+def test_cli_on_the_bundled_reference_zoo(capsys, tmp_path):
+    out_dir = tmp_path / "report"
+    code, out, _ = run(capsys, "mmd", reference_path("target"), f"DE={reference_path('de')}",
+                       "--out", out_dir, "--no-progress", "--scale", "100")
+    assert code == 0
+    assert "| DE |" in out and "NS-MMD median" in out
+    data = json.loads((out_dir / "mmd_report.json").read_text())
+    assert data["provenance"]["command"].startswith("posteriorzoo mmd ")
+    assert data["provenance"]["target"]["checkpoints"] == 1000
+    assert data["provenance"]["methods"][0]["checkpoints"] == 100
+    assert {r["layer"] for r in data["layers"]} == set(OPTUNET_LAYERS)
+    summary = {s["symmetries"]: s for s in data["summary"]}
+    # independent checkpoints against the target: MMD^2 tiny (the paper's DE row is 0.0)
+    for treatment in ("kept", "removed"):
+        assert abs(summary[treatment]["median"]) < 1e-3
+    for name in ("mmd_layers.csv", "mmd_summary.csv", "mmd_report.md"):
+        assert (out_dir / name).is_file()
+
+
+def test_cli_bad_input(capsys, zoos, tmp_path):
+    target, near = zoos["target"], zoos["near"]
+    out = ["--out", tmp_path / "x", "--no-progress", "--symmetries", "keep"]
+    code, _, err = run(capsys, "mmd", target, tmp_path / "absent.h5", *out)
+    assert_one_line_error(code, err, "no such file")
+    mlp = make_zoo(tmp_path / "mlp.h5",
+                   [checkpoint(s, "mlp") for s in range(3)], architecture="mlp",
+                   num_classes=1)
+    code, _, err = run(capsys, "mmd", target, mlp, *out)
+    assert_one_line_error(code, err, "architecture")
+    single = make_zoo(tmp_path / "single.h5", [checkpoint(0)])
+    code, _, err = run(capsys, "mmd", target, single, *out)
+    assert_one_line_error(code, err, "at least 2")
+    code, _, err = run(capsys, "mmd", target, near, "--layers", "nothing*", *out)
+    assert_one_line_error(code, err, "no layer matches")
+    code, _, err = run(capsys, "mmd", target, near, "--bandwidths", "1", *out)
+    assert_one_line_error(code, err, "number_bandwidths")
+    code, _, err = run(capsys, "mmd", target, near, "--test", "--alpha", "2", *out)
+    assert_one_line_error(code, err, "alpha")
+    nan = checkpoint(1)
+    nan["conv2.weight"][0, 0, 0, 0] = float("nan")
+    with create_zoo(tmp_path / "nan.h5", architecture="optunet", dataset="digits",
+                    method="test", num_classes=10, template=nan) as zoo:
+        zoo.append_many([checkpoint(0), nan], [{"seed": 0}, {"seed": 1, "diverged": True}])
+    code, _, err = run(capsys, "mmd", target, tmp_path / "nan.h5", *out)
+    assert_one_line_error(code, err, "checkpoint 1", "NaN", "conv2.weight")
+    code, _, err = run(capsys, "mmd", target, "A=", *out)
+    assert_one_line_error(code, err, "NAME=PATH")
