@@ -17,6 +17,8 @@ def test_demo_runs_and_resumes(tmp_path, capsys, monkeypatch):
     assert "bit-identical" in text and "[3] trained 2 checkpoint(s)" in text
     assert "CORRUPT" not in text
     assert "[1] reference target: 1000 x optunet on fashion-mnist" in text
+    assert "[5] canonical Deep Ensemble de-canonical.h5: 100 checkpoints, 10 checked" in text
+    assert (out / "mmd-report" / "mmd_report.md").read_text().count("| DE |") >= 1
     if Path("/usr/share/datasets/fashion-mnist").is_dir():
         ensemble = json.loads((out / "demo-summary.json").read_text())["ensemble"]
         assert ensemble["members"] == 100
@@ -33,6 +35,8 @@ def test_demo_runs_and_resumes(tmp_path, capsys, monkeypatch):
     # The reference steps were checked above; the resume checks below do not need them.
     monkeypatch.setattr("posteriorzoo.cli.demo.reference_step", lambda progress: {})
     monkeypatch.setattr("posteriorzoo.cli.demo.ensemble_step", lambda: None)
+    monkeypatch.setattr("posteriorzoo.cli.demo.symmetry_step", lambda out, command: {})
+    monkeypatch.setattr("posteriorzoo.cli.demo.mmd_step", lambda out, command, progress: {})
     # Asking for more trains only the missing checkpoint; the others stay as they were.
     assert main(["demo", "--out", str(out), "--checkpoints", "3", "--epochs", "1",
                  "--no-progress"]) == 0

@@ -7,9 +7,13 @@
 3. The mass trainer on data every machine has: a small OptuNet zoo on scikit-learn's
    digits (resumable: rerunning trains only what is missing).
 4. The store's round trip: export to safetensors, import into a new collection
-   (bit-identical check), and a SHA256SUMS manifest of the output folder.
+   (bit-identical check).
+5. Symmetries: the reference Deep Ensemble canonicalized (first + min-mass + softmax,
+   10 checkpoints checked for unchanged logits), and the minimum-mass report.
+6. The posterior comparison: the Deep Ensemble against the 1,000 target checkpoints,
+   MMD and NS-MMD per layer, as CSV, JSON and a Markdown table like the paper's Table 2.
 
-Later issues grow this into the full pipeline (symmetry removal, MMD tables).
+Last, a SHA256SUMS manifest of the output folder.
 """
 
 from __future__ import annotations
@@ -105,6 +109,45 @@ def ensemble_step() -> dict[str, Any] | None:
     return result
 
 
+def symmetry_step(out: Path, command: str) -> dict[str, Any]:
+    """[5] Canonicalize the reference Deep Ensemble; min-mass report of its members."""
+    from posteriorzoo.reference import reference_path
+    from posteriorzoo.symmetry import canonicalize_collection, min_mass_collection
+
+    source = reference_path("de")
+    target = out / "de-canonical.h5"
+    target.unlink(missing_ok=True)
+    summary = canonicalize_collection(source, target, scaling="minmass", verify=10,
+                                      command=command)
+    masses = min_mass_collection(source)
+    result = {"checkpoints": summary.checkpoints, "verified": len(summary.verified),
+              "largest_logit_change": summary.largest_change,
+              "mass_before_median": float(np.median(masses.mass_before)),
+              "mass_after_median": float(np.median(masses.mass_after))}
+    print(f"[5] canonical Deep Ensemble {target.name}: {summary.checkpoints} checkpoints, "
+          f"{result['verified']} checked, largest logit change "
+          f"{result['largest_logit_change']:.1e}; min-mass median "
+          f"{result['mass_before_median']:.2f} -> {result['mass_after_median']:.2f}")
+    return result
+
+
+def mmd_step(out: Path, command: str, progress: bool) -> dict[str, Any]:
+    """[6] MMD and NS-MMD of the reference Deep Ensemble to the target, per layer."""
+    from posteriorzoo.mmd import compare_collections
+    from posteriorzoo.reference import reference_path
+
+    report = compare_collections(reference_path("target"), {"DE": reference_path("de")},
+                                 symmetries="both", progress=progress, command=command)
+    written = report.write(out / "mmd-report", scale=100)
+    kept, removed = report.summary("DE", "kept"), report.summary("DE", "removed")
+    result = {"mmd_median": kept.median, "ns_mmd_median": removed.median,
+              "files": sorted(path.name for path in written.values())}
+    print(f"[6] Deep Ensemble vs target, MMD^2 x 100 weighted over layers: MMD median "
+          f"{100 * kept.median:.4f}, NS-MMD median {100 * removed.median:.4f}; table in "
+          f"{out / 'mmd-report' / 'mmd_report.md'}")
+    return result
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from posteriorzoo.cli.zoo_commands import describe
     from posteriorzoo.errors import InvalidOptionError
@@ -157,16 +200,19 @@ def run_demo(args: argparse.Namespace) -> int:
     with open_zoo(copy_path) as copy:
         restored = copy.state_dict(0)
     identical = all(torch.equal(original[k], restored[k]) for k in original)
+    print(f"[4] safetensors round trip {exported.name} -> {copy_path.name}: "
+          f"{'bit-identical' if identical else 'DIFFERENT'}")
+    symmetry = symmetry_step(out, args.command_line)
+    comparison = mmd_step(out, args.command_line, progress=not args.no_progress)
     manifest = write_manifest(out)
     verified = verify_manifest(out)
-    print(f"[4] safetensors round trip {exported.name} -> {copy_path.name}: "
-          f"{'bit-identical' if identical else 'DIFFERENT'}; {manifest.name} covers "
-          f"{len(verified)} files, all SHA-256 match")
+    print(f"{manifest.name} covers {len(verified)} files, all SHA-256 match")
 
     summary = {"command": args.command_line, "versions": library_versions(),
                "base_seed": args.seed, "recipe": spec.collection_recipe(),
                "reference": reference, "ensemble": ensemble, "collection": info,
-               "verify_ok": report.ok, "roundtrip_identical": identical}
+               "verify_ok": report.ok, "roundtrip_identical": identical,
+               "symmetry": symmetry, "mmd": comparison}
     (out / "demo-summary.json").write_text(json.dumps(summary, indent=2))
     all_verified = report.ok and all(r["verify_ok"] for r in reference.values())
     return 0 if all_verified and identical else 1
