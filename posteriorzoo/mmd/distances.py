@@ -45,6 +45,14 @@ def packed_offset(i, rows):  # pragma: no cover - compiled
 
 
 @numba.njit(inline="always")
+def _transpose_tile(block, buffer, start, width):  # pragma: no cover - compiled
+    """buffer[c, r] = block[r, start + c] for the tile's ``width`` features (as float64)."""
+    for r in range(block.shape[0]):
+        for c in range(width):
+            buffer[c, r] = block[r, start + c]
+
+
+@numba.njit(inline="always")
 def _accumulate_row(buffer, width, xs, acc1, acc2, lo, count):  # pragma: no cover - compiled
     """acc[k] += sum over the tile's features c of |xs[c] - buffer[c, lo + k]| (and squared).
 
@@ -106,9 +114,7 @@ def _self_block(block, l1, l2sq, workspace):  # pragma: no cover - compiled
         xs = np.empty(tile, dtype=np.float64)
         for start in range(0, features, tile):
             width = min(tile, features - start)
-            for r in range(rows):
-                for c in range(width):
-                    buffer[c, r] = block[r, start + c]
+            _transpose_tile(block, buffer, start, width)
             for p in range(task, half, tasks):
                 for side in range(2):
                     i = p if side == 0 else rows - 1 - p
@@ -137,9 +143,7 @@ def _cross_block(a_block, b_block, l1, l2sq, workspace):  # pragma: no cover - c
         xs = np.empty(tile, dtype=np.float64)
         for start in range(0, features, tile):
             width = min(tile, features - start)
-            for r in range(b_rows):
-                for c in range(width):
-                    buffer[c, r] = b_block[r, start + c]
+            _transpose_tile(b_block, buffer, start, width)
             for i in range(task, a_rows, tasks):
                 for c in range(width):
                     xs[c] = a_block[i, start + c]
