@@ -181,8 +181,8 @@ def canonicalize_collection(source: str | os.PathLike, target: str | os.PathLike
                     for b in sorted(i - start for i in checked if start <= i < start + size):
                         if non_finite[b]:
                             continue
-                        change = logit_change(model, shape, zoo.state_dict(start + b),
-                                              stored[b], seed + start + b)
+                        before = {key: value[b] for key, value in batch.items()}
+                        change = logit_change(model, shape, before, stored[b], seed + start + b)
                         largest = max(largest, change)
                         verified.append(start + b)
                         if not change < VERIFY_TOLERANCE:
