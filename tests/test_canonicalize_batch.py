@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from zoo_helpers import assert_one_line_error, run
 
 from posteriorzoo.cli import main
 from posteriorzoo.models import build
@@ -155,13 +156,9 @@ def test_bad_options_fail_before_anything_is_written(tmp_path, capsys):
     for extra, fragment in ((["--batch-size", "0"], "batch size"),
                             (["--scaling", "magic"], "invalid choice"),
                             (["--solver", "gurobi"], "invalid choice")):
-        try:
-            code = main(["canonicalize", str(tmp_path / "z.h5"), str(tmp_path / "c.h5"),
-                         "--no-progress", *extra])
-        except SystemExit as stop:  # argparse's usage errors
-            code = stop.code
-        err = capsys.readouterr().err
-        assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1
+        code, _, err = run(capsys, "canonicalize", tmp_path / "z.h5", tmp_path / "c.h5",
+                           "--no-progress", *extra)
+        assert_one_line_error(code, err, fragment)
         assert not (tmp_path / "c.h5").exists()
     assert (tmp_path / "z.h5").read_bytes() == before
 
@@ -210,6 +207,5 @@ def test_cli_min_mass_report(tmp_path, capsys):
     assert provenance["command"].startswith("posteriorzoo min-mass")
     assert len(provenance["input"]["sha256"]) == 64
     # an existing report is never overwritten
-    assert main(["min-mass", str(tmp_path / "z.h5"), "--out", str(out), "--no-progress"]) == 2
-    err = capsys.readouterr().err
-    assert "already exists" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run(capsys, "min-mass", tmp_path / "z.h5", "--out", out, "--no-progress")
+    assert_one_line_error(code, err, "already exists")
