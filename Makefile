@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/posteriorzoo demo --out demo-output
+	$(VENV)/bin/posteriorzoo demo --out demo-output --overwrite
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check posteriorzoo train_zoo analysis tests benchmarks

@@ -60,3 +60,7 @@ class SampleSizeError(PosteriorZooError, ValueError):
 
 class ShapeMismatchError(PosteriorZooError, ValueError):
     """Samples or collections whose feature dimensions or layers do not correspond."""
+
+
+class OutputExistsError(PosteriorZooError, FileExistsError):
+    """An output already exists and overwriting was not asked for."""

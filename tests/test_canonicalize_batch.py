@@ -120,7 +120,7 @@ def test_minmass_collection_canonical_forms_agree_across_symmetric_copies(tmp_pa
     _collection(tmp_path / "a.h5", states)
     _collection(tmp_path / "b.h5", moved)
     code = main(["canonicalize", str(tmp_path / "a.h5"), str(tmp_path / "ca.h5"),
-                 "--scaling", "minmass", "--verify", "3", "--batch-size", "2",
+                 "--scaling", "minmass", "--n-verify", "3", "--batch-size", "2",
                  "--no-progress"])
     assert code == 0 and "3 verified" in capsys.readouterr().out
     summary = canonicalize_collection(tmp_path / "b.h5", tmp_path / "cb.h5",
@@ -137,7 +137,7 @@ def test_diverged_checkpoints_are_copied_unchanged(tmp_path):
     states = [{k: v.float() for k, v in s.items()} for s in _states("optunet", {}, 4)]
     states[2]["conv2.weight"][0, 0, 0, 0] = float("nan")
     _collection(tmp_path / "z.h5", states, diverged={2})
-    summary = canonicalize_collection(tmp_path / "z.h5", tmp_path / "c.h5", verify=4)
+    summary = canonicalize_collection(tmp_path / "z.h5", tmp_path / "c.h5", n_verify=4)
     assert summary.copied_unchanged == 1 and summary.verified == [0, 1, 3]
     with open_zoo(tmp_path / "c.h5") as zoo:
         assert list(zoo.metadata["diverged"]) == [False, False, True, False]
@@ -153,7 +153,7 @@ def test_diverged_checkpoints_are_copied_unchanged(tmp_path):
 def test_bad_options_fail_before_anything_is_written(tmp_path, capsys):
     _collection(tmp_path / "z.h5", [s for s in _states("optunet", {}, 2)])
     before = (tmp_path / "z.h5").read_bytes()
-    for extra, fragment in ((["--batch-size", "0"], "batch size"),
+    for extra, fragment in ((["--batch-size", "0"], "--batch-size"),
                             (["--scaling", "magic"], "invalid choice"),
                             (["--solver", "gurobi"], "invalid choice")):
         code, _, err = run(capsys, "canonicalize", tmp_path / "z.h5", tmp_path / "c.h5",
@@ -195,6 +195,10 @@ def test_cli_min_mass_report(tmp_path, capsys):
     states = [{k: v.float() for k, v in s.items()} for s in _states("optunet", {}, 3)]
     _collection(tmp_path / "z.h5", states)
     out = tmp_path / "report" / "mass.csv"
+    # a missing folder is not created silently
+    code, _, err = run(capsys, "min-mass", tmp_path / "z.h5", "--out", out, "--no-progress")
+    assert_one_line_error(code, err, "does not exist")
+    out.parent.mkdir()
     assert main(["min-mass", str(tmp_path / "z.h5"), "--out", str(out), "--no-progress"]) == 0
     assert "3 of 3 checkpoints" in capsys.readouterr().out
     rows = list(csv.DictReader(out.open()))
@@ -209,3 +213,10 @@ def test_cli_min_mass_report(tmp_path, capsys):
     # an existing report is never overwritten
     code, _, err = run(capsys, "min-mass", tmp_path / "z.h5", "--out", out, "--no-progress")
     assert_one_line_error(code, err, "already exists")
+    table = out.read_bytes()
+    assert provenance["table_sha256"] == __import__("hashlib").sha256(table).hexdigest()
+    # unless asked for: the same run gives the same table
+    assert main(["min-mass", str(tmp_path / "z.h5"), "--out", str(out), "--no-progress",
+                 "--overwrite"]) == 0
+    assert out.read_bytes() == table
+    assert sorted(p.name for p in out.parent.iterdir()) == ["mass.csv", "mass.csv.json"]

@@ -34,7 +34,7 @@ def twin_collections(tmp_path):
 
 def test_symmetric_collections_canonicalize_to_the_same_weights(twin_collections):
     folder = twin_collections
-    first = canonicalize_collection(folder / "a.h5", folder / "ca.h5", verify=4)
+    first = canonicalize_collection(folder / "a.h5", folder / "ca.h5", n_verify=4)
     canonicalize_collection(folder / "b.h5", folder / "cb.h5")
     assert first.checkpoints == 4 and first.verified == [0, 1, 2, 3]
     assert first.largest_change < 1e-5  # float32 storage of a float64 computation
@@ -51,7 +51,7 @@ def test_symmetric_collections_canonicalize_to_the_same_weights(twin_collections
 
 def test_cli_canonicalize(twin_collections, capsys):
     folder = twin_collections
-    code = main(["canonicalize", str(folder / "a.h5"), str(folder / "c.h5"), "--verify", "2",
+    code = main(["canonicalize", str(folder / "a.h5"), str(folder / "c.h5"), "--n-verify", "2",
                  "--scaling", "std", "--permutation", "max", "--no-progress"])
     out = capsys.readouterr().out
     assert code == 0 and "4 canonical checkpoints" in out and "2 verified" in out

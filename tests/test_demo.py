@@ -32,19 +32,23 @@ def test_demo_runs_and_resumes(tmp_path, capsys, monkeypatch):
         first = [bytes(d) for d in zoo.metadata["sha256"]]
         assert zoo.created_by["command"] == summary["command"]
     verify_manifest(out)
-    # The reference steps were checked above; the resume checks below do not need them.
+    # The reference steps were checked above; the checks below do not need them.
     monkeypatch.setattr("posteriorzoo.cli.demo.reference_step", lambda progress: {})
     monkeypatch.setattr("posteriorzoo.cli.demo.ensemble_step", lambda: None)
     monkeypatch.setattr("posteriorzoo.cli.demo.symmetry_step", lambda out, command: {})
     monkeypatch.setattr("posteriorzoo.cli.demo.mmd_step", lambda out, command, progress: {})
-    # Asking for more trains only the missing checkpoint; the others stay as they were.
+    # An existing output folder is refused and left as it was ...
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert main(["demo", "--out", str(out), "--checkpoints", "2", "--epochs", "1",
+                 "--no-progress"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    # ... unless overwriting is asked for: the same seeds give the same checkpoints.
     assert main(["demo", "--out", str(out), "--checkpoints", "3", "--epochs", "1",
-                 "--no-progress"]) == 0
+                 "--no-progress", "--overwrite"]) == 0
     with open_zoo(out / "optunet-digits-de.h5") as zoo:
         assert len(zoo) == 3
         assert [bytes(d) for d in zoo.metadata["sha256"][:2]] == first
         assert list(zoo.metadata["mode_id"]) == [0, 1, 2]
-    # Another recipe in the same folder is refused rather than mixed in.
-    assert main(["demo", "--out", str(out), "--checkpoints", "3", "--epochs", "2",
-                 "--no-progress"]) == 2
-    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert not (out / "mmd-report").exists()  # the old folder was replaced, not merged
+    assert [p.name for p in tmp_path.iterdir()] == ["demo"]  # no temporary left behind

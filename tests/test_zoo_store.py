@@ -12,6 +12,7 @@ from zoo_helpers import checkpoint
 
 from posteriorzoo.errors import (
     NonFiniteWeightsError,
+    OutputExistsError,
     UnknownNameError,
     ZooBusyError,
     ZooFormatError,
@@ -166,7 +167,7 @@ def test_create_validates_against_the_architecture(tmp_path):
                     template=mlp, validate=False) as zoo:
         zoo.append(mlp)
     assert verify_zoo(tmp_path / "c.h5").ok
-    with pytest.raises(ZooFormatError, match="exists"):
+    with pytest.raises(OutputExistsError, match="exists"):
         create_zoo(tmp_path / "c.h5", architecture="my-own-net", dataset="d", method="m",
                    template=mlp, validate=False)
 

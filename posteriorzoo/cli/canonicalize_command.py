@@ -6,6 +6,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from posteriorzoo.cli._types import (
+    add_no_verify_option,
+    add_overwrite_option,
+    nonnegative_int,
+    positive_int,
+)
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -16,9 +23,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "(output biases sum to zero), then permutations (hidden units sorted). "
                     "The symmetries are derived by tracing the network once; checkpoints "
                     "are processed in batches, vectorised over the checkpoint axis. OUT's "
-                    "annotations say what was removed and what could not be. Exit code 2 on "
-                    "bad input (missing or corrupt IN, NaN weights, OUT already exists); "
-                    "IN is never modified and a partial OUT is removed.")
+                    "annotations say what was removed and what could not be. Every "
+                    "checkpoint's SHA-256 is checked as it is read. OUT is built under a "
+                    "temporary name and appears only when complete. Exit code 2 on bad "
+                    "input (missing or corrupt IN, NaN weights not flagged diverged, OUT "
+                    "already exists without --overwrite, OUT is IN); IN is never modified.")
     parser.add_argument("source", type=Path, metavar="IN", help="collection file (.h5)")
     parser.add_argument("target", type=Path, metavar="OUT", help="new collection file (.h5)")
     parser.add_argument("--permutation", choices=["first", "max", "none"], default="first",
@@ -33,13 +42,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--solver", choices=["fast", "cvxpy"], default="fast",
                         help="min-mass solver: batched Newton (fast) or the cvxpy reference, "
                              "one checkpoint at a time (default: %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=None, metavar="B",
+    parser.add_argument("--batch-size", type=positive_int, default=None, metavar="B",
                         help="checkpoints per batch (default: as many as fit in 256 MB)")
     parser.add_argument("--no-softmax", action="store_true",
                         help="keep the output biases' softmax shift")
-    parser.add_argument("--verify", type=int, default=0, metavar="N",
-                        help="check N random checkpoints compute the same function")
-    parser.add_argument("--seed", type=int, default=0, help="seed of --verify's choice")
+    parser.add_argument("--n-verify", type=nonnegative_int, default=0, metavar="N",
+                        help="check that N random checkpoints compute the same logits "
+                             "before and after (default: %(default)s)")
+    parser.add_argument("--seed", type=nonnegative_int, default=0,
+                        help="seed of --n-verify's choice (default: %(default)s)")
+    add_overwrite_option(parser)
+    add_no_verify_option(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(func=run_canonicalize)
 
@@ -57,10 +70,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="batched Newton (fast) or the cvxpy reference "
                              "(default: %(default)s)")
     report.add_argument("--out", type=Path, default=None, metavar="CSV",
-                        help="per-checkpoint table (.csv; CSV.json gets the provenance); "
-                             "refused if either exists")
-    report.add_argument("--batch-size", type=int, default=None, metavar="B",
+                        help="per-checkpoint table (.csv; CSV.json gets the provenance and "
+                             "the table's SHA-256); refused if either exists unless "
+                             "--overwrite")
+    report.add_argument("--batch-size", type=positive_int, default=None, metavar="B",
                         help="checkpoints per batch (default: as many as fit in 256 MB)")
+    add_overwrite_option(report)
+    add_no_verify_option(report)
     report.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     report.set_defaults(func=run_min_mass)
 
@@ -70,8 +86,8 @@ def run_canonicalize(args: argparse.Namespace) -> int:
 
     summary = canonicalize_collection(
         args.source, args.target, permutation=args.permutation, scaling=args.scaling,
-        softmax=not args.no_softmax, solver=args.solver, verify=args.verify, seed=args.seed,
-        batch_size=args.batch_size,
+        softmax=not args.no_softmax, solver=args.solver, n_verify=args.n_verify, seed=args.seed,
+        batch_size=args.batch_size, verify=not args.no_verify, overwrite=args.overwrite,
         progress=not args.no_progress, command=args.command_line)
     verified = (f"; {len(summary.verified)} verified, largest logit change "
                 f"{summary.largest_change:.2g}") if summary.verified else ""
@@ -82,22 +98,24 @@ def run_canonicalize(args: argparse.Namespace) -> int:
 
 def run_min_mass(args: argparse.Namespace) -> int:
     import csv
+    import hashlib
+    import io
     import json
 
     import numpy as np
 
-    from posteriorzoo.errors import InvalidOptionError
     from posteriorzoo.hashing import sha256_file
+    from posteriorzoo.outputs import atomic_file, check_output
     from posteriorzoo.symmetry.collection import min_mass_collection
     from posteriorzoo.zoo import open_zoo
     from posteriorzoo.zoo.schema import library_versions
 
     sidecar = args.out.with_name(args.out.name + ".json") if args.out else None
     for path in (args.out, sidecar):
-        if path is not None and path.exists():
-            raise InvalidOptionError(f"{path} already exists; choose another --out")
-    report = min_mass_collection(args.source, solver=args.solver,
-                                 batch_size=args.batch_size, progress=not args.no_progress)
+        if path is not None:
+            check_output(path, inputs=[args.source], overwrite=args.overwrite)
+    report = min_mass_collection(args.source, solver=args.solver, batch_size=args.batch_size,
+                                 verify=not args.no_verify, progress=not args.no_progress)
     with open_zoo(args.source) as zoo:
         seeds = zoo.metadata["seed"]
     finite = np.isfinite(report.mass_after)
@@ -116,22 +134,28 @@ def run_min_mass(args: argparse.Namespace) -> int:
     dead = np.bincount([unit[0] for unit in report.dead_units],
                        minlength=len(report.mass_before))
     keys = list(report.max_abs_before)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "x", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["checkpoint", "seed", "mass_before", "mass_after", "iterations",
-                         "dead_units", *[f"max_abs_before:{k}" for k in keys],
-                         *[f"max_abs_after:{k}" for k in keys]])
-        for i in range(len(report.mass_before)):
-            values = [report.mass_before[i], report.mass_after[i],
-                      *[report.max_abs_before[k][i] for k in keys],
-                      *[report.max_abs_after[k][i] for k in keys]]
-            cells = ["" if not np.isfinite(v) else repr(float(v)) for v in values]
-            writer.writerow([i, int(seeds[i]), *cells[:2], int(report.iterations[i]),
-                             int(dead[i]), *cells[2:]])
-    sidecar.write_text(json.dumps({
-        "command": args.command_line, "versions": library_versions(),
-        "input": {"path": str(args.source), "sha256": sha256_file(args.source)},
-        "solver": args.solver, "summary": summary, "table": args.out.name}, indent=2))
+    table = io.StringIO(newline="")
+    writer = csv.writer(table)
+    writer.writerow(["checkpoint", "seed", "mass_before", "mass_after", "iterations",
+                     "dead_units", *[f"max_abs_before:{k}" for k in keys],
+                     *[f"max_abs_after:{k}" for k in keys]])
+    for i in range(len(report.mass_before)):
+        values = [report.mass_before[i], report.mass_after[i],
+                  *[report.max_abs_before[k][i] for k in keys],
+                  *[report.max_abs_after[k][i] for k in keys]]
+        cells = ["" if not np.isfinite(v) else repr(float(v)) for v in values]
+        writer.writerow([i, int(seeds[i]), *cells[:2], int(report.iterations[i]),
+                         int(dead[i]), *cells[2:]])
+    text = table.getvalue().encode("utf-8")
+    # The table first, then the provenance that names its digest: a reader can tell a
+    # table from its own run apart from a leftover of another one.
+    with atomic_file(args.out, overwrite=args.overwrite, inputs=[args.source]) as partial:
+        partial.write_bytes(text)
+    provenance = {"command": args.command_line, "versions": library_versions(),
+                  "input": {"path": str(args.source), "sha256": sha256_file(args.source)},
+                  "solver": args.solver, "summary": summary, "table": args.out.name,
+                  "table_sha256": hashlib.sha256(text).hexdigest()}
+    with atomic_file(sidecar, overwrite=args.overwrite, inputs=[args.source]) as partial:
+        partial.write_text(json.dumps(provenance, indent=2))
     print(f"wrote {args.out} and {sidecar}")
     return 0

@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from posteriorzoo.cli._types import add_overwrite_option, nonnegative_int, positive_int
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -33,12 +35,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("demo-output"),
-                        help="output folder (default: %(default)s)")
-    parser.add_argument("--checkpoints", type=int, default=8,
+                        help="output folder, built under a temporary name and renamed into "
+                             "place when complete; refused if it exists unless --overwrite "
+                             "(default: %(default)s)")
+    add_overwrite_option(parser)
+    parser.add_argument("--checkpoints", type=positive_int, default=8,
                         help="checkpoints of the digits zoo (default: %(default)s)")
-    parser.add_argument("--epochs", type=int, default=20,
+    parser.add_argument("--epochs", type=positive_int, default=20,
                         help="epochs per digits checkpoint (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=nonnegative_int, default=0,
                         help="base seed of the digits zoo: checkpoint i's seeds derive from "
                              "(seed, i) (default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
@@ -116,8 +121,7 @@ def symmetry_step(out: Path, command: str) -> dict[str, Any]:
 
     source = reference_path("de")
     target = out / "de-canonical.h5"
-    target.unlink(missing_ok=True)
-    summary = canonicalize_collection(source, target, scaling="minmass", verify=10,
+    summary = canonicalize_collection(source, target, scaling="minmass", n_verify=10,
                                       command=command)
     masses = min_mass_collection(source)
     result = {"checkpoints": summary.checkpoints, "verified": len(summary.verified),
@@ -144,15 +148,24 @@ def mmd_step(out: Path, command: str, progress: bool) -> dict[str, Any]:
               "files": sorted(path.name for path in written.values())}
     print(f"[6] Deep Ensemble vs target, MMD^2 x 100 weighted over layers: MMD median "
           f"{100 * kept.median:.4f}, NS-MMD median {100 * removed.median:.4f}; table in "
-          f"{out / 'mmd-report' / 'mmd_report.md'}")
+          f"mmd-report/mmd_report.md")
     return result
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from posteriorzoo.outputs import atomic_directory
+
+    # Every file is built inside a temporary folder next to --out, which replaces --out
+    # only when the whole demo has succeeded.
+    with atomic_directory(args.out, overwrite=args.overwrite) as work:
+        code = _run_steps(args, work)
+    print(f"results in {args.out}/")
+    return code
+
+
+def _run_steps(args: argparse.Namespace, out: Path) -> int:
     from posteriorzoo.cli.zoo_commands import describe
-    from posteriorzoo.errors import InvalidOptionError
     from posteriorzoo.zoo import (
-        MANIFEST_NAME,
         export_checkpoint,
         import_checkpoints,
         open_zoo,
@@ -164,13 +177,6 @@ def run_demo(args: argparse.Namespace) -> int:
     from train_zoo import make_spec
     from train_zoo.backends import SerialBackend
     from train_zoo.run import train_collection
-
-    if args.checkpoints < 1 or args.epochs < 1:
-        raise InvalidOptionError("--checkpoints and --epochs must be at least 1")
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    # The folder's files are about to change; the manifest is rewritten at the end.
-    (out / MANIFEST_NAME).unlink(missing_ok=True)
 
     reference = reference_step(progress=not args.no_progress)
     ensemble = ensemble_step()
@@ -184,15 +190,14 @@ def run_demo(args: argparse.Namespace) -> int:
     zoo_path = out / "optunet-digits-de.h5"
     trained = train_collection(spec, zoo_path, backend=SerialBackend(),
                                progress=not args.no_progress, command=args.command_line)
-    info = describe(zoo_path)
+    info = {**describe(zoo_path), "path": str(args.out / zoo_path.name)}
     report = verify_zoo(zoo_path)
     print(f"[3] trained {trained.trained} checkpoint(s) at {trained.steps_per_second:.0f} "
-          f"model-steps/s: {zoo_path} holds {_accuracy_line(info)}; "
+          f"model-steps/s: {zoo_path.name} holds {_accuracy_line(info)}; "
           f"{'verified' if report.ok else 'CORRUPT'}")
 
     exported = out / "checkpoint-0.safetensors"
     copy_path = out / "roundtrip.h5"
-    copy_path.unlink(missing_ok=True)
     with open_zoo(zoo_path) as zoo:
         export_checkpoint(zoo, 0, exported)
         original = zoo.state_dict(0)
@@ -204,9 +209,6 @@ def run_demo(args: argparse.Namespace) -> int:
           f"{'bit-identical' if identical else 'DIFFERENT'}")
     symmetry = symmetry_step(out, args.command_line)
     comparison = mmd_step(out, args.command_line, progress=not args.no_progress)
-    manifest = write_manifest(out)
-    verified = verify_manifest(out)
-    print(f"{manifest.name} covers {len(verified)} files, all SHA-256 match")
 
     summary = {"command": args.command_line, "versions": library_versions(),
                "base_seed": args.seed, "recipe": spec.collection_recipe(),
@@ -214,5 +216,8 @@ def run_demo(args: argparse.Namespace) -> int:
                "verify_ok": report.ok, "roundtrip_identical": identical,
                "symmetry": symmetry, "mmd": comparison}
     (out / "demo-summary.json").write_text(json.dumps(summary, indent=2))
+    manifest = write_manifest(out)
+    verified = verify_manifest(out)
+    print(f"{manifest.name} covers {len(verified)} files, all SHA-256 match")
     all_verified = report.ok and all(r["verify_ok"] for r in reference.values())
     return 0 if all_verified and identical else 1

@@ -5,6 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from posteriorzoo.cli._types import (
+    add_no_verify_option,
+    add_overwrite_option,
+    nonnegative_int,
+    open_unit_interval,
+    positive_float,
+    positive_int,
+)
+
 _DESCRIPTION = """\
 Compare each METHOD collection with the TARGET collection (the posterior estimated by
 independently trained checkpoints), layer by layer, with the unbiased MMD^2 under MMDAgg's
@@ -55,36 +64,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="also compare floating-point buffers (BatchNorm running mean "
                              "and variance)")
     parser.add_argument("--out", type=Path, default=Path("mmd-report"), metavar="DIR",
-                        help="output folder (default: %(default)s)")
-    parser.add_argument("--bandwidths", type=int, default=10, metavar="N",
+                        help="output folder, built under a temporary name and renamed into "
+                             "place when complete; refused if it exists unless --overwrite "
+                             "(default: %(default)s)")
+    add_overwrite_option(parser)
+    add_no_verify_option(parser)
+    parser.add_argument("--bandwidths", type=positive_int, default=10, metavar="N",
                         help="bandwidths per kernel family: 2N kernels (default: %(default)s)")
-    parser.add_argument("--scale", type=float, default=1.0,
+    parser.add_argument("--scale", type=positive_float, default=1.0,
                         help="multiply the MMD^2 values shown in the Markdown table by this, "
                              "e.g. 100 (CSV and JSON keep raw values; default: %(default)s)")
     parser.add_argument("--test", action="store_true",
                         help="also run the MMDAgg test (permutations or wild bootstrap, "
                              "level-corrected) on every layer and method: decision and "
                              "p-values (slower)")
-    parser.add_argument("--alpha", type=float, default=0.05, help="level of --test "
+    parser.add_argument("--alpha", type=open_unit_interval, default=0.05,
+                        help="level of --test "
                         "(default: %(default)s)")
-    parser.add_argument("--b1", type=int, default=2000, help="--test: resampled statistics "
+    parser.add_argument("--b1", type=positive_int, default=2000,
+                        help="--test: resampled statistics "
                         "for the quantiles (default: %(default)s)")
-    parser.add_argument("--b2", type=int, default=2000, help="--test: resampled statistics "
+    parser.add_argument("--b2", type=positive_int, default=2000,
+                        help="--test: resampled statistics "
                         "for the level correction (default: %(default)s)")
-    parser.add_argument("--b3", type=int, default=50, help="--test: bisection steps "
+    parser.add_argument("--b3", type=positive_int, default=50, help="--test: bisection steps "
                         "(default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="--test: seed of the "
+    parser.add_argument("--seed", type=nonnegative_int, default=0,
+                        help="--test: seed of the "
                         "permutations / signs (default: %(default)s)")
-    parser.add_argument("--block-mb", type=float, default=128.0, metavar="MB",
+    parser.add_argument("--block-mb", type=positive_float, default=128.0, metavar="MB",
                         help="memory for one block of features over all collections, in MiB "
                              "(layers larger than this stream from disk; default: "
                              "%(default)s)")
     parser.add_argument("--keep-canonical", action="store_true",
-                        help="keep the canonical copies in OUT/canonical and reuse those "
-                             "already there (default: a temporary folder, deleted)")
-    parser.add_argument("--workdir", type=Path, metavar="DIR",
-                        help="where the temporary canonical copies go (default: system "
-                             "temporary folder)")
+                        help="keep the canonical copies in OUT/canonical (default: they are "
+                             "built inside the temporary output and deleted)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     parser.set_defaults(func=run_mmd)
 
@@ -110,22 +124,27 @@ def _methods(arguments: list[str]) -> dict[str, Path]:
 
 
 def run_mmd(args: argparse.Namespace) -> int:
-    from posteriorzoo.errors import InvalidOptionError
-    from posteriorzoo.mmd.report import compare_collections
+    from posteriorzoo.mmd.report import FILE_NAMES, compare_collections
+    from posteriorzoo.outputs import atomic_directory
 
-    if not args.block_mb > 0:
-        raise InvalidOptionError(f"--block-mb must be positive, not {args.block_mb}")
-    report = compare_collections(
-        args.target, _methods(args.methods), symmetries=args.symmetries, layers=args.layers,
-        group=args.group, include_buffers=args.include_buffers,
-        number_bandwidths=args.bandwidths, test=args.test, alpha=args.alpha, B1=args.b1,
-        B2=args.b2, B3=args.b3, seed=args.seed, block_bytes=int(args.block_mb * (1 << 20)),
-        canonical_dir=args.out / "canonical" if args.keep_canonical else None,
-        workdir=args.workdir, progress=not args.no_progress, command=args.command_line)
-    paths = report.write(args.out, scale=args.scale)
+    methods = _methods(args.methods)
+    inputs = [args.target, *methods.values()]
+    # Everything, canonical copies included, is built inside the temporary output folder:
+    # a killed run leaves nothing behind but that folder, which the next run reclaims.
+    with atomic_directory(args.out, overwrite=args.overwrite, inputs=inputs) as partial:
+        report = compare_collections(
+            args.target, methods, symmetries=args.symmetries, layers=args.layers,
+            group=args.group, include_buffers=args.include_buffers,
+            number_bandwidths=args.bandwidths, test=args.test, alpha=args.alpha, B1=args.b1,
+            B2=args.b2, B3=args.b3, seed=args.seed,
+            block_bytes=int(args.block_mb * (1 << 20)),
+            canonical_dir=partial / "canonical" if args.keep_canonical else None,
+            workdir=partial, verify=not args.no_verify, progress=not args.no_progress,
+            command=args.command_line)
+        report.write_into(partial, scale=args.scale)
     table = report.to_markdown(scale=args.scale).split("\n## Per layer")[0]
     print(table.rstrip())
     print()
-    for path in paths.values():
-        print(f"wrote {path}")
+    for name in FILE_NAMES.values():
+        print(f"wrote {args.out / name}")
     return 0

@@ -299,10 +299,23 @@ class ComparisonReport:
         lines += [f"- {line}" for line in provenance_lines(self.provenance)]
         return "\n".join(lines) + "\n"
 
-    def write(self, out_dir: str | os.PathLike, scale: float = 1.0) -> dict[str, Path]:
-        """Write the CSV, JSON and Markdown files into ``out_dir``; returns their paths."""
+    def write(self, out_dir: str | os.PathLike, scale: float = 1.0, overwrite: bool = False
+              ) -> dict[str, Path]:
+        """Write the CSV, JSON and Markdown files into a new folder ``out_dir``.
+
+        The folder is built under a temporary name and appears only when complete; an
+        existing one is replaced only with ``overwrite``. Returns the files' paths.
+        """
+        from posteriorzoo.outputs import atomic_directory
+
         out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
+        with atomic_directory(out_dir, overwrite=overwrite) as partial:
+            self.write_into(partial, scale)
+        return {kind: out_dir / name for kind, name in FILE_NAMES.items()}
+
+    def write_into(self, directory: str | os.PathLike, scale: float = 1.0) -> dict[str, Path]:
+        """Write the files into an existing folder (e.g. a temporary output being built)."""
+        out_dir = Path(directory)
         paths = {kind: out_dir / name for kind, name in FILE_NAMES.items()}
         paths["layers_csv"].write_text(self.layers_csv())
         paths["summary_csv"].write_text(self.summary_csv())
@@ -489,7 +502,7 @@ def _method_paths(methods: Sequence[str | os.PathLike] | Mapping[str, str | os.P
 
 
 def _canonical_copy(source: Path, digest: str, directory: Path, command: str | None,
-                    progress: bool) -> tuple[Path, bool]:
+                    progress: bool, verify: bool) -> tuple[Path, bool]:
     """The canonical form of ``source`` in ``directory`` (reused if already there)."""
     from posteriorzoo.symmetry.collection import canonicalize_collection
     from posteriorzoo.zoo import open_zoo
@@ -505,7 +518,8 @@ def _canonical_copy(source: Path, digest: str, directory: Path, command: str | N
                     and all(annotations.get(k) == v for k, v in options.items())):
                 return path, True
         path.unlink()
-    canonicalize_collection(source, path, progress=progress, command=command, **options)
+    canonicalize_collection(source, path, progress=progress, command=command, verify=verify,
+                            **options)
     return path, False
 
 
@@ -517,8 +531,9 @@ def compare_collections(target: str | os.PathLike,
                         B1: int = 2000, B2: int = 2000, B3: int = 50,
                         seed: int = 0, block_bytes: int = DEFAULT_BLOCK_BYTES,
                         canonical_dir: str | os.PathLike | None = None,
-                        workdir: str | os.PathLike | None = None, progress: bool = False,
-                        command: str | None = None) -> ComparisonReport:
+                        workdir: str | os.PathLike | None = None, verify: bool = True,
+                        progress: bool = False, command: str | None = None
+                        ) -> ComparisonReport:
     """Compare method collections (zoo files) with the target collection, layer by layer.
 
     Parameters
@@ -546,6 +561,9 @@ def compare_collections(target: str | os.PathLike,
         temporary directory, deleted at the end).
     workdir : path-like, optional
         Where the temporary directory goes (default: the system's).
+    verify : bool
+        Check every checkpoint's SHA-256 as it is read and refuse a corrupt collection
+        (default True).
     progress : bool
         Show progress bars.
     command : str, optional
@@ -573,7 +591,7 @@ def compare_collections(target: str | os.PathLike,
     inputs = [("target", Path(target)), *named]
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        zoos = [stack.enter_context(open_zoo(path)) for _, path in inputs]
+        zoos = [stack.enter_context(open_zoo(path, verify=verify)) for _, path in inputs]
         reference = zoos[0]
         for (_, path), zoo in zip(inputs[1:], zoos[1:], strict=True):
             if (zoo.architecture, zoo.num_classes, zoo.model_options) != (
@@ -601,7 +619,8 @@ def compare_collections(target: str | os.PathLike,
             clock = time.perf_counter()
             copies = []
             for (name, path), digest in zip(inputs, digests, strict=True):
-                copy, reused = _canonical_copy(path, digest, directory, command, progress)
+                copy, reused = _canonical_copy(path, digest, directory, command, progress,
+                                               verify)
                 zoo = stack.enter_context(open_zoo(copy))
                 canonical_sources.append(ZooSource(name, zoo, None))
                 copies.append({"name": name, "path": str(copy) if canonical_dir else None,

@@ -15,8 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from posteriorzoo._faults import fault_point
 from posteriorzoo.errors import ChecksumError, InvalidOptionError
 from posteriorzoo.models import build, input_shape
+from posteriorzoo.outputs import check_output
 from posteriorzoo.symmetry.canonical import canonicalize_batch, check_options
 from posteriorzoo.symmetry.minmass import MinMassBatch, mass_problem, solve_min_mass_batch
 from posteriorzoo.symmetry.structure import SymmetryStructure, trace_structure
@@ -83,23 +85,25 @@ def default_batch_size(zoo: Zoo, structure: SymmetryStructure | None = None,
 
 
 def _batches(zoo: Zoo, batch_size: int
-             ) -> Iterator[tuple[int, dict[str, torch.Tensor], torch.Tensor]]:
-    """Yield ``(start, {key: float64 tensor (B, *shape)}, non_finite (B,))`` over the whole
-    collection. Checkpoints with NaN or infinite values (stored only when flagged
-    diverged) are zeroed in the batch and marked in ``non_finite``."""
-    for start in range(0, len(zoo), batch_size):
-        stop = min(len(zoo), start + batch_size)
-        batch = {key: torch.from_numpy(zoo.layer(key, slice(start, stop)))
-                 for key in zoo.state_keys}
-        non_finite = torch.zeros(stop - start, dtype=torch.bool)
+             ) -> Iterator[tuple[int, dict[str, np.ndarray], dict[str, torch.Tensor],
+                             torch.Tensor]]:
+    """Yield ``(start, stored, {key: float64 tensor (B, *shape)}, non_finite (B,))`` over
+    the whole collection; ``stored`` is the block as read (``{key: (B, *shape)}``).
+    Checkpoints with NaN or infinite values (stored only when flagged diverged) are
+    zeroed in the float64 batch and marked in ``non_finite``. A zoo opened with
+    ``verify=True`` checks every block's digests as it reads it."""
+    for start, stored in zoo.checkpoint_blocks(batch_size):
+        size = next(iter(stored.values())).shape[0]
+        batch = {key: torch.from_numpy(value) for key, value in stored.items()}
+        non_finite = torch.zeros(size, dtype=torch.bool)
         for key, value in batch.items():
             if value.is_floating_point():
                 batch[key] = value.double()
-                non_finite |= ~torch.isfinite(value.reshape(stop - start, -1)).all(dim=1)
+                non_finite |= ~torch.isfinite(value.reshape(size, -1)).all(dim=1)
         if non_finite.any():
             batch = {key: torch.where(non_finite.reshape(-1, *[1] * (v.dim() - 1)), 0, v)
                      if v.is_floating_point() else v for key, v in batch.items()}
-        yield start, batch, non_finite
+        yield start, stored, batch, non_finite
 
 
 def logit_change(model: torch.nn.Module, shape: tuple[int, ...], before: dict,
@@ -120,8 +124,9 @@ def logit_change(model: torch.nn.Module, shape: tuple[int, ...], before: dict,
 
 def canonicalize_collection(source: str | os.PathLike, target: str | os.PathLike, *,
                             permutation: str = "first", scaling: str = "norm",
-                            softmax: bool = True, solver: str = "fast", verify: int = 0,
+                            softmax: bool = True, solver: str = "fast", n_verify: int = 0,
                             seed: int = 0, batch_size: int | None = None,
+                            verify: bool = True, overwrite: bool = False,
                             progress: bool = False, command: str | None = None
                             ) -> CanonicalizeSummary:
     """Write the canonical form of every checkpoint of ``source`` to a new collection.
@@ -129,19 +134,25 @@ def canonicalize_collection(source: str | os.PathLike, target: str | os.PathLike
     The structure is traced once; checkpoints are canonicalized ``batch_size`` at a time
     (default: :func:`default_batch_size`) in float64 and stored in the source's dtypes.
     The target keeps each checkpoint's metadata row and records in its ``annotations``
-    attribute exactly what was removed and how. With ``verify = N``, N checkpoints drawn
-    with ``seed`` are checked to compute the same function before and after (random
-    float64 inputs; :class:`ChecksumError` if the logits move by more than
-    :data:`VERIFY_TOLERANCE` relative; a partial target is removed). Checkpoints with NaN
-    or infinite weights, which a collection holds only flagged as diverged, have no
-    canonical form: they are copied unchanged, still flagged, and counted in
-    :attr:`CanonicalizeSummary.copied_unchanged`.
+    attribute exactly what was removed and how. With ``n_verify = N``, N checkpoints
+    drawn with ``seed`` are checked to compute the same function before and after
+    (random float64 inputs; :class:`ChecksumError` if the logits move by more than
+    :data:`VERIFY_TOLERANCE` relative). Checkpoints with NaN or infinite weights, which a
+    collection holds only flagged as diverged, have no canonical form: they are copied
+    unchanged, still flagged, and counted in :attr:`CanonicalizeSummary.copied_unchanged`.
+
+    ``verify`` (default True) checks every source checkpoint's SHA-256 as it is read and
+    refuses a corrupt source. The target is built under a temporary name and appears only
+    when complete; it must not exist unless ``overwrite``, and is never the source.
     """
     from tqdm.auto import tqdm
 
     check_options(permutation, scaling, solver)
-    source, target = Path(source), Path(target)
-    with open_zoo(source) as zoo:
+    for name, value in (("n_verify", n_verify), ("seed", seed)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+            raise InvalidOptionError(f"{name} must be a non-negative integer, not {value!r}")
+    source, target = Path(source), check_output(target, inputs=[source], overwrite=overwrite)
+    with open_zoo(source, verify=verify) as zoo:
         model, shape = _model(zoo)
         structure = trace_structure(model, shape)
         annotations = {"canonicalized_from": source.name, "permutation": permutation,
@@ -155,46 +166,45 @@ def canonicalize_collection(source: str | os.PathLike, target: str | os.PathLike
                        "non_finite": "checkpoints with NaN or infinite weights (flagged "
                                      "diverged) are copied unchanged"}
         count = len(zoo)
-        checked = set(np.random.default_rng(seed).choice(count, min(verify, count),
+        checked = set(np.random.default_rng(seed).choice(count, min(n_verify, count),
                                                          replace=False).tolist())
         batch_size = default_batch_size(zoo, structure, batch_size)
         rows = zoo.metadata
         dtypes = {key: torch.from_numpy(np.zeros(0, dtype)).dtype
                   for key, dtype in zoo.dtypes.items()}
         dead, copied, largest, verified = 0, 0, 0.0, []
-        out = create_zoo(target, architecture=zoo.architecture, dataset=zoo.dataset,
-                         method=zoo.method, num_classes=zoo.num_classes,
-                         model_options=zoo.model_options, template=zoo.spec,
-                         recipe=zoo.recipe, annotations=annotations, command=command)
-        try:
-            with out, tqdm(total=count, desc="canonicalize", unit="ckpt",
-                           disable=not progress) as bar:
-                for start, batch, non_finite in _batches(zoo, batch_size):
-                    canonical, report = canonicalize_batch(batch, structure, permutation,
-                                                           scaling, softmax, solver)
-                    dead += sum(1 for unit in report.dead_units if not non_finite[unit[0]])
-                    size = len(non_finite)
-                    stored = [zoo.arrays(start + b) if non_finite[b] else
-                              {key: canonical[key][b].to(dtypes[key]) for key in canonical}
-                              for b in range(size)]
-                    copied += int(non_finite.sum())
-                    for b in sorted(i - start for i in checked if start <= i < start + size):
-                        if non_finite[b]:
-                            continue
-                        before = {key: value[b] for key, value in batch.items()}
-                        change = logit_change(model, shape, before, stored[b], seed + start + b)
-                        largest = max(largest, change)
-                        verified.append(start + b)
-                        if not change < VERIFY_TOLERANCE:
-                            raise ChecksumError(
-                                f"checkpoint {start + b}: the canonical network's logits "
-                                f"differ by {change:.3g} (relative)")
-                    out.append_many(stored, [_copied_row(rows[start + b], source.name,
-                                                         start + b) for b in range(size)])
-                    bar.update(size)
-        except BaseException:
-            target.unlink(missing_ok=True)
-            raise
+        # Unpublished until the block ends: a failure or a kill leaves no target.
+        with create_zoo(target, architecture=zoo.architecture, dataset=zoo.dataset,
+                        method=zoo.method, num_classes=zoo.num_classes,
+                        model_options=zoo.model_options, template=zoo.spec,
+                        recipe=zoo.recipe, annotations=annotations, command=command,
+                        overwrite=overwrite, publish=False) as out, \
+                tqdm(total=count, desc="canonicalize", unit="ckpt",
+                     disable=not progress) as bar:
+            for start, block, batch, non_finite in _batches(zoo, batch_size):
+                canonical, report = canonicalize_batch(batch, structure, permutation,
+                                                       scaling, softmax, solver)
+                dead += sum(1 for unit in report.dead_units if not non_finite[unit[0]])
+                size = len(non_finite)
+                stored = [{key: block[key][b] for key in block} if non_finite[b] else
+                          {key: canonical[key][b].to(dtypes[key]) for key in canonical}
+                          for b in range(size)]
+                copied += int(non_finite.sum())
+                for b in sorted(i - start for i in checked if start <= i < start + size):
+                    if non_finite[b]:
+                        continue
+                    before = {key: value[b] for key, value in batch.items()}
+                    change = logit_change(model, shape, before, stored[b], seed + start + b)
+                    largest = max(largest, change)
+                    verified.append(start + b)
+                    if not change < VERIFY_TOLERANCE:
+                        raise ChecksumError(
+                            f"checkpoint {start + b}: the canonical network's logits "
+                            f"differ by {change:.3g} (relative)")
+                out.append_many(stored, [_copied_row(rows[start + b], source.name,
+                                                     start + b) for b in range(size)])
+                fault_point("canonicalize-batch")
+                bar.update(size)
     return CanonicalizeSummary(target, count, dead, verified, largest, copied)
 
 
@@ -213,18 +223,19 @@ def _blank(result: MinMassBatch, rows: np.ndarray) -> None:
 
 
 def min_mass_collection(source: str | os.PathLike, *, solver: str = "fast",
-                        batch_size: int | None = None, progress: bool = False
-                        ) -> MinMassReport:
+                        batch_size: int | None = None, verify: bool = True,
+                        progress: bool = False) -> MinMassReport:
     """Minimum mass of every checkpoint of a collection (nothing is written).
 
     Returns the masses before and after, each weight tensor's largest |w| before and
     after (paper Fig. 2), the optimal scales and the dead units, as arrays over the
     checkpoint axis. ``solver``: ``"fast"`` (batched Newton) or ``"cvxpy"``. Checkpoints
-    with non-finite weights (flagged diverged) get NaN in every array.
+    with non-finite weights (flagged diverged) get NaN in every array. ``verify``
+    checks each checkpoint's SHA-256 as it is read.
     """
     from tqdm.auto import tqdm
 
-    with open_zoo(source) as zoo:
+    with open_zoo(source, verify=verify) as zoo:
         model, shape = _model(zoo)
         structure = trace_structure(model, shape)
         problem = mass_problem(structure, {k: torch.from_numpy(np.zeros(s, zoo.dtypes[k]))
@@ -232,7 +243,7 @@ def min_mass_collection(source: str | os.PathLike, *, solver: str = "fast",
         parts: list[MinMassBatch] = []
         dead: list[tuple[int, int, int]] = []
         with tqdm(total=len(zoo), desc="min-mass", unit="ckpt", disable=not progress) as bar:
-            for start, batch, non_finite in _batches(
+            for start, _, batch, non_finite in _batches(
                     zoo, default_batch_size(zoo, structure, batch_size)):
                 result = solve_min_mass_batch(batch, structure, solver, problem)
                 result.states = {}

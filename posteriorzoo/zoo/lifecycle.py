@@ -9,8 +9,15 @@ committed before the kill. The next writer finds HDF5's "open for write" flag le
 behind and rebuilds the file from its committed checkpoints (into a temporary file
 renamed over the original) before appending. Writers hold an exclusive ``flock`` on the
 file, so a second writer fails fast with :class:`ZooBusyError` instead of corrupting it.
-New files are built under a temporary name and renamed into place, so a half-created
-collection is never visible.
+
+New files are built under a temporary name next to the target
+(``.NAME.partial-PID-RANDOM``, the convention of :mod:`posteriorzoo.outputs`) and linked
+into place, so a half-created collection is never visible and an existing file is never
+replaced unless asked. With ``create_zoo(..., publish=False)`` the collection stays under
+its temporary name while it is filled and appears only when :meth:`Zoo.publish` runs (or
+its ``with`` block ends without an error): commands that derive a whole collection use
+this, so a killed command leaves nothing. The temporary file of a killed process is
+reclaimed by the next writer of that path.
 """
 
 from __future__ import annotations
@@ -27,9 +34,23 @@ import h5py
 import numpy as np
 import torch
 
-from posteriorzoo.errors import ZooBusyError, ZooFormatError, ZooSchemaError
+from posteriorzoo import outputs
+from posteriorzoo.errors import (
+    InvalidOptionError,
+    OutputExistsError,
+    ZooBusyError,
+    ZooFormatError,
+    ZooSchemaError,
+)
 from posteriorzoo.zoo import schema
-from posteriorzoo.zoo.schema import FORMAT_NAME, METADATA_DTYPE, SCHEMA_VERSION, canonical_json
+from posteriorzoo.zoo.layout import ROW_DIGEST_DTYPE, ROW_DIGESTS
+from posteriorzoo.zoo.schema import (
+    FORMAT_NAME,
+    METADATA_DTYPE,
+    SCHEMA_VERSION,
+    canonical_json,
+    row_digest,
+)
 from posteriorzoo.zoo.store import (
     _METADATA_CHUNK_ROWS,
     _STATE_GROUP,
@@ -53,6 +74,7 @@ def _require_file(path: Path) -> None:
         raise ZooFormatError(f"{path}: not a file")
     if not h5py.is_hdf5(path):
         raise ZooFormatError(f"{path}: not an HDF5 file")
+
 
 def normalise_template(template: Mapping[str, Any]
                        ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -110,6 +132,7 @@ def create_zoo(
     command: str | None = None,
     validate: bool = True,
     overwrite: bool = False,
+    publish: bool = True,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Zoo:
     """Create an empty collection and return it opened for appending.
@@ -117,7 +140,8 @@ def create_zoo(
     Parameters
     ----------
     path : path-like
-        The new ``.h5`` file. It is built under a temporary name and renamed into place.
+        The new ``.h5`` file. Its folder must exist. It is built under a temporary name
+        and linked into place.
     architecture : str
         A model name of :mod:`posteriorzoo.models`; with ``validate=True`` the template's
         keys and shapes must match ``build(architecture, num_classes, **model_options)``.
@@ -138,7 +162,11 @@ def create_zoo(
     validate : bool
         Check the template against the registered architecture (unknown names raise).
     overwrite : bool
-        Replace an existing file; otherwise an existing path raises ZooFormatError.
+        Replace an existing file; otherwise an existing path raises OutputExistsError.
+    publish : bool
+        Put the file in place now (default). With False it keeps its temporary name until
+        :meth:`Zoo.publish` or the end of its ``with`` block; an error in the block, or
+        :meth:`Zoo.discard`, deletes it.
     chunk_bytes : int
         Target bytes per chunk of each state dataset.
     """
@@ -147,55 +175,87 @@ def create_zoo(
     spec = normalise_template(template)
     if validate:
         check_architecture(architecture, spec, num_classes, model_options)
+    if not path.parent.is_dir():
+        raise InvalidOptionError(f"{path}: the folder {path.parent} does not exist")
     if path.exists() and not overwrite:
-        raise ZooFormatError(f"{path}: already exists (open it with mode='a' to append)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.creating-{os.getpid()}")
+        raise OutputExistsError(f"{path}: already exists (open it with mode='a' to append)")
+    try:
+        json_attributes = {"model_options": canonical_json(model_options),
+                           "recipe": canonical_json(dict(recipe or {})),
+                           "annotations": canonical_json(dict(annotations or {}))}
+    except (TypeError, ValueError) as error:
+        raise ZooSchemaError(f"collection attributes are not JSON-serialisable: {error}") \
+            from None
     provenance = {"command": command, "versions": schema.library_versions(),
                   "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    # The temporary file is locked from its first byte: see posteriorzoo.outputs.
+    temporary, fd = outputs.new_partial(path)
     try:
         with h5py.File(temporary, "w", libver="latest", locking=False) as handle:
-            attrs = handle.attrs
-            attrs["format"] = FORMAT_NAME
-            attrs["schema_version"] = SCHEMA_VERSION
-            attrs["architecture"] = architecture
-            attrs["dataset"] = dataset
-            attrs["method"] = method
-            attrs["num_classes"] = -1 if num_classes is None else int(num_classes)
-            attrs["model_options"] = canonical_json(model_options)
-            attrs["recipe"] = canonical_json(dict(recipe or {}))
-            attrs["annotations"] = canonical_json(dict(annotations or {}))
-            attrs["state_keys"] = json.dumps(list(spec))
-            attrs["created_by"] = canonical_json(provenance)
-            attrs["validated"] = bool(validate)
-            group = handle.create_group(_STATE_GROUP)
-            for key, (shape, dtype) in spec.items():
-                rows = _chunk_rows(shape, dtype, chunk_bytes)
-                group.create_dataset(key, shape=(0, *shape), maxshape=(None, *shape),
-                                     chunks=(rows, *shape) if shape else (rows,), dtype=dtype)
-            handle.create_dataset("metadata", shape=(0,), maxshape=(None,),
-                                  chunks=(_METADATA_CHUNK_ROWS,), dtype=METADATA_DTYPE)
-            handle.create_dataset("committed", data=np.zeros(1, dtype=np.int64))
-        os.replace(temporary, path)
-    finally:
+            _write_layout(handle, spec, architecture, dataset, method, num_classes,
+                          json_attributes, provenance, validate, chunk_bytes)
+        if publish:
+            outputs.publish(temporary, path, overwrite=overwrite)
+        zoo = _writer(path if publish else temporary, fd, final_path=None if publish else path)
+    except BaseException:
+        os.close(fd)
         temporary.unlink(missing_ok=True)
-    return open_zoo(path, mode="a")
+        raise
+    zoo._overwrite = overwrite
+    return zoo
 
 
-def open_zoo(path: str | os.PathLike, mode: str = "r") -> Zoo:
+def _write_layout(handle: h5py.File, spec: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+                  architecture: str, dataset: str, method: str, num_classes: int | None,
+                  json_attributes: Mapping[str, str], provenance: Mapping[str, Any],
+                  validate: bool, chunk_bytes: int) -> None:
+    """The attributes and empty datasets of a new collection file."""
+    attrs = handle.attrs
+    attrs["format"] = FORMAT_NAME
+    attrs["schema_version"] = SCHEMA_VERSION
+    attrs["architecture"] = architecture
+    attrs["dataset"] = dataset
+    attrs["method"] = method
+    attrs["num_classes"] = -1 if num_classes is None else int(num_classes)
+    for name, text in json_attributes.items():
+        attrs[name] = text
+    attrs["state_keys"] = json.dumps(list(spec))
+    attrs["created_by"] = canonical_json(dict(provenance))
+    attrs["validated"] = bool(validate)
+    group = handle.create_group(_STATE_GROUP)
+    for key, (shape, dtype) in spec.items():
+        rows = _chunk_rows(shape, dtype, chunk_bytes)
+        group.create_dataset(key, shape=(0, *shape), maxshape=(None, *shape),
+                             chunks=(rows, *shape) if shape else (rows,), dtype=dtype)
+    handle.create_dataset("metadata", shape=(0,), maxshape=(None,),
+                          chunks=(_METADATA_CHUNK_ROWS,), dtype=METADATA_DTYPE)
+    handle.create_dataset(ROW_DIGESTS, shape=(0,), maxshape=(None,),
+                          chunks=(_METADATA_CHUNK_ROWS,), dtype=ROW_DIGEST_DTYPE)
+    handle.create_dataset("committed", data=np.zeros(1, dtype=np.int64))
+
+
+def open_zoo(path: str | os.PathLike, mode: str = "r", *, verify: bool = False) -> Zoo:
     """Open a collection: ``mode="r"`` to read, ``"a"`` to append.
 
     Reading never modifies the file and works while a writer appends. Appending takes an
     exclusive lock; if the previous writer was killed, the file is first rebuilt from its
-    committed checkpoints (nothing committed is lost).
+    committed checkpoints (nothing committed is lost). With ``verify=True`` every
+    checkpoint's digests are checked as it is read (see :class:`Zoo`).
     """
     if mode not in ("r", "a"):
-        raise ValueError(f"mode must be 'r' or 'a', not {mode!r}")
+        raise InvalidOptionError(f"mode must be 'r' or 'a', not {mode!r}")
     path = Path(path)
     _require_file(path)
     if mode == "r":
-        return Zoo(path, open_h5(path, "r"))
-    return _open_for_append(path)
+        handle = open_h5(path, "r")
+        try:
+            return Zoo(path, handle, verify=verify)
+        except BaseException:
+            handle.close()
+            raise
+    zoo = _open_for_append(path)
+    zoo.verify = verify
+    return zoo
 
 
 def _lock(path: Path) -> int:
@@ -208,6 +268,42 @@ def _lock(path: Path) -> int:
     return fd
 
 
+def _writer(path: Path, fd: int, final_path: Path | None = None) -> Zoo:
+    """A writable Zoo on ``path``, whose lock ``fd`` the caller holds (and hands over).
+
+    Rows past the committed count (an interrupted append) are cut off, schema 1 files get
+    their metadata row digests, and SWMR mode starts.
+    """
+    handle = open_h5(path, "a")
+    try:
+        _upgrade_schema(handle)
+        zoo = Zoo(path, handle, lock_fd=fd, final_path=final_path)
+        count = len(zoo)
+        for dataset in [*zoo._datasets.values(), handle["metadata"], handle[ROW_DIGESTS]]:
+            if dataset.shape[0] != count:
+                dataset.resize(count, axis=0)
+        handle.flush()
+        handle.swmr_mode = True
+    except BaseException:
+        handle.close()
+        raise
+    return zoo
+
+
+def _upgrade_schema(handle: h5py.File) -> None:
+    """Give a schema 1 file its metadata row digests (computed from the rows as they are)."""
+    if ROW_DIGESTS in handle or handle.attrs.get("schema_version") != 1:
+        return
+    if "committed" not in handle or "metadata" not in handle:
+        return  # not a collection: Zoo() says what is wrong
+    count = int(handle["committed"][0])
+    rows = handle["metadata"][:count]
+    digests = np.array([row_digest(row).encode() for row in rows], dtype=ROW_DIGEST_DTYPE)
+    handle.create_dataset(ROW_DIGESTS, data=digests, maxshape=(None,),
+                          chunks=(_METADATA_CHUNK_ROWS,), dtype=ROW_DIGEST_DTYPE)
+    handle.attrs["schema_version"] = SCHEMA_VERSION
+
+
 def _open_for_append(path: Path) -> Zoo:
     fd = _lock(path)
     try:
@@ -218,23 +314,12 @@ def _open_for_append(path: Path) -> Zoo:
             new_fd = _rebuild_from_committed(path)
             os.close(fd)
             fd = new_fd
-            handle = open_h5(path, "a")
-        try:
-            zoo = Zoo(path, handle, lock_fd=fd)
-            count = len(zoo)
-            for dataset in [*zoo._datasets.values(), handle["metadata"]]:
-                if dataset.shape[0] != count:
-                    dataset.resize(count, axis=0)
-            handle.flush()
-            handle.swmr_mode = True
-        except BaseException:
+        else:
             handle.close()
-            raise
+        return _writer(path, fd)
     except BaseException:
-        if fd is not None:
-            os.close(fd)
+        os.close(fd)
         raise
-    return zoo
 
 
 def _rebuild_from_committed(path: Path) -> int:
@@ -245,13 +330,20 @@ def _rebuild_from_committed(path: Path) -> int:
     with Zoo(path, open_h5(path, "r")) as old:
         attrs = dict(old._file.attrs)
         spec = old.spec
-        temporary = path.with_name(f".{path.name}.recovering-{os.getpid()}")
+        count = len(old)
+        rows = old.metadata
+        if old.has_row_digests:
+            digests = old._file[ROW_DIGESTS][:count]
+        else:
+            digests = np.array([row_digest(row).encode() for row in rows],
+                               dtype=ROW_DIGEST_DTYPE)
+            attrs["schema_version"] = SCHEMA_VERSION
+        temporary, fd = outputs.new_partial(path)
         try:
             with h5py.File(temporary, "w", libver="latest", locking=False) as new:
                 for name, value in attrs.items():
                     new.attrs[name] = value
                 group = new.create_group(_STATE_GROUP)
-                count = len(old)
                 for key, (shape, dtype) in spec.items():
                     source = old._datasets[key]
                     target = group.create_dataset(key, shape=(count, *shape),
@@ -259,11 +351,14 @@ def _rebuild_from_committed(path: Path) -> int:
                                                   chunks=source.chunks, dtype=dtype)
                     for start, block in old.layer_blocks(key):
                         target[start:start + block.shape[0]] = block
-                new.create_dataset("metadata", data=old.metadata, maxshape=(None,),
+                new.create_dataset("metadata", data=rows, maxshape=(None,),
                                    chunks=(_METADATA_CHUNK_ROWS,), dtype=METADATA_DTYPE)
+                new.create_dataset(ROW_DIGESTS, data=digests, maxshape=(None,),
+                                   chunks=(_METADATA_CHUNK_ROWS,), dtype=ROW_DIGEST_DTYPE)
                 new.create_dataset("committed", data=np.array([count], dtype=np.int64))
-            fd = _lock(temporary)
             os.replace(temporary, path)
-        finally:
+        except BaseException:
+            os.close(fd)
             temporary.unlink(missing_ok=True)
+            raise
     return fd

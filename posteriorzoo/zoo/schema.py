@@ -7,8 +7,14 @@ A collection is one HDF5 file::
     /state/<key>     one dataset per parameter or buffer, shape (N, *tensor_shape),
                      chunked along the checkpoint axis so a layer read is contiguous
     /metadata        one row per checkpoint (compound dtype, columns below)
+    /metadata_sha256 one SHA-256 per metadata row (schema 2), so a changed value in
+                     the table (an accuracy, a seed) is detected like a changed weight
     /committed       int64[1]: the number of complete checkpoints; rows past it are
                      leftovers of an interrupted append and are never read
+
+Nothing else: no links, no external or virtual storage, no compression
+(:mod:`posteriorzoo.zoo.layout` refuses files that have them). Schema 1 files (without
+row digests) are read; a writer upgrades them to schema 2.
 
 Strings in the metadata are fixed-length UTF-8 bytes, because HDF5's single-writer /
 multiple-reader mode (used for crash-safe appends) does not support variable-length data.
@@ -27,7 +33,7 @@ import numpy as np
 from posteriorzoo.errors import ZooSchemaError
 
 FORMAT_NAME = "posteriorzoo-collection"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,11 @@ def checkpoint_digest(arrays: Mapping[str, np.ndarray], keys: list[str]) -> str:
     return digest.hexdigest()
 
 
+def row_digest(row: np.void | np.ndarray) -> str:
+    """SHA-256 hex digest of one metadata row's bytes in the table's (little-endian) layout."""
+    return hashlib.sha256(np.asarray(row, dtype=METADATA_DTYPE).tobytes()).hexdigest()
+
+
 def metadata_row(values: Mapping[str, object]) -> np.ndarray:
     """One metadata row (a 0-d structured array) from user values; the rest are 'missing'.
 
@@ -128,7 +139,9 @@ def metadata_row(values: Mapping[str, object]) -> np.ndarray:
         if value is None:
             value = column.missing
         if column.dtype.startswith("S"):
-            encoded = value if isinstance(value, bytes) else str(value).encode("utf-8")
+            if not isinstance(value, str | bytes):
+                raise ZooSchemaError(f"metadata {column.name!r} must be text, not {value!r}")
+            encoded = value if isinstance(value, bytes) else value.encode("utf-8")
             width = int(column.dtype[1:])
             if len(encoded) > width:
                 raise ZooSchemaError(
@@ -136,8 +149,27 @@ def metadata_row(values: Mapping[str, object]) -> np.ndarray:
                 )
             row[column.name] = encoded
         else:
-            row[column.name] = value
+            row[column.name] = _typed(column, value)
     return row
+
+
+def _typed(column: Column, value: object) -> object:
+    """``value`` checked against a numeric or boolean column (no silent conversions)."""
+    kind = np.dtype(column.dtype).kind
+    if kind == "b":
+        if not isinstance(value, bool | np.bool_):
+            raise ZooSchemaError(f"metadata {column.name!r} must be true or false, "
+                                 f"not {value!r}")
+        return bool(value)
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.number):
+        raise ZooSchemaError(f"metadata {column.name!r} must be a number, not {value!r}")
+    if kind == "i":
+        if isinstance(value, float | np.floating) and not float(value).is_integer():
+            raise ZooSchemaError(f"metadata {column.name!r} must be an integer, not {value!r}")
+        if not -(2**63) <= int(value) < 2**63:
+            raise ZooSchemaError(f"metadata {column.name!r} is out of range: {value!r}")
+        return int(value)
+    return float(value)
 
 
 def decode(value: object) -> object:

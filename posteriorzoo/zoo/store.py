@@ -12,7 +12,7 @@ count advances (see :mod:`posteriorzoo.zoo.lifecycle` for creating and opening f
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -23,20 +23,23 @@ import h5py
 import numpy as np
 import torch
 
+from posteriorzoo._faults import fault_point
 from posteriorzoo.errors import (
+    ChecksumError,
     NonFiniteWeightsError,
+    PosteriorZooError,
     UnknownNameError,
     ZooFormatError,
     ZooSchemaError,
 )
 from posteriorzoo.zoo import schema
+from posteriorzoo.zoo.layout import COMMITTED, METADATA, ROW_DIGESTS, STATE_GROUP, read_layout
 from posteriorzoo.zoo.schema import (
-    FORMAT_NAME,
     METADATA_DTYPE,
-    SCHEMA_VERSION,
     canonical_json,
     checkpoint_digest,
     metadata_row,
+    row_digest,
 )
 
 #: Target size of one chunk of a state dataset; small layers pack many checkpoints per chunk.
@@ -45,7 +48,9 @@ MAX_CHUNK_ROWS = 1024
 _METADATA_CHUNK_ROWS = 256
 #: Batches of one tensor up to this size are stacked into one write.
 _STACK_BYTES = 1 << 24
-_STATE_GROUP = "state"
+_STATE_GROUP = STATE_GROUP
+#: Bytes of whole checkpoints read at once while verifying digests.
+_VERIFY_BLOCK_BYTES = 1 << 28
 _CRASHED_WRITER_MARKERS = ("already open for write", "consistency flags")
 
 ArrayLike = torch.Tensor | np.ndarray
@@ -58,10 +63,6 @@ def as_numpy(value: ArrayLike) -> np.ndarray:
             raise ZooSchemaError("bfloat16 tensors are not supported; convert to float32")
         return value.detach().cpu().numpy()
     return np.asarray(value)
-
-
-
-
 
 
 def open_h5(path: Path, mode: str) -> h5py.File:
@@ -90,6 +91,12 @@ class Zoo:
     Use :func:`open_zoo` or :func:`create_zoo` rather than the constructor. A zoo is a
     context manager; opened with ``mode="a"`` it accepts :meth:`append`.
 
+    The file's layout is checked when it opens (:mod:`posteriorzoo.zoo.layout`). Opened
+    with ``verify=True``, a zoo also never returns checkpoint data it has not checked:
+    reading checkpoint i checks its SHA-256 and its metadata row's, and reading layers
+    across checkpoints first checks every checkpoint once. A mismatch raises
+    :class:`ChecksumError`.
+
     Attributes
     ----------
     path : pathlib.Path
@@ -107,60 +114,67 @@ class Zoo:
         How the collection was derived from another one, if it was (e.g. canonicalized).
     """
 
-    def __init__(self, path: Path, handle: h5py.File, lock_fd: int | None = None) -> None:
+    def __init__(self, path: Path, handle: h5py.File, lock_fd: int | None = None, *,
+                 verify: bool = False, final_path: Path | None = None) -> None:
         self.path = path
         self._file = handle
         self._lock_fd = lock_fd
-        self._check_layout()
-        attrs = handle.attrs
-        self.architecture = str(attrs["architecture"])
-        self.dataset = str(attrs["dataset"])
-        self.method = str(attrs["method"])
-        num_classes = int(attrs["num_classes"])
-        self.num_classes = None if num_classes < 0 else num_classes
-        self.model_options: dict[str, Any] = json.loads(attrs["model_options"])
-        self.recipe: dict[str, Any] = json.loads(attrs["recipe"])
-        self.annotations: dict[str, Any] = json.loads(attrs.get("annotations", "{}"))
-        self.created_by: dict[str, Any] = json.loads(attrs["created_by"])
-        self._keys: list[str] = json.loads(attrs["state_keys"])
-        group = handle[_STATE_GROUP]
-        missing = [key for key in self._keys if key not in group]
-        if missing:
-            raise ZooFormatError(f"{path}: state datasets missing: {missing[:3]}")
+        self._final_path = final_path
+        self._overwrite = False
+        self.verify = bool(verify)
+        self._verified_upto = 0
+        self._verified: set[int] = set()
+        with self._reading("the collection's structure"):
+            layout = read_layout(handle, path)
+        self.layout = layout
+        self.architecture = layout.architecture
+        self.dataset = layout.dataset
+        self.method = layout.method
+        self.num_classes = layout.num_classes
+        self.model_options: dict[str, Any] = layout.model_options
+        self.recipe: dict[str, Any] = layout.recipe
+        self.annotations: dict[str, Any] = layout.annotations
+        self.created_by: dict[str, Any] = layout.created_by
+        self._keys: list[str] = layout.state_keys
+        group = handle[STATE_GROUP]
         self._datasets = {key: group[key] for key in self._keys}
+        if layout.validated:
+            from posteriorzoo.zoo.lifecycle import check_architecture
+
+            try:
+                check_architecture(self.architecture, self.spec, self.num_classes,
+                                   self.model_options)
+            except PosteriorZooError as error:
+                raise ZooFormatError(
+                    f"{path}: does not fit architecture {self.architecture}: {error}") from None
+
+    @contextlib.contextmanager
+    def _reading(self, what: str) -> Iterator[None]:
+        """Turn HDF5 library errors while reading ``what`` into one ZooFormatError."""
+        try:
+            yield
+        except PosteriorZooError:
+            raise
+        except (OSError, RuntimeError, KeyError, ValueError, TypeError) as error:
+            raise ZooFormatError(
+                f"{self.path}: {what} cannot be read (corrupt file): {error}") from None
 
     # ------------------------------------------------------------------ structure
-    def _check_layout(self) -> None:
-        attrs = self._file.attrs
-        if attrs.get("format") != FORMAT_NAME:
-            raise ZooFormatError(f"{self.path}: not a posteriorzoo collection (no format marker)")
-        version = int(attrs.get("schema_version", -1))
-        if version > SCHEMA_VERSION:
-            raise ZooFormatError(
-                f"{self.path}: schema version {version} is newer than this posteriorzoo "
-                f"understands ({SCHEMA_VERSION}); upgrade posteriorzoo"
-            )
-        needed = ("architecture", "dataset", "method", "num_classes", "model_options",
-                  "recipe", "state_keys", "created_by")
-        absent = [name for name in needed if name not in attrs]
-        for member in (_STATE_GROUP, "metadata", "committed"):
-            if member not in self._file:
-                absent.append(f"/{member}")
-        if absent:
-            raise ZooFormatError(f"{self.path}: damaged collection, missing {absent}")
-        committed = self._committed()
-        if committed > self._file["metadata"].shape[0]:
-            raise ZooFormatError(f"{self.path}: committed count exceeds the metadata rows")
-
     def _committed(self) -> int:
-        dataset = self._file["committed"]
-        if self._file.swmr_mode:
-            dataset.refresh()
-        return int(dataset[0])
+        with self._reading("the committed count"):
+            dataset = self._file[COMMITTED]
+            if self._file.swmr_mode:
+                dataset.refresh()
+            return int(dataset[0])
 
     @property
     def writable(self) -> bool:
         return self._lock_fd is not None
+
+    @property
+    def has_row_digests(self) -> bool:
+        """Whether metadata rows carry digests (schema 2; schema 1 files have none)."""
+        return ROW_DIGESTS in self._file
 
     def __len__(self) -> int:
         """Number of complete checkpoints."""
@@ -186,9 +200,19 @@ class Zoo:
         """``{key: (shape, dtype)}`` of one checkpoint, in state_dict order."""
         return {key: (tuple(ds.shape[1:]), ds.dtype) for key, ds in self._datasets.items()}
 
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes of one checkpoint's tensors."""
+        return sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                   for shape, dtype in self.spec.values())
+
     def dataset_handle(self, key: str) -> h5py.Dataset:
-        """The raw h5py dataset of ``key`` (rows past ``len(self)`` are not checkpoints)."""
+        """The raw h5py dataset of ``key`` (rows past ``len(self)`` are not checkpoints).
+
+        With ``verify=True`` every checkpoint is checked before the handle is returned.
+        """
         self._require_key(key)
+        self.verify_all()
         return self._datasets[key]
 
     def _require_key(self, key: str) -> None:
@@ -196,6 +220,72 @@ class Zoo:
             raise UnknownNameError(
                 f"{self.path}: no tensor {key!r}; it holds {', '.join(self._keys)}"
             )
+
+    # ------------------------------------------------------------------ integrity
+    def block_rows(self, budget: int = _VERIFY_BLOCK_BYTES) -> int:
+        """Checkpoints per block so that one block of whole checkpoints fits ``budget`` bytes."""
+        return max(1, budget // max(1, self.checkpoint_bytes))
+
+    def check_checkpoints(self, start: int, stop: int,
+                          arrays: Mapping[str, np.ndarray] | None = None
+                          ) -> list[tuple[int, str]]:
+        """Check checkpoints ``start .. stop-1``: returns ``(index, problem)`` pairs.
+
+        A problem is a tensor digest that differs from the stored SHA-256, a metadata row
+        that differs from its stored digest (schema 2), or NaN/inf weights in a checkpoint
+        not flagged diverged. ``arrays`` (``{key: (stop-start, *shape)}``) avoids reading
+        the tensors again when the caller already has them.
+        """
+        with self._reading(f"checkpoints {start}..{stop - 1}"):
+            if arrays is None:
+                arrays = {key: self._datasets[key][start:stop] for key in self._keys}
+            rows = self._file[METADATA][start:stop]
+            digests = self._file[ROW_DIGESTS][start:stop] if self.has_row_digests else None
+        problems = []
+        for offset in range(stop - start):
+            index = start + offset
+            checkpoint = {key: arrays[key][offset] for key in self._keys}
+            if checkpoint_digest(checkpoint, self._keys) != bytes(rows["sha256"][offset]).decode(
+                    errors="replace"):
+                problems.append((index, "its tensors differ from their stored SHA-256"))
+            if digests is not None and row_digest(rows[offset]) != bytes(
+                    digests[offset]).decode(errors="replace"):
+                problems.append((index, "its metadata row differs from its stored SHA-256"))
+            finite = all(np.isfinite(value).all() for value in checkpoint.values()
+                         if value.dtype.kind == "f")
+            if not finite and not rows["diverged"][offset]:
+                problems.append((index, "it holds NaN/inf weights without the diverged flag"))
+        return problems
+
+    def _raise_problems(self, problems: list[tuple[int, str]]) -> None:
+        if problems:
+            index, problem = problems[0]
+            more = f" ({len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+            raise ChecksumError(f"{self.path}: checkpoint {index} is corrupt: {problem}{more}; "
+                                "'posteriorzoo verify' reports all damage")
+
+    def verify_all(self) -> None:
+        """With ``verify=True``: check every checkpoint not yet checked (once per zoo)."""
+        if not self.verify:
+            return
+        count = len(self)
+        rows = self.block_rows()
+        for start in range(self._verified_upto, count, rows):
+            stop = min(count, start + rows)
+            self._raise_problems(self.check_checkpoints(start, stop))
+            self._verified_upto = stop
+
+    def _verify_rows(self) -> None:
+        if not self.verify or not self.has_row_digests:
+            return
+        with self._reading("the metadata table"):
+            count = len(self)
+            rows = self._file[METADATA][:count]
+            digests = self._file[ROW_DIGESTS][:count]
+        for index in range(count):
+            if row_digest(rows[index]) != bytes(digests[index]).decode(errors="replace"):
+                self._raise_problems(
+                    [(index, "its metadata row differs from its stored SHA-256")])
 
     # ------------------------------------------------------------------ reading
     def layer(self, key: str, index: slice | Sequence[int] | np.ndarray | None = None
@@ -214,6 +304,11 @@ class Zoo:
         numpy.ndarray of shape (n_selected, *tensor_shape), in the stored dtype.
         """
         self._require_key(key)
+        self.verify_all()
+        with self._reading(f"tensor {key!r}"):
+            return self._layer(key, index)
+
+    def _layer(self, key: str, index: slice | Sequence[int] | np.ndarray | None) -> np.ndarray:
         dataset = self._datasets[key]
         if self._file.swmr_mode:
             dataset.refresh()
@@ -244,9 +339,30 @@ class Zoo:
         ``block`` has shape (<= rows, *tensor_shape); memory stays bounded by one block.
         """
         self._require_key(key)
+        self.verify_all()
         count = len(self)
         for start in range(0, count, rows):
-            yield start, self._datasets[key][start:min(count, start + rows)]
+            with self._reading(f"tensor {key!r}"):
+                block = self._datasets[key][start:min(count, start + rows)]
+            yield start, block
+
+    def checkpoint_blocks(self, rows: int | None = None
+                          ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        """Stream whole checkpoints in blocks: yields ``(start, {key: (B, *shape)})``.
+
+        With ``verify=True`` each block is checked as it is read (no second read).
+        """
+        rows = rows or self.block_rows()
+        count = len(self)
+        for start in range(0, count, rows):
+            stop = min(count, start + rows)
+            with self._reading(f"checkpoints {start}..{stop - 1}"):
+                block = {key: self._datasets[key][start:stop] for key in self._keys}
+            if self.verify and stop > self._verified_upto:
+                self._raise_problems(self.check_checkpoints(start, stop, block))
+                if start <= self._verified_upto:
+                    self._verified_upto = stop
+            yield start, block
 
     def arrays(self, index: int) -> dict[str, np.ndarray]:
         """Checkpoint ``index`` as ``{key: numpy array}`` in state_dict order."""
@@ -254,7 +370,13 @@ class Zoo:
         if not -count <= index < count:
             raise IndexError(f"checkpoint {index} out of range; the zoo holds {count}")
         index %= count
-        return {key: ds[index] for key, ds in self._datasets.items()}
+        with self._reading(f"checkpoint {index}"):
+            arrays = {key: ds[index] for key, ds in self._datasets.items()}
+        if self.verify and index >= self._verified_upto and index not in self._verified:
+            self._raise_problems(self.check_checkpoints(
+                index, index + 1, {key: value[None] for key, value in arrays.items()}))
+            self._verified.add(index)
+        return arrays
 
     def state_dict(self, index: int) -> dict[str, torch.Tensor]:
         """Checkpoint ``index`` as a state_dict for ``model.load_state_dict``."""
@@ -269,17 +391,30 @@ class Zoo:
     @property
     def metadata(self) -> np.ndarray:
         """Metadata table: a structured array of shape (N,), columns in ``schema.COLUMN_NAMES``."""
-        dataset = self._file["metadata"]
-        if self._file.swmr_mode:
-            dataset.refresh()
-        return dataset[: len(self)]
+        self._verify_rows()
+        with self._reading("the metadata table"):
+            dataset = self._file[METADATA]
+            if self._file.swmr_mode:
+                dataset.refresh()
+            return dataset[: len(self)]
+
+    @property
+    def digests(self) -> list[str]:
+        """Every committed checkpoint's tensor SHA-256 (hex), in order."""
+        return [bytes(value).decode(errors="replace") for value in self.metadata["sha256"]]
 
     def metadata_dict(self, index: int) -> dict[str, Any]:
         """Metadata row ``index`` as a plain dict (strings decoded)."""
         count = len(self)
         if not -count <= index < count:
             raise IndexError(f"checkpoint {index} out of range; the zoo holds {count}")
-        row = self._file["metadata"][index % count]  # one row, not the whole table
+        index %= count
+        with self._reading(f"metadata row {index}"):
+            row = self._file[METADATA][index]  # one row, not the whole table
+            if self.verify and self.has_row_digests and row_digest(row) != bytes(
+                    self._file[ROW_DIGESTS][index]).decode(errors="replace"):
+                self._raise_problems(
+                    [(index, "its metadata row differs from its stored SHA-256")])
         return {name: schema.decode(row[name]) for name in METADATA_DTYPE.names}
 
     # ------------------------------------------------------------------ writing
@@ -295,24 +430,38 @@ class Zoo:
         """Append whole checkpoints atomically; returns their indices.
 
         Every checkpoint is validated (keys, shapes, dtypes, finite values unless its
-        metadata says ``diverged=True``) before anything is written, so a bad one leaves
-        the file untouched. Metadata keys are column names of
-        :data:`posteriorzoo.zoo.schema.METADATA_COLUMNS`; ``versions`` defaults to the
-        running library versions, ``method`` to the collection's method.
+        metadata says ``diverged=True``, metadata values of the columns' types) before
+        anything is written, so a bad one leaves the file untouched. Metadata keys are
+        column names of :data:`posteriorzoo.zoo.schema.METADATA_COLUMNS`; ``versions``
+        defaults to the running library versions, ``method`` to the collection's method.
         """
         if not self.writable:
             raise ZooFormatError(f"{self.path}: opened read-only; use open_zoo(path, mode='a')")
         metadata = list(metadata) if metadata is not None else [{} for _ in state_dicts]
         if len(metadata) != len(state_dicts):
-            raise ValueError("state_dicts and metadata differ in length")
+            raise ZooSchemaError("state_dicts and metadata differ in length")
         if not state_dicts:
             return range(len(self), len(self))
+        rows, stacks = self.prepare(state_dicts, metadata)
+        return self._write_block(stacks, rows)
+
+    def prepare(self, state_dicts: Sequence[Mapping[str, ArrayLike]],
+                metadata: Sequence[Mapping[str, Any]]
+                ) -> tuple[np.ndarray, dict[str, list[np.ndarray]]]:
+        """Validate checkpoints and build their metadata rows without writing anything.
+
+        Returns ``(rows, {key: [array, ...]})``; raises on the first bad checkpoint.
+        """
         versions = canonical_json(schema.library_versions())
-        stacks = {key: [] for key in self._keys}
+        stacks: dict[str, list[np.ndarray]] = {key: [] for key in self._keys}
         rows = np.zeros(len(state_dicts), dtype=METADATA_DTYPE)
         now = time.time()
         for position, (state, values) in enumerate(zip(state_dicts, metadata, strict=True)):
-            arrays = self._validated(state, bool(values.get("diverged", False)), position)
+            diverged = values.get("diverged", False)
+            if not isinstance(diverged, bool | np.bool_):
+                raise ZooSchemaError(f"checkpoint {position}: metadata 'diverged' must be "
+                                     f"a boolean, not {diverged!r}")
+            arrays = self._validated(state, bool(diverged), position)
             values = {"versions": versions, "method": self.method, **values}
             row = metadata_row(values)
             row["sha256"] = checkpoint_digest(arrays, self._keys).encode()
@@ -320,7 +469,7 @@ class Zoo:
             rows[position] = row
             for key in self._keys:
                 stacks[key].append(arrays[key])
-        return self._write_block(stacks, rows)
+        return rows, stacks
 
     def _validated(self, state: Mapping[str, ArrayLike], diverged: bool, position: int
                    ) -> dict[str, np.ndarray]:
@@ -367,14 +516,51 @@ class Zoo:
             else:  # large tensors: one write each rather than a stacked copy
                 for offset, array in enumerate(arrays):
                     dataset[start + offset] = array
-        table = self._file["metadata"]
+        table = self._file[METADATA]
         table.resize(stop, axis=0)
         table[start:stop] = rows
+        digests = self._file[ROW_DIGESTS]
+        digests.resize(stop, axis=0)
+        digests[start:stop] = np.array([row_digest(row).encode() for row in rows],
+                                       dtype=digests.dtype)
         # The commit point: data first, then the count that makes it visible.
         self._file.flush()
-        self._file["committed"][0] = stop
+        fault_point("zoo-before-commit")
+        self._file[COMMITTED][0] = stop
         self._file.flush()
+        fault_point("zoo-commit")
         return range(start, stop)
+
+    # ------------------------------------------------------------------ publishing
+    @property
+    def published(self) -> bool:
+        """False while a new collection is still under its temporary name."""
+        return self._final_path is None
+
+    def publish(self, overwrite: bool = False) -> Path:
+        """Move a collection created with ``publish=False`` to its final name.
+
+        Readers never see it before: until then it has a temporary name that a later
+        writer reclaims if this process dies. Returns the final path.
+        """
+        from posteriorzoo.outputs import publish
+
+        if self._final_path is None:
+            return self.path
+        self._file.flush()
+        fault_point("zoo-publish")
+        publish(self.path, self._final_path, overwrite=overwrite)
+        self.path, self._final_path = self._final_path, None
+        return self.path
+
+    def discard(self) -> None:
+        """Close and delete a collection that was never published (no-op otherwise)."""
+        if self._final_path is None:
+            self.close()
+            return
+        partial = self.path
+        self.close()
+        partial.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -388,8 +574,16 @@ class Zoo:
     def __enter__(self) -> Zoo:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type | None, *exc_info: object) -> None:
+        # An unpublished collection is published when its block completes and deleted
+        # when the block raises: it appears complete or not at all.
+        if self._final_path is None or not self._file.id.valid:
+            self.close()
+        elif exc_type is None:
+            self.publish(overwrite=self._overwrite)
+            self.close()
+        else:
+            self.discard()
 
     def __repr__(self) -> str:
         state = "open" if self._file.id.valid else "closed"

@@ -1,0 +1,92 @@
+"""Argument types shared by the subcommands: numbers are checked when they are parsed.
+
+Each returns the converted value or raises ``argparse.ArgumentTypeError``, which the
+parser turns into one usage line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0 (counts, seeds)."""
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """Any finite number."""
+    return _number(text)
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
+
+
+def open_unit_interval(text: str) -> float:
+    """A finite number strictly between 0 and 1 (levels, probabilities)."""
+    value = _number(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not strictly between 0 and 1")
+    return value
+
+
+def at_most(limit: int) -> Callable[[str], int]:
+    """A positive integer no larger than ``limit``."""
+
+    def parse(text: str) -> int:
+        value = positive_int(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"{value} is larger than {limit}")
+        return value
+
+    parse.__name__ = f"positive integer <= {limit}"
+    return parse
+
+
+def add_overwrite_option(parser: argparse.ArgumentParser) -> None:
+    """``--overwrite``: the one way to let a command replace an existing output."""
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the output if it exists (default: refuse); the output "
+                             "is never one of the inputs")
+
+
+def add_no_verify_option(parser: argparse.ArgumentParser) -> None:
+    """``--no-verify``: for commands that read checkpoints."""
+    parser.add_argument("--no-verify", action="store_true",
+                        help="do not check each checkpoint's SHA-256 as it is read "
+                             "(default: check, and refuse a corrupt input)")

@@ -1,0 +1,220 @@
+"""What a collection file must look like before anything in it is trusted.
+
+:func:`read_layout` checks an open HDF5 file against the collection format and returns
+its parsed attributes. It refuses, with one :class:`ZooFormatError` line each:
+
+- links of any kind but hard links (soft links, external links to other files);
+- datasets whose bytes live elsewhere (external storage, virtual datasets) or pass
+  through filters (compression: a small file could expand without bound; the store
+  never compresses);
+- members that are not part of the format, a state entry that is a group, a metadata
+  table of another dtype, a committed count that is negative, not an integer or larger
+  than the rows behind it;
+- attributes of the wrong type or with invalid JSON;
+- more committed bytes than the file can hold (rows declared but never written).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from posteriorzoo.errors import ZooFormatError
+from posteriorzoo.zoo.schema import FORMAT_NAME, METADATA_DTYPE, SCHEMA_VERSION
+
+STATE_GROUP = "state"
+METADATA = "metadata"
+COMMITTED = "committed"
+#: Per-row SHA-256 of the metadata table (schema 2 and later).
+ROW_DIGESTS = "metadata_sha256"
+ROW_DIGEST_DTYPE = np.dtype("S64")
+_MEMBERS = {STATE_GROUP, METADATA, COMMITTED, ROW_DIGESTS}
+_JSON_ATTRIBUTES = {"model_options": dict, "recipe": dict, "created_by": dict,
+                    "state_keys": list, "annotations": dict}
+_STRING_ATTRIBUTES = ("architecture", "dataset", "method")
+_REQUIRED = ("architecture", "dataset", "method", "num_classes", "model_options", "recipe",
+             "state_keys", "created_by")
+
+
+@dataclass
+class Layout:
+    """The parsed, checked attributes of a collection file."""
+
+    schema_version: int
+    architecture: str
+    dataset: str
+    method: str
+    num_classes: int | None
+    model_options: dict[str, Any]
+    recipe: dict[str, Any]
+    annotations: dict[str, Any]
+    created_by: dict[str, Any]
+    state_keys: list[str]
+    validated: bool
+    committed: int
+
+
+def _fail(path: Path, message: str) -> ZooFormatError:
+    return ZooFormatError(f"{path}: {message}")
+
+
+def _check_links_and_storage(handle: h5py.File, path: Path) -> None:
+    """Refuse soft and external links, external or virtual storage, and filters."""
+
+    def visit(name: str, link: object) -> None:
+        if not isinstance(link, h5py.HardLink):
+            kind = "an external link" if isinstance(link, h5py.ExternalLink) else "a soft link"
+            raise _fail(path, f"/{name} is {kind}; a collection holds no links")
+        item = handle[name]
+        if isinstance(item, h5py.Dataset):
+            if item.is_virtual:
+                raise _fail(path, f"/{name} is a virtual dataset; refused")
+            if item.external:
+                raise _fail(path, f"/{name} keeps its bytes in another file; refused")
+            if item.id.get_create_plist().get_nfilters():
+                raise _fail(path, f"/{name} is compressed or filtered; collections store "
+                                  "raw bytes only")
+
+    handle.visititems_links(visit)
+
+
+def _string(attrs: h5py.AttributeManager, name: str, path: Path) -> str:
+    value = attrs[name]
+    if isinstance(value, bytes | np.bytes_):
+        try:
+            value = bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise _fail(path, f"attribute {name!r} is not UTF-8 text") from None
+    if not isinstance(value, str):
+        raise _fail(path, f"attribute {name!r} is not text")
+    return value
+
+
+def _json(attrs: h5py.AttributeManager, name: str, path: Path, default: str | None = None
+          ) -> Any:
+    text = default if name not in attrs and default is not None else _string(attrs, name, path)
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        raise _fail(path, f"attribute {name!r} is not valid JSON") from None
+    expected = _JSON_ATTRIBUTES[name]
+    if not isinstance(value, expected):
+        raise _fail(path, f"attribute {name!r} is not a JSON {expected.__name__}")
+    return value
+
+
+def _integer(value: object, what: str, path: Path) -> int:
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value[()]
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        raise _fail(path, f"{what} is not an integer")
+    return int(value)
+
+
+def read_layout(handle: h5py.File, path: str | os.PathLike) -> Layout:
+    """Check ``handle`` against the collection format; return its parsed attributes."""
+    path = Path(path)
+    attrs = handle.attrs
+    if attrs.get("format") != FORMAT_NAME:
+        raise _fail(path, "not a posteriorzoo collection (no format marker)")
+    version = _integer(attrs.get("schema_version", -1), "schema_version", path)
+    if version > SCHEMA_VERSION:
+        raise _fail(path, f"schema version {version} is newer than this posteriorzoo "
+                          f"understands ({SCHEMA_VERSION}); upgrade posteriorzoo")
+    if version < 1:
+        raise _fail(path, f"schema version {version} is invalid")
+    absent = [name for name in _REQUIRED if name not in attrs]
+    members = set(handle.keys())
+    needed = {STATE_GROUP, METADATA, COMMITTED} | ({ROW_DIGESTS} if version >= 2 else set())
+    absent += [f"/{member}" for member in sorted(needed - members)]
+    if absent:
+        raise _fail(path, f"damaged collection, missing {absent}")
+    unexpected = sorted(members - _MEMBERS)
+    if unexpected:
+        raise _fail(path, f"unexpected members {unexpected[:3]}; not a collection file")
+    _check_links_and_storage(handle, path)
+
+    strings = {name: _string(attrs, name, path) for name in _STRING_ATTRIBUTES}
+    num_classes = _integer(attrs["num_classes"], "attribute 'num_classes'", path)
+    keys = _json(attrs, "state_keys", path)
+    if not keys or not all(isinstance(key, str) and key for key in keys) \
+            or len(set(keys)) != len(keys):
+        raise _fail(path, "attribute 'state_keys' is not a list of distinct names")
+    layout = Layout(
+        schema_version=version, **strings,
+        num_classes=None if num_classes < 0 else num_classes,
+        model_options=_json(attrs, "model_options", path), recipe=_json(attrs, "recipe", path),
+        annotations=_json(attrs, "annotations", path, default="{}"),
+        created_by=_json(attrs, "created_by", path), state_keys=list(keys),
+        validated=bool(attrs.get("validated", True)), committed=0)
+    layout.committed = _check_datasets(handle, path, layout)
+    return layout
+
+
+def _dataset(handle: h5py.File, name: str, path: Path) -> h5py.Dataset:
+    item = handle[name]
+    if not isinstance(item, h5py.Dataset):
+        raise _fail(path, f"/{name} is not a dataset")
+    return item
+
+
+def _check_datasets(handle: h5py.File, path: Path, layout: Layout) -> int:
+    """Check the metadata, committed count and state datasets; return the committed count."""
+    committed_ds = _dataset(handle, COMMITTED, path)
+    if committed_ds.shape != (1,) or committed_ds.dtype.kind not in "iu":
+        raise _fail(path, "/committed is not one integer")
+    if handle.swmr_mode:
+        committed_ds.refresh()
+    committed = int(committed_ds[0])
+    if committed < 0:
+        raise _fail(path, f"/committed is negative ({committed})")
+    metadata = _dataset(handle, METADATA, path)
+    if metadata.dtype != METADATA_DTYPE or metadata.ndim != 1:
+        raise _fail(path, "/metadata has another layout than this schema's metadata table")
+    rows = [metadata.shape[0]]
+    if layout.schema_version >= 2:
+        digests = _dataset(handle, ROW_DIGESTS, path)
+        if digests.dtype != ROW_DIGEST_DTYPE or digests.ndim != 1:
+            raise _fail(path, f"/{ROW_DIGESTS} is not a column of SHA-256 digests")
+        rows.append(digests.shape[0])
+    group = handle[STATE_GROUP]
+    if not isinstance(group, h5py.Group):
+        raise _fail(path, "/state is not a group")
+    names = set(group.keys())
+    missing = [key for key in layout.state_keys if key not in names]
+    if missing:
+        raise _fail(path, f"state datasets missing: {missing[:3]}")
+    extra = sorted(names - set(layout.state_keys))
+    if extra:
+        raise _fail(path, f"state datasets not listed in state_keys: {extra[:3]}")
+    checkpoint_bytes = METADATA_DTYPE.itemsize
+    for key in layout.state_keys:
+        dataset = group[key]
+        if not isinstance(dataset, h5py.Dataset):
+            raise _fail(path, f"state entry {key!r} is not a dataset")
+        if dataset.ndim < 1 or dataset.dtype.kind not in "fiub" or dataset.dtype.itemsize > 8:
+            raise _fail(path, f"state dataset {key!r} has an unsupported layout "
+                              f"({dataset.dtype}, {dataset.ndim} axes)")
+        rows.append(dataset.shape[0])
+        checkpoint_bytes += int(np.prod(dataset.shape[1:], dtype=np.int64)) * \
+            dataset.dtype.itemsize
+    if committed > min(rows):
+        raise _fail(path, f"committed count {committed} exceeds the {min(rows)} rows stored")
+    size = os.fstat(handle.id.get_vfd_handle()).st_size if _has_fd(handle) else None
+    if size is not None and committed * checkpoint_bytes > size:
+        raise _fail(path, f"declares {committed} checkpoints of {checkpoint_bytes} bytes, "
+                          f"more than the file's {size} bytes")
+    return committed
+
+
+def _has_fd(handle: h5py.File) -> bool:
+    try:
+        return handle.driver in ("sec2", "stdio") and handle.id.get_vfd_handle() >= 0
+    except (ValueError, OSError, RuntimeError):  # pragma: no cover - other drivers
+        return False
