@@ -95,10 +95,28 @@ def test_load_spec(tmp_path):
     bad = tmp_path / "bad.toml"
     for text, error in (("recipe = [", ZooFormatError), ("dataset = 'digits'", ZooFormatError),
                         ("recipe = 'optunet-mnist'\nbatchsize = 3", UnknownNameError),
-                        ("recipe = 'optunet-mnist'\nmethod = 'bbb'", UnknownNameError)):
+                        ("recipe = 'optunet-mnist'\nmethod = 'bbb'", UnknownNameError),
+                        ("recipe = 'optunet-mnist'\ncheckpoints = 2.5", InvalidOptionError),
+                        ("recipe = 'optunet-mnist'\n[recipe_overrides]\nlr = nan",
+                         InvalidOptionError)):
         bad.write_text(text)
         with pytest.raises(error):
             load_spec(bad)
+
+
+def test_collection_recipe_is_unchanged_by_validation():
+    # A resumed train compares this dict with the one stored in the file, and the recipe
+    # hash is recorded in every row: checking values must not add keys or convert them.
+    spec = make_spec("optunet-mnist", name="optunet-fashion-mnist-de", dataset="fashion-mnist",
+                     method="de", checkpoints=100, base_seed=1)
+    assert spec.collection_recipe() == {
+        "architecture": "optunet", "base_seed": 1, "batch_size": 64, "crop_padding": 4,
+        "dataset": "fashion-mnist", "epochs": 60, "gamma": 0.5, "horizontal_flip": False,
+        "lr": 0.04, "method": "de", "milestones": [15, 30], "model_options": {},
+        "momentum": 0.0, "name": "optunet-fashion-mnist-de", "nesterov": False,
+        "num_classes": None, "schedule": "multistep", "weight_decay": 0.0002}
+    assert spec.recipe_hash == "eb8d6ba0c016ea1e8077031d44c7cb75401726c5fc1e210781cb412a299e97d6"
+    assert spec.replace(checkpoints=5).collection_recipe() == spec.collection_recipe()
 
 
 def test_seeds_depend_only_on_base_seed_and_index():

@@ -58,10 +58,22 @@ def test_safetensors_round_trip(tmp_path, source_zoo):
         np.testing.assert_array_equal(copy.metadata["sample_id"], [0, 1, 0, 1])
         for i, state in enumerate(states):
             assert all(torch.equal(copy.state_dict(i)[k], state[k]) for k in state)
-    # appending to the existing collection
-    import_checkpoints(tmp_path / "copy.h5", files[:1])
+    # appending to the existing collection: checkpoints it already holds are skipped
+    summary = import_checkpoints(tmp_path / "copy.h5", files[:1])
+    assert not summary.created and summary.indices == range(4, 4)
+    assert summary.skipped_existing == 1 and summary.skipped_repeated == 0
+    with open_zoo(tmp_path / "copy.h5") as copy:
+        assert len(copy) == 4
+    # a new checkpoint is appended
+    extra = checkpoint(11)
+    from safetensors.torch import save_file
+    save_file(extra, str(tmp_path / "extra.safetensors"))
+    summary = import_checkpoints(tmp_path / "copy.h5",
+                                 [files[0], tmp_path / "extra.safetensors"])
+    assert summary.indices == range(4, 5) and summary.skipped_existing == 1
     with open_zoo(tmp_path / "copy.h5") as copy:
         assert len(copy) == 5
+        assert all(torch.equal(copy.state_dict(4)[k], extra[k]) for k in extra)
 
 
 def _release_archive(path, states, prefix="model."):
@@ -87,7 +99,7 @@ def test_release_archive_import_with_key_map(tmp_path):
         f"mnist-optunet/model_{i}.safetensors" for i in range(3)]
     key_map_file = tmp_path / "keys.json"
     key_map_file.write_text(json.dumps({"rules": [["^model\\.", ""]]}))
-    with pytest.raises(ZooSchemaError, match="key-map"):
+    with pytest.raises(ZooSchemaError, match="key map"):
         import_checkpoints(tmp_path / "no-map.h5", [archive])
     assert not (tmp_path / "no-map.h5").exists()
     summary = import_checkpoints(tmp_path / "release.h5", [archive],

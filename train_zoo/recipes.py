@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,71 @@ from typing import Any
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 
 SCHEDULES = ("constant", "multistep", "cosine")
+
+
+# ---------------------------------------------------------------- field checks
+# Shared with train_zoo.spec. Each raises InvalidOptionError with one line that names the
+# field; values are returned unchanged (an integer learning rate stays an integer, so the
+# recipe a collection records is exactly what was asked for).
+def show(value: object, limit: int = 60) -> str:
+    """``repr(value)`` on one line, shortened to about ``limit`` characters."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def is_integer(value: object) -> bool:
+    """An integer that is not a bool (TOML ``true`` is not a count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_integer(what: str, value: object, minimum: int) -> int:
+    """``value`` if it is an integer >= ``minimum``."""
+    if not is_integer(value) or value < minimum:
+        raise InvalidOptionError(f"{what} must be an integer >= {minimum}, not {show(value)}")
+    return int(value)
+
+
+def check_number(what: str, value: object, minimum: float, *, strict: bool = False) -> Any:
+    """``value`` if it is a finite real number >= ``minimum`` (> with ``strict``)."""
+    ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
+          and math.isfinite(value)
+          and (value > minimum if strict else value >= minimum))
+    if not ok:
+        relation = ">" if strict else ">="
+        raise InvalidOptionError(f"{what} must be a finite number {relation} {minimum:g}, "
+                                 f"not {show(value)}")
+    return value
+
+
+def check_bool(what: str, value: object) -> bool:
+    """``value`` if it is true or false."""
+    if not isinstance(value, bool):
+        raise InvalidOptionError(f"{what} must be true or false, not {show(value)}")
+    return value
+
+
+def check_name(what: str, value: object, choices: tuple[str, ...] = ()) -> str:
+    """``value`` if it is a non-empty string (one of ``choices`` when given)."""
+    if not isinstance(value, str) or not value:
+        raise InvalidOptionError(f"{what} must be a non-empty string, not {show(value)}")
+    if choices and value not in choices:
+        raise InvalidOptionError(f"{what} must be one of {', '.join(choices)}, not {show(value)}")
+    return value
+
+
+def check_table(what: str, value: object) -> dict[str, Any]:
+    """``value`` as a dict if it is a mapping with string keys (a TOML table)."""
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise InvalidOptionError(f"{what} must be a table of named values, not {show(value)}")
+    return dict(value)
+
+
+def check_milestones(value: object) -> tuple[int, ...]:
+    """A list or tuple of integers >= 0 as a tuple."""
+    if not isinstance(value, list | tuple) or not all(is_integer(m) and m >= 0 for m in value):
+        raise InvalidOptionError(f"recipe field 'milestones' must be a list of integers >= 0 "
+                                 f"(epochs), not {show(value)}")
+    return tuple(int(m) for m in value)
 
 
 @dataclass(frozen=True)
@@ -68,16 +134,26 @@ class Recipe:
     model_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise InvalidOptionError(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
-        if self.epochs < 0 or self.batch_size < 1 or self.lr <= 0:
-            raise InvalidOptionError("epochs >= 0, batch_size >= 1 and lr > 0 are required")
-        if self.momentum < 0 or self.weight_decay < 0 or self.crop_padding < 0:
-            raise InvalidOptionError("momentum, weight_decay and crop_padding must be >= 0")
+        def field_name(name: str) -> str:
+            return f"recipe field {name!r}"
+
+        for name in ("architecture", "dataset"):
+            check_name(field_name(name), getattr(self, name))
+        check_name(field_name("schedule"), self.schedule, SCHEDULES)
+        check_integer(field_name("epochs"), self.epochs, 0)
+        check_integer(field_name("batch_size"), self.batch_size, 1)
+        check_integer(field_name("crop_padding"), self.crop_padding, 0)
+        check_number(field_name("lr"), self.lr, 0, strict=True)
+        check_number(field_name("gamma"), self.gamma, 0, strict=True)
+        for name in ("weight_decay", "momentum"):
+            check_number(field_name(name), getattr(self, name), 0)
+        for name in ("nesterov", "horizontal_flip"):
+            check_bool(field_name(name), getattr(self, name))
         if self.nesterov and self.momentum == 0:
-            raise InvalidOptionError("nesterov needs momentum > 0")
-        object.__setattr__(self, "milestones", tuple(int(m) for m in self.milestones))
-        object.__setattr__(self, "model_options", dict(self.model_options))
+            raise InvalidOptionError("recipe field 'nesterov' needs momentum > 0")
+        object.__setattr__(self, "milestones", check_milestones(self.milestones))
+        object.__setattr__(self, "model_options",
+                           check_table(field_name("model_options"), self.model_options))
 
     def learning_rate(self, epoch: int) -> float:
         """Learning rate during ``epoch`` (0-based)."""
@@ -122,26 +198,28 @@ def get_recipe(name: str, **overrides: Any) -> Recipe:
     Overriding ``epochs`` without ``milestones`` scales the milestones proportionally
     (the paper's schedule compressed into fewer epochs).
     """
-    if name not in BUILTIN_RECIPES:
+    if not isinstance(name, str) or name not in BUILTIN_RECIPES:
         raise UnknownNameError(
-            f"unknown recipe {name!r}; built in: {', '.join(sorted(BUILTIN_RECIPES))}")
+            f"unknown recipe {show(name)}; built in: {', '.join(sorted(BUILTIN_RECIPES))}")
     recipe = BUILTIN_RECIPES[name]
     return apply_overrides(recipe, overrides)
 
 
 def apply_overrides(recipe: Recipe, overrides: Mapping[str, Any]) -> Recipe:
-    """``recipe`` with fields replaced; unknown field names raise UnknownNameError."""
+    """``recipe`` with fields replaced.
+
+    Unknown field names raise UnknownNameError, values of the wrong type or range
+    InvalidOptionError (one line naming the field).
+    """
+    overrides = check_table("the recipe overrides", overrides)
     fields = {f.name for f in dataclasses.fields(Recipe)}
     unknown = set(overrides) - fields
     if unknown:
         raise UnknownNameError(
             f"unknown recipe field(s) {sorted(unknown)}; fields: {', '.join(sorted(fields))}")
-    overrides = dict(overrides)
     if "epochs" in overrides and "milestones" not in overrides:
-        recipe = recipe.with_epochs(int(overrides.pop("epochs")))
+        epochs = check_integer("recipe field 'epochs'", overrides.pop("epochs"), 0)
+        recipe = recipe.with_epochs(epochs)
     if "milestones" in overrides:
-        overrides["milestones"] = tuple(overrides["milestones"])
-    try:
-        return dataclasses.replace(recipe, **overrides)
-    except TypeError as error:
-        raise InvalidOptionError(f"bad recipe override: {error}") from None
+        overrides["milestones"] = check_milestones(overrides["milestones"])
+    return dataclasses.replace(recipe, **overrides)

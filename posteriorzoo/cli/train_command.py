@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from posteriorzoo.cli._types import positive_int
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -12,25 +14,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Train the checkpoints of a TOML zoo spec into a collection file. "
                     "Checkpoint i depends only on the spec's base seed and i. Rerunning the "
                     "same command after an interruption trains exactly the missing "
-                    "checkpoints. Built-in recipes: optunet-mnist, resnet18-cifar100, "
-                    "resnet18-tinyimagenet (see train_zoo.recipes).")
+                    "checkpoints. A new collection file appears once its first checkpoint is "
+                    "stored; a run that fails before leaves no file. Built-in recipes: "
+                    "optunet-mnist, resnet18-cifar100, resnet18-tinyimagenet (see "
+                    "train_zoo.recipes).")
     parser.add_argument("spec", type=Path, help="zoo spec (.toml)")
     parser.add_argument("--out", type=Path, required=True, help="collection file (.h5)")
     parser.add_argument("--backend", choices=["local", "serial", "ray"], default="local",
                         help="local: one process per worker on this machine (default); "
                              "serial: this process; ray: Ray tasks (pip install "
                              "posteriorzoo[ray])")
-    parser.add_argument("--workers", type=int, help="processes (local) or CPUs (ray, when "
-                        "starting a local instance); default: one per core")
+    parser.add_argument("--workers", type=positive_int,
+                        help="processes (local) or CPUs (ray, when starting a local "
+                             "instance); default: one per core")
     parser.add_argument("--engine", choices=["auto", "torch", "fast", "vectorised"],
                         default="auto", help="auto: the numba fast path where it applies, "
                         "else torch (default: %(default)s)")
-    parser.add_argument("--group-size", type=int, default=1,
+    parser.add_argument("--group-size", type=positive_int, default=1,
                         help="checkpoints per task; the vectorised engine trains a group in "
                              "lockstep (default: %(default)s)")
     parser.add_argument("--ray-address", help="existing Ray cluster, e.g. auto or "
                         "ray://head:10001 (default: start a local instance)")
-    parser.add_argument("--checkpoints", type=int,
+    parser.add_argument("--checkpoints", type=positive_int,
                         help="override the spec's number of checkpoints")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(func=run_train)

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from posteriorzoo.cli._types import add_no_verify_option, add_overwrite_option, positive_int
 from posteriorzoo.errors import ZooFormatError
 
 
@@ -36,13 +37,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "export", help="write checkpoints as safetensors files",
         description="Write checkpoint INDEX (or all with --all) of a collection as "
                     "safetensors files; the header records the collection attributes and "
-                    "the checkpoint's metadata row, so 'import' can rebuild a collection.")
+                    "the checkpoint's metadata row, so 'import' can rebuild a collection. "
+                    "Each checkpoint's SHA-256 is checked as it is read. The output is "
+                    "written under a temporary name and renamed into place; it is never "
+                    "the collection, and an existing output is refused unless --overwrite.")
     export.add_argument("zoo", type=Path, help="collection file (.h5)")
     export.add_argument("index", nargs="?", type=int, help="checkpoint index (negative counts "
                         "from the end)")
-    export.add_argument("out", type=Path, help="output .safetensors file, or a folder with --all")
+    export.add_argument("out", type=Path, help="output .safetensors file, or a folder with "
+                        "--all (its parent folder must exist)")
     export.add_argument("--all", action="store_true",
-                        help="export every checkpoint into the folder OUT as NNNNNN.safetensors")
+                        help="export every checkpoint into the new folder OUT as "
+                             "NNNNNN.safetensors")
+    add_overwrite_option(export)
+    add_no_verify_option(export)
     export.set_defaults(func=run_export)
 
     importer = subparsers.add_parser(
@@ -50,15 +58,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Append checkpoints to ZOO (created if missing) from safetensors files "
                     "and from the authors' release archives (.tgz of float16 safetensors, "
                     "one per model). Every input is validated before anything is appended, "
-                    "so bad input leaves the collection unchanged. A new collection takes "
-                    "its attributes from the options, else from an exported file's header, "
-                    "else from the release archive's name (e.g. mnist-optunet-0-1023.tgz).")
+                    "so bad input leaves the collection unchanged, and a new collection "
+                    "appears only when complete. Inputs whose tensors the collection already "
+                    "holds (or that repeat an earlier input) are skipped, so an interrupted "
+                    "import finishes when run again. A new collection takes its attributes "
+                    "from the options, else from an exported file's header, else from the "
+                    "release archive's name (e.g. mnist-optunet-0-1023.tgz).")
     importer.add_argument("zoo", type=Path, help="collection file (.h5), created if missing")
     importer.add_argument("inputs", type=Path, nargs="+", help=".safetensors files or .tgz")
     importer.add_argument("--architecture", help="model name (see posteriorzoo.models)")
     importer.add_argument("--dataset", help="training data set name")
     importer.add_argument("--method", help="posterior approximation, e.g. de, swag, laplace")
-    importer.add_argument("--num-classes", type=int)
+    importer.add_argument("--num-classes", type=positive_int)
     importer.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
                           help="model option (JSON value), e.g. width=8; repeatable")
     importer.add_argument("--key-map", type=Path, help='JSON file {"rename": {...}, '
@@ -66,6 +77,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "renames foreign state keys to this project's model keys")
     importer.add_argument("--dtype", choices=["float16", "float32", "float64"],
                           help="cast floating tensors (the release stores float16)")
+    importer.add_argument("--batch-size", type=positive_int, default=64,
+                          help="checkpoints committed together when appending (default 64)")
     importer.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     importer.set_defaults(func=run_import)
 
@@ -169,22 +182,21 @@ def run_verify(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- export / import
 def run_export(args: argparse.Namespace) -> int:
-    from posteriorzoo.zoo import export_checkpoint, open_zoo
+    from posteriorzoo.zoo.exchange import export_all, export_checkpoint
 
-    with open_zoo(args.zoo) as zoo:
-        count = len(zoo)
-        if args.all:
-            args.out.mkdir(parents=True, exist_ok=True)
-            for index in range(count):
-                export_checkpoint(zoo, index, args.out / f"{index:06d}.safetensors")
-            print(f"exported {count} checkpoints to {args.out}/")
-            return 0
-        if args.index is None:
-            raise ZooFormatError("give a checkpoint INDEX, or --all")
-        if not -count <= args.index < count:
-            raise ZooFormatError(f"index {args.index} out of range; {args.zoo} holds {count}")
-        path = export_checkpoint(zoo, args.index, args.out)
-    print(f"exported checkpoint {args.index % count} to {path}")
+    verify = not args.no_verify
+    if args.all:
+        if args.index is not None:
+            raise ZooFormatError("give a checkpoint INDEX or --all, not both")
+        folder = export_all(args.zoo, args.out, overwrite=args.overwrite, verify=verify)
+        count = len(list(folder.glob("*.safetensors")))
+        print(f"exported {count} checkpoints to {folder}/")
+        return 0
+    if args.index is None:
+        raise ZooFormatError("give a checkpoint INDEX, or --all")
+    path = export_checkpoint(args.zoo, args.index, args.out, overwrite=args.overwrite,
+                             verify=verify)
+    print(f"exported checkpoint {args.index} to {path}")
     return 0
 
 
@@ -206,7 +218,7 @@ def _model_options(pairs: list[str]) -> dict[str, Any] | None:
 def run_import(args: argparse.Namespace) -> int:
     import torch
 
-    from posteriorzoo.zoo import KeyMap, import_checkpoints
+    from posteriorzoo.zoo.exchange import KeyMap, import_checkpoints
 
     summary = import_checkpoints(
         args.zoo, args.inputs,
@@ -214,8 +226,13 @@ def run_import(args: argparse.Namespace) -> int:
         num_classes=args.num_classes, model_options=_model_options(args.model_option),
         key_map=KeyMap.from_file(args.key_map) if args.key_map else None,
         dtype=getattr(torch, args.dtype) if args.dtype else None,
-        command=args.command_line, progress=not args.no_progress)
+        command=args.command_line, batch_size=args.batch_size,
+        progress=not args.no_progress)
     verb = "created" if summary.created else "appended to"
-    print(f"{verb} {summary.path}: checkpoints {summary.indices.start}.."
-          f"{summary.indices.stop - 1} from {len(args.inputs)} input(s)")
+    added = len(summary.indices)
+    where = (f" (checkpoints {summary.indices.start}..{summary.indices.stop - 1})"
+             if added else "")
+    print(f"{verb} {summary.path}: {added} checkpoint(s) added{where} from "
+          f"{len(args.inputs)} input(s); skipped {summary.skipped_existing} already in the "
+          f"collection and {summary.skipped_repeated} repeated")
     return 0

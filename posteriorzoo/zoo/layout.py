@@ -66,11 +66,15 @@ def _fail(path: Path, message: str) -> ZooFormatError:
 
 def _check_links_and_storage(handle: h5py.File, path: Path) -> None:
     """Refuse soft and external links, external or virtual storage, and filters."""
-
-    def visit(name: str, link: object) -> None:
+    links: list[tuple[str, object]] = []
+    # Collect first, judge after: an exception raised inside h5py's visitor callback
+    # surfaces as a SystemError instead of itself.
+    handle.visititems_links(lambda name, link: links.append((name, link)))
+    for name, link in links:
         if not isinstance(link, h5py.HardLink):
             kind = "an external link" if isinstance(link, h5py.ExternalLink) else "a soft link"
             raise _fail(path, f"/{name} is {kind}; a collection holds no links")
+    for name, _ in links:
         item = handle[name]
         if isinstance(item, h5py.Dataset):
             if item.is_virtual:
@@ -80,8 +84,6 @@ def _check_links_and_storage(handle: h5py.File, path: Path) -> None:
             if item.id.get_create_plist().get_nfilters():
                 raise _fail(path, f"/{name} is compressed or filtered; collections store "
                                   "raw bytes only")
-
-    handle.visititems_links(visit)
 
 
 def _string(attrs: h5py.AttributeManager, name: str, path: Path) -> str:

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing
 import os
+import signal
+import sys
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 
@@ -41,8 +47,52 @@ class SerialBackend:
             yield from train_checkpoints(spec, group, data, engine, self.callbacks)
 
 
-def _start_worker(threads: int) -> None:
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_WATCH_INTERVAL = 1.0  # seconds between two checks of the parent
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this worker process as soon as ``parent`` (the process that started it) dies.
+
+    A parent killed by SIGKILL cannot stop its pool, and idle workers would wait for work
+    forever (each holds both ends of the task queue, so they never see it close). On
+    Linux the kernel sends SIGKILL when the parent dies (``PR_SET_PDEATHSIG``); since
+    that follows the *thread* that forked, a daemon thread also checks once a second
+    that the parent is still ours (a dead parent's children are re-parented) and ends
+    the process if not. Elsewhere only the watchdog thread runs.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # died before the signal was armed
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(_WATCH_INTERVAL)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="posteriorzoo-parent-watchdog", daemon=True).start()
+
+
+def _start_worker(threads: int, parent: int | None = None) -> None:
+    if parent is not None:
+        _exit_with_parent(parent)
     torch.set_num_threads(threads)
+
+
+def _stop_pool(pool: ProcessPoolExecutor) -> None:
+    """Stop a pool at once: drop queued tasks and end the workers mid-task."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        with contextlib.suppress(Exception):
+            process.terminate()
+    for process in processes:
+        with contextlib.suppress(Exception):
+            process.join(timeout=5)
 
 
 def _train_group(spec: ZooSpec, group: list[int], engine: str) -> list[CheckpointResult]:
@@ -57,6 +107,10 @@ class LocalBackend:
     both). Processes are started with ``spawn`` (fresh interpreters: forking a process
     that already runs torch threads is unsafe). At most ``2 * workers`` groups are in
     flight, so results stream back while the rest wait.
+
+    Workers end with the process that started them, even when it is killed by SIGKILL
+    (see :func:`_exit_with_parent`); when the consumer stops early or a task fails, the
+    remaining tasks are dropped and the workers stopped at once.
     """
 
     def __init__(self, workers: int | None = None, threads: int = 1, group_size: int = 1
@@ -74,20 +128,23 @@ class LocalBackend:
         if not pending_groups:
             return
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(self.workers, mp_context=context, initializer=_start_worker,
-                                 initargs=(self.threads,)) as pool:
+        pool = ProcessPoolExecutor(self.workers, mp_context=context, initializer=_start_worker,
+                                   initargs=(self.threads, os.getpid()))
+        finished = False
+        try:
             running: set[Future] = set()
-            try:
-                while pending_groups or running:
-                    while pending_groups and len(running) < 2 * self.workers:
-                        running.add(pool.submit(_train_group, spec, pending_groups.pop(0),
-                                                engine))
-                    done, running = wait(running, return_when=FIRST_COMPLETED)
-                    for future in done:
-                        yield from future.result()
-            finally:
-                for future in running:
-                    future.cancel()
+            while pending_groups or running:
+                while pending_groups and len(running) < 2 * self.workers:
+                    running.add(pool.submit(_train_group, spec, pending_groups.pop(0), engine))
+                done, running = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    yield from future.result()
+            finished = True
+        finally:
+            if finished:
+                pool.shutdown(wait=True)
+            else:  # a task failed, or the consumer stopped: no point finishing the rest
+                _stop_pool(pool)
 
 
 def make_backend(name: str, workers: int | None = None, group_size: int = 1,

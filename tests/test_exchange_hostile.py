@@ -1,0 +1,483 @@
+"""Import/export under hostile input: the output policy, all-or-nothing and idempotent
+imports, and files built to exhaust memory or time (issue 9).
+
+Every CLI case checks exit code 2, exactly one line on stderr, no traceback, and that
+every file that existed before is byte-identical afterwards (and no file appeared).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save as save_safetensors_bytes
+from safetensors.torch import save_file
+from zoo_helpers import assert_one_line_error, checkpoint, flip_byte_in_chunk, run
+
+from posteriorzoo.errors import ChecksumError, OutputExistsError, ZooFormatError
+from posteriorzoo.zoo import create_zoo, open_zoo, read_checkpoint, verify_zoo
+from posteriorzoo.zoo.exchange import (
+    KeyMap,
+    ReadLimits,
+    export_all,
+    export_checkpoint,
+    import_checkpoints,
+    read_release_archive,
+    sniff_format,
+)
+
+GOOD = 70
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------- helpers
+def snapshot(folder: Path) -> dict[str, str]:
+    """SHA-256 of every file under ``folder`` (hidden temporaries included)."""
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def make_zoo(path: Path, seeds) -> Path:
+    with create_zoo(path, architecture="optunet", dataset="digits", method="de",
+                    num_classes=10, template=checkpoint(0)) as zoo:
+        for seed in seeds:
+            zoo.append(checkpoint(seed), seed=seed, test_accuracy=0.5)
+    return path
+
+
+def header_bytes(header: dict) -> bytes:
+    """A safetensors file from a raw header dict and no tensor data."""
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text
+
+
+def write_with_metadata(path: Path, state, **metadata: str) -> Path:
+    path.write_bytes(save_safetensors_bytes(state, metadata=metadata))
+    return path
+
+
+def digests(path: Path) -> list[str]:
+    with open_zoo(path) as zoo:
+        return zoo.digests
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A collection of 70 checkpoints and its export: 000000..000069.safetensors."""
+    root = tmp_path_factory.mktemp("exported")
+    zoo = make_zoo(root / "source.h5", range(GOOD))
+    export_all(zoo, root / "files")
+    return root / "source.h5", sorted((root / "files").glob("*.safetensors"))
+
+
+@pytest.fixture
+def work(tmp_path):
+    """An empty folder for the case, and a collection of 3 checkpoints in it."""
+    folder = tmp_path / "work"
+    folder.mkdir()
+    return folder, make_zoo(folder / "zoo.h5", range(100, 103))
+
+
+# ---------------------------------------------------------------------- export policy
+def test_export_never_writes_onto_its_input(capsys, work):
+    folder, zoo = work
+    before = snapshot(folder)
+    for extra in ([], ["--overwrite"]):
+        code, _, err = run(capsys, "export", zoo, 0, zoo, *extra)
+        assert_one_line_error(code, err, "input")
+        assert snapshot(folder) == before
+    # a folder export may not replace the folder that holds the collection
+    code, _, err = run(capsys, "export", zoo, "--all", folder, "--overwrite")
+    assert_one_line_error(code, err)
+    assert snapshot(folder) == before
+
+
+def test_export_refuses_an_existing_output_unless_overwrite(capsys, work):
+    folder, zoo = work
+    target = folder / "c.safetensors"
+    target.write_bytes(b"precious")
+    before = snapshot(folder)
+    code, _, err = run(capsys, "export", zoo, 1, target)
+    assert_one_line_error(code, err, "already exists")
+    assert snapshot(folder) == before
+    with pytest.raises(OutputExistsError):
+        export_checkpoint(zoo, 1, target)
+    code, out, err = run(capsys, "export", zoo, 1, target, "--overwrite")
+    assert code == 0, err
+    state, header = read_checkpoint(target)
+    assert all(torch.equal(state[k], checkpoint(101)[k]) for k in state)
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []
+
+
+def test_export_all_refuses_an_existing_folder_unless_overwrite(capsys, work):
+    folder, zoo = work
+    out = folder / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    before = snapshot(folder)
+    code, _, err = run(capsys, "export", zoo, "--all", out)
+    assert_one_line_error(code, err, "already exists")
+    assert snapshot(folder) == before
+    code, _, err = run(capsys, "export", zoo, "--all", out, "--overwrite")
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == [f"{i:06d}.safetensors" for i in range(3)]
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []
+
+
+def test_export_needs_an_existing_parent_folder(capsys, work):
+    folder, zoo = work
+    before = snapshot(folder)
+    for argv in ([1, folder / "absent" / "c.safetensors"], ["--all", folder / "absent" / "d"]):
+        code, _, err = run(capsys, "export", zoo, *argv)
+        assert_one_line_error(code, err, "does not exist")
+        assert not (folder / "absent").exists()
+        assert snapshot(folder) == before
+
+
+def test_export_verifies_checkpoints(capsys, tmp_path):
+    folder = tmp_path / "work"
+    folder.mkdir()
+    zoo = make_zoo(folder / "zoo.h5", range(3))
+    flip_byte_in_chunk(zoo, "conv2.weight", offset=4 * 250 * 1 + 2)  # inside checkpoint 1
+    before = snapshot(folder)
+    for argv in ([1, folder / "c.safetensors"], ["--all", folder / "all"]):
+        code, _, err = run(capsys, "export", zoo, *argv)
+        assert_one_line_error(code, err, "corrupt")
+        assert snapshot(folder) == before
+    # a collection opened without verification: export still checks the checkpoint
+    with pytest.raises(ChecksumError), open_zoo(zoo) as opened:
+        export_checkpoint(opened, 1, folder / "c.safetensors")
+    assert snapshot(folder) == before
+    code, _, err = run(capsys, "export", zoo, 0, folder / "c.safetensors")
+    assert code == 0, err  # an intact checkpoint of a damaged file can be rescued
+    code, _, err = run(capsys, "export", zoo, 1, folder / "d.safetensors", "--no-verify")
+    assert code == 0, err
+
+
+# ---------------------------------------------------------------------- all or nothing
+@pytest.mark.parametrize("bad", [
+    {"metadata": json.dumps({"seed": "abc"})},
+    {"metadata": "{not json"},
+    {"metadata": json.dumps({"diverged": "yes"})},
+    {"metadata": json.dumps(["a list"])},
+    {"num_classes": "ten"},
+    {"num_classes": "-3"},
+    {"model_options": "[1, 2]"},
+    {"state_keys": "5"},
+    {"state_keys": json.dumps([1, 2])},
+    {"metadata": "[" * 100_000 + "]" * 100_000},
+])
+def test_one_bad_header_among_good_files_changes_nothing(capsys, exported, work, bad):
+    source, files = exported
+    folder, zoo = work
+    state, header = read_checkpoint(files[5])
+    header.update(bad)
+    write_with_metadata(folder / "bad.safetensors", state, **header)
+    inputs = [*files[:40], folder / "bad.safetensors", *files[40:]]
+    before = snapshot(folder)
+    # small batches: a check left to the append would only stop after 5 committed batches
+    code, _, err = run(capsys, "import", "--no-progress", "--batch-size", 8, zoo, *inputs)
+    assert_one_line_error(code, err, "bad.safetensors")
+    code, _, err = run(capsys, "import", "--no-progress", "--batch-size", 8,
+                       folder / "new.h5", *inputs)
+    assert_one_line_error(code, err, "bad.safetensors")
+    assert snapshot(folder) == before
+
+
+def test_bad_tensor_dtype_and_bad_values(capsys, work):
+    folder, zoo = work
+    state = checkpoint(7)
+    cases = {
+        "bf16": {k: v.to(torch.bfloat16) for k, v in state.items()},
+        "nan": {**state, "fc.bias": torch.full_like(state["fc.bias"], float("nan"))},
+    }
+    for name, tensors in cases.items():
+        save_file(tensors, str(folder / f"{name}.safetensors"))
+    before = snapshot(folder)
+    for name, fragment in (("bf16", "dtype"), ("nan", "NaN")):
+        code, _, err = run(capsys, "import", "--no-progress", zoo, folder / f"{name}.safetensors")
+        assert_one_line_error(code, err, fragment)
+    assert snapshot(folder) == before
+
+
+def test_failed_import_into_a_new_path_leaves_no_file(monkeypatch, exported, tmp_path):
+    import posteriorzoo.zoo.exchange as exchange
+
+    _, files = exported
+    calls = []
+
+    def fail_on_second(name):
+        calls.append(name)
+        if len(calls) == 2:
+            raise ZooFormatError("simulated failure after one committed batch")
+
+    monkeypatch.setattr(exchange, "fault_point", fail_on_second)
+    with pytest.raises(ZooFormatError, match="simulated"):
+        import_checkpoints(tmp_path / "new.h5", files[:10], batch_size=4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_import_refuses_the_collection_as_its_own_input(capsys, work):
+    folder, zoo = work
+    before = snapshot(folder)
+    code, _, err = run(capsys, "import", "--no-progress", zoo, zoo)
+    assert_one_line_error(code, err, "input")
+    assert snapshot(folder) == before
+
+
+# ---------------------------------------------------------------------- idempotence
+def test_reimport_adds_nothing_and_repeats_are_skipped(capsys, exported, tmp_path):
+    _, files = exported
+    target = tmp_path / "copy.h5"
+    code, out, err = run(capsys, "import", "--no-progress", target, *files[:5], files[2])
+    assert code == 0, err
+    assert "5 checkpoint(s) added" in out and "1 repeated" in out
+    first = target.read_bytes()
+    code, out, err = run(capsys, "import", "--no-progress", target, *files[:5])
+    assert code == 0, err
+    assert "0 checkpoint(s) added" in out and "skipped 5 already in the collection" in out
+    assert target.read_bytes() == first
+    summary = import_checkpoints(target, files[3:8])
+    assert summary.indices == range(5, 8) and summary.skipped_existing == 2
+    assert digests(target) == [digests_of(f) for f in files[:8]]
+
+
+def digests_of(file: Path) -> str:
+    _, header = read_checkpoint(file)
+    return json.loads(header["metadata"])["sha256"]
+
+
+IMPORTER = (
+    "import sys; from posteriorzoo.zoo.exchange import import_checkpoints; "
+    "import_checkpoints(sys.argv[1], sys.argv[2:], batch_size=4)"
+)
+
+
+def _killed_import(target: Path, files: list[Path], at: str) -> None:
+    env = {**os.environ, "POSTERIORZOO_KILL_AT": at,
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", IMPORTER, str(target), *map(str, files)],
+                            env=env, capture_output=True, timeout=300)
+    assert result.returncode == -9, result.stderr.decode()
+
+
+def test_import_killed_part_way_finishes_when_run_again(exported, tmp_path):
+    _, files = exported
+    inputs = files[10:30]
+    interrupted = make_zoo(tmp_path / "interrupted.h5", range(GOOD, GOOD + 2))
+    whole = tmp_path / "whole.h5"
+    shutil.copy(interrupted, whole)
+    _killed_import(interrupted, inputs, "import-batch:2")
+    assert len(digests(interrupted)) == 2 + 8  # two batches of 4 were committed
+    summary = import_checkpoints(interrupted, inputs, batch_size=4)
+    assert summary.skipped_existing == 8 and summary.indices == range(10, 22)
+    import_checkpoints(whole, inputs, batch_size=4)
+    assert digests(interrupted) == digests(whole)
+    assert len(set(digests(interrupted))) == 22
+    assert verify_zoo(interrupted).ok
+    # a new collection killed after a committed batch leaves nothing at its path
+    new = tmp_path / "new.h5"
+    _killed_import(new, inputs, "import-batch:1")
+    assert not new.exists()
+    import_checkpoints(new, inputs)  # reclaims the dead process's temporary file
+    assert digests(new) == digests(whole)[2:]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+# ---------------------------------------------------------------------- hostile files
+def test_zero_filled_file_is_refused_at_once(capsys, work):
+    folder, zoo = work
+    fake = folder / "zeros.safetensors"
+    with open(fake, "wb") as handle:
+        handle.truncate(3 * 2**30)  # 3 GB of zeros (sparse: no disk space used)
+    before = snapshot_names_and_zoo(folder, zoo)
+    start = time.perf_counter()
+    code, _, err = run(capsys, "import", "--no-progress", zoo, fake)
+    assert_one_line_error(code, err, "neither a safetensors file nor a tar archive")
+    with pytest.raises(ZooFormatError, match="not a valid safetensors"):
+        read_checkpoint(fake)
+    assert time.perf_counter() - start < 2
+    assert snapshot_names_and_zoo(folder, zoo) == before
+
+
+def snapshot_names_and_zoo(folder: Path, zoo: Path):
+    """File names in ``folder`` and the collection's bytes (avoids hashing 3 GB)."""
+    return sorted(p.name for p in folder.iterdir()), zoo.read_bytes()
+
+
+@pytest.mark.parametrize("length", [2**62, 2**40, 10**6])
+def test_huge_declared_header_is_refused(capsys, work, length):
+    folder, zoo = work
+    fake = folder / "huge.safetensors"
+    fake.write_bytes(length.to_bytes(8, "little") + b'{"a": {"dtype": "F32", ' + b" " * 2000)
+    before = snapshot(folder)
+    code, _, err = run(capsys, "import", "--no-progress", zoo, fake)
+    assert_one_line_error(code, err, "header")
+    assert snapshot(folder) == before
+
+
+def test_header_and_file_size_limits(tmp_path):
+    good = tmp_path / "good.safetensors"
+    save_file(checkpoint(0), str(good))
+    with pytest.raises(ZooFormatError, match="header of .* exceeds the limit"):
+        read_checkpoint(good, limits=ReadLimits(header_bytes=64))
+    with pytest.raises(ZooFormatError, match="exceeds the limit"):
+        read_checkpoint(good, limits=ReadLimits(checkpoint_bytes=1000))
+    # a file far larger than the architecture's checkpoints is refused before reading
+    big = {**checkpoint(0), "optimizer.state": torch.zeros(400_000, dtype=torch.float64)}
+    save_file(big, str(tmp_path / "big.safetensors"))
+    with pytest.raises(ZooFormatError, match="exceeds the limit"):
+        import_checkpoints(tmp_path / "z.h5", [tmp_path / "big.safetensors"],
+                           architecture="optunet", dataset="d", method="de")
+    # a key of absurd length
+    path = tmp_path / "long.safetensors"
+    path.write_bytes(header_bytes({"k" * 10_000: {"dtype": "F32", "shape": [],
+                                                  "data_offsets": [0, 0]}}))
+    with pytest.raises(ZooFormatError, match="state key"):
+        read_checkpoint(path)
+    assert not (tmp_path / "z.h5").exists()
+
+
+def _tar_header(name: str, size: int, kind: bytes = tarfile.REGTYPE,
+                fmt: int = tarfile.GNU_FORMAT) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.type = kind
+    return info.tobuf(format=fmt)
+
+
+def _gzip(data: bytes) -> bytes:
+    return gzip.compress(data, compresslevel=9)
+
+
+def test_archive_member_declared_too_large(capsys, work):
+    folder, zoo = work
+    archive = folder / "mnist-optunet-0-0.tgz"
+    # a member that claims 10 GB; its data is never read
+    archive.write_bytes(_gzip(_tar_header("m/model_0.safetensors", 10 * 2**30)
+                              + b"\0" * 4096))
+    before = snapshot(folder)
+    start = time.perf_counter()
+    code, _, err = run(capsys, "import", "--no-progress", zoo, archive)
+    assert_one_line_error(code, err, "declares 10737418240 bytes")
+    code, _, err = run(capsys, "import", "--no-progress", folder / "new.h5", archive)
+    assert_one_line_error(code, err, "declares")
+    assert time.perf_counter() - start < 5
+    assert snapshot(folder) == before
+
+
+def test_gzip_bombs_fail_fast_with_bounded_memory(capsys, tmp_path):
+    limits = ReadLimits(checkpoint_bytes=2**20, archive_header_bytes=2**16,
+                        archive_members=50, archive_bytes=4 * 2**20)
+    # 1: many honest-looking members whose total expands past the archive cap
+    members = b"".join(_tar_header(f"doc/readme{i}.txt", 2**20 - 512) + b"\0" * (2**20 - 512)
+                       for i in range(40))
+    many = tmp_path / "many.tgz"
+    many.write_bytes(_gzip(members + b"\0" * 1024))
+    # 2: a long-name record of 64 MiB, read by tar itself before any member is returned
+    longname = tmp_path / "longname.tgz"
+    longname.write_bytes(_gzip(_tar_header("././@LongLink", 64 * 2**20, tarfile.GNUTYPE_LONGNAME)
+                               + b"a" * (64 * 2**20)))
+    # 3: too many (empty) members
+    crowd = tmp_path / "crowd.tgz"
+    crowd.write_bytes(_gzip(b"".join(_tar_header(f"d{i}/", 0, tarfile.DIRTYPE)
+                                     for i in range(200)) + b"\0" * 1024))
+    # 4: gzip-compressed zeros: not a tar archive at all
+    zeros = tmp_path / "zeros.tgz"
+    zeros.write_bytes(_gzip(b"\0" * (64 * 2**20)))
+    assert max(p.stat().st_size for p in (many, longname, crowd, zeros)) < 200_000
+    cases = [(many, "expands beyond"), (longname, "more data than its member headers"),
+             (crowd, "more than 50 archive members"), (zeros, "does not hold a tar")]
+    for archive, fragment in cases:
+        tracemalloc.start()
+        start = time.perf_counter()
+        with pytest.raises(ZooFormatError, match=fragment):
+            list(read_release_archive(archive, limits=limits))
+        elapsed = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert elapsed < 5, archive
+        assert peak < 16 * 2**20, (archive, peak)
+    # through the CLI with the default limits: one line, nothing created
+    before = snapshot(tmp_path)
+    for archive in (longname, zeros):
+        code, _, err = run(capsys, "import", "--no-progress", tmp_path / "z.h5", archive,
+                           "--architecture", "optunet", "--dataset", "d", "--method", "de")
+        assert_one_line_error(code, err, archive.name)
+    assert snapshot(tmp_path) == before
+
+
+def test_formats_are_told_by_their_first_bytes(tmp_path):
+    save_file(checkpoint(0), str(tmp_path / "a.bin"))
+    assert sniff_format(tmp_path / "a.bin") == "safetensors"
+    with tarfile.open(tmp_path / "b.bin", "w") as archive:
+        data = b"x"
+        info = tarfile.TarInfo("x.txt")
+        info.size = 1
+        archive.addfile(info, io.BytesIO(data))
+    assert sniff_format(tmp_path / "b.bin") == "tar"
+    (tmp_path / "c.bin").write_bytes(_gzip((tmp_path / "b.bin").read_bytes()))
+    assert sniff_format(tmp_path / "c.bin") == "tar.gz"
+    for content in (b"", b"PK\x03\x04zip", b"\x89HDF\r\n\x1a\n" + b"\0" * 600,
+                    (20).to_bytes(8, "little") + b"[" + b" " * 19):
+        (tmp_path / "d.bin").write_bytes(content)
+        with pytest.raises(ZooFormatError, match="neither"):
+            sniff_format(tmp_path / "d.bin")
+
+
+# ---------------------------------------------------------------------- key maps
+@pytest.mark.parametrize("content, fragment", [
+    ({"rules": [["^(a+)+$", ""]]}, "nested"),
+    ({"rules": [["(x|xy)*z", ""]]}, "nested"),
+    ({"drop": ["(\\w+\\.)*opt"]}, "nested"),
+    ({"rules": [["(a)\\1", ""]]}, "backreference"),
+    ({"rules": [["a" * 400, ""]]}, "400 characters"),
+    ({"rules": [["a*b*c*d*", ""]]}, "repeats"),
+    ({"rules": 5}, "'rules' must be a list"),
+    ({"rules": [["only a pattern"]]}, "pair of strings"),
+    ({"rules": [[1, 2]]}, "must be a string"),
+    ({"rules": [["^x", "\\9"]]}, "replacement"),
+    ({"rename": {"a": 1}}, "'rename' must map strings"),
+    ({"rename": ["a", "b"]}, "'rename' must map strings"),
+    ({"drop": "opt"}, "'drop' must be a list"),
+    ({"drop": [5]}, "must be a string"),
+    ({"keys": {}}, "unknown entries"),
+    ([1, 2], "JSON object"),
+    ("[" * 100_000, "not valid JSON"),
+])
+def test_bad_key_maps_are_refused(capsys, work, content, fragment):
+    folder, zoo = work
+    key_map = folder / "keys.json"
+    key_map.write_text(content if isinstance(content, str) else json.dumps(content))
+    good = folder / "good.safetensors"
+    save_file(checkpoint(5), str(good))
+    before = snapshot(folder)
+    start = time.perf_counter()
+    code, _, err = run(capsys, "import", "--no-progress", zoo, good, "--key-map", key_map)
+    assert_one_line_error(code, err, fragment)
+    assert time.perf_counter() - start < 2
+    assert snapshot(folder) == before
+    with pytest.raises(ZooFormatError):
+        KeyMap.from_file(key_map)
+
+
+def test_safe_key_maps_still_work():
+    key_map = KeyMap(rules=[("^module\\.", ""), ("^layer(\\d+)\\.(\\d+)\\.", "l\\1_\\2.")],
+                     drop=["^opt(imizer)?\\."], rename={"head.w": "fc.weight"})
+    mapped = key_map.apply({"module.layer1.0.w": torch.zeros(1), "optimizer.x": torch.zeros(1),
+                            "head.w": torch.zeros(1)})
+    assert list(mapped) == ["l1_0.w", "fc.weight"]
+    with pytest.raises(ZooFormatError, match="state key"):
+        key_map.apply({"k" * 1000: torch.zeros(1)})
