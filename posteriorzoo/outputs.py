@@ -23,6 +23,7 @@ import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from posteriorzoo._faults import fault_point
 from posteriorzoo.errors import InvalidOptionError, OutputExistsError, ZooBusyError
 
 _PARTIAL = ".partial-"
@@ -157,6 +158,7 @@ def publish(partial: Path, path: Path, *, overwrite: bool) -> None:
     (:class:`OutputExistsError`); files are linked into place, which fails rather than
     replaces.
     """
+    fault_point("publish")
     if partial.is_dir():
         if path.exists() or path.is_symlink():
             if not overwrite:

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from posteriorzoo._faults import fault_point
 from posteriorzoo.errors import InvalidOptionError, ShapeMismatchError
 from posteriorzoo.mmd.aggregated import (
     MMDAggResult,
@@ -398,6 +399,7 @@ def compare_sources(target, methods: Sequence, layers: Sequence[Layer], *,
             if bar is not None:
                 bar.set_postfix_str(f"{symmetries} {layer.name} {method.name}", refresh=False)
                 bar.update(1)
+            fault_point("mmd-layer")
     return results
 
 

@@ -746,6 +746,7 @@ def export_all(zoo: Zoo | str | os.PathLike, folder: str | os.PathLike, *,
             if verify:
                 _verify_checkpoint(zoo, index)
             _write_bytes(partial / f"{index:06d}.safetensors", _checkpoint_bytes(zoo, index))
+            fault_point("export-file")
     return folder
 
 
