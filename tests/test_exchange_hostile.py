@@ -27,15 +27,18 @@ from safetensors.torch import save_file
 from zoo_helpers import assert_one_line_error, checkpoint, flip_byte_in_chunk, run
 
 from posteriorzoo.errors import ChecksumError, OutputExistsError, ZooFormatError
-from posteriorzoo.zoo import create_zoo, open_zoo, read_checkpoint, verify_zoo
-from posteriorzoo.zoo.exchange import (
+from posteriorzoo.zoo import (
     KeyMap,
     ReadLimits,
+    create_zoo,
     export_all,
     export_checkpoint,
     import_checkpoints,
+    open_zoo,
+    read_checkpoint,
     read_release_archive,
     sniff_format,
+    verify_zoo,
 )
 
 GOOD = 70

@@ -65,8 +65,12 @@ def missing_indices(spec: ZooSpec, zoo: Zoo) -> list[int]:
     return [index for index in range(spec.checkpoints) if index not in done]
 
 
-def open_collection(spec: ZooSpec, out: str | os.PathLike, command: str | None = None) -> Zoo:
+def open_collection(spec: ZooSpec, out: str | os.PathLike, command: str | None = None,
+                    verify: bool = True) -> Zoo:
     """Open ``out`` for appending if it exists (and was made by this spec), else create it.
+
+    An existing collection's checkpoints are checked against their digests first (unless
+    ``verify`` is False): nothing is appended to a corrupt collection.
 
     A new collection is created unpublished: it lives under a temporary, locked name next
     to ``out`` until :meth:`Zoo.publish` (or the end of its ``with`` block) puts it in
@@ -84,7 +88,7 @@ def open_collection(spec: ZooSpec, out: str | os.PathLike, command: str | None =
     recipe = spec.collection_recipe()
     for _ in range(2):
         if out.exists() or out.is_symlink():
-            return _open_existing(spec, out, recipe)
+            return _open_existing(spec, out, recipe, verify)
         if not out.parent.is_dir():
             raise InvalidOptionError(f"{out}: the folder {out.parent} does not exist")
         if outputs.partial_in_progress(out):
@@ -106,8 +110,14 @@ def open_collection(spec: ZooSpec, out: str | os.PathLike, command: str | None =
     raise ZooBusyError(f"{out}: another process is training this collection")
 
 
-def _open_existing(spec: ZooSpec, out: Path, recipe: dict) -> Zoo:
-    zoo = open_zoo(out, mode="a")
+def _open_existing(spec: ZooSpec, out: Path, recipe: dict, verify: bool) -> Zoo:
+    zoo = open_zoo(out, mode="a", verify=verify)
+    try:
+        zoo.verify_all()
+    except BaseException:
+        zoo.close()
+        raise
+    zoo.verify = False  # what this run appends is checked when it is written
     if zoo.recipe != recipe:
         differing = sorted(k for k in set(recipe) | set(zoo.recipe)
                            if recipe.get(k) != zoo.recipe.get(k))
@@ -132,8 +142,8 @@ def _template(spec: ZooSpec) -> dict:
 
 
 def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: object | None = None,
-                     engine: str = "auto", progress: bool = True, command: str | None = None
-                     ) -> TrainSummary:
+                     engine: str = "auto", progress: bool = True, command: str | None = None,
+                     verify: bool = True) -> TrainSummary:
     """Train the checkpoints of ``spec`` that ``out`` lacks and append each as it finishes.
 
     Parameters
@@ -149,6 +159,9 @@ def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: object |
         Show a progress bar (checkpoints done, model-steps/s, ETA).
     command : str, optional
         Recorded as the collection's provenance.
+    verify : bool
+        Check an existing collection's checkpoints against their digests before
+        appending to it (default True).
     """
     from tqdm.auto import tqdm
 
@@ -157,7 +170,7 @@ def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: object |
     started = time.perf_counter()
     # A new file stays temporary until its first checkpoint is committed: a failure before
     # that (missing data, an error in a worker, a kill) leaves nothing at ``out``.
-    with open_collection(spec, out, command) as zoo:
+    with open_collection(spec, out, command, verify) as zoo:
         missing = missing_indices(spec, zoo)
         trained = diverged = steps = 0
         source = f"train_zoo spec {spec.name}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from posteriorzoo.cli._types import positive_int
+from posteriorzoo.cli._types import add_no_verify_option, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,6 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "ray://head:10001 (default: start a local instance)")
     parser.add_argument("--checkpoints", type=positive_int,
                         help="override the spec's number of checkpoints")
+    add_no_verify_option(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(func=run_train)
 
@@ -52,7 +53,8 @@ def run_train(args: argparse.Namespace) -> int:
     backend = make_backend(args.backend, workers=args.workers, group_size=args.group_size,
                            address=args.ray_address)
     summary = train_collection(spec, args.out, backend=backend, engine=args.engine,
-                               progress=not args.no_progress, command=args.command_line)
+                               progress=not args.no_progress, command=args.command_line,
+                               verify=not args.no_verify)
     print(f"{summary.path}: {summary.checkpoints}/{spec.checkpoints} checkpoints "
           f"({summary.trained} trained now, {summary.diverged} diverged) in "
           f"{summary.seconds:.1f} s, {summary.steps_per_second:.0f} model-steps/s")

@@ -79,6 +79,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help="cast floating tensors (the release stores float16)")
     importer.add_argument("--batch-size", type=positive_int, default=64,
                           help="checkpoints committed together when appending (default 64)")
+    add_no_verify_option(importer)
     importer.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     importer.set_defaults(func=run_import)
 
@@ -218,7 +219,8 @@ def _model_options(pairs: list[str]) -> dict[str, Any] | None:
 def run_import(args: argparse.Namespace) -> int:
     import torch
 
-    from posteriorzoo.zoo.exchange import KeyMap, import_checkpoints
+    from posteriorzoo.zoo.exchange import import_checkpoints
+    from posteriorzoo.zoo.keymap import KeyMap
 
     summary = import_checkpoints(
         args.zoo, args.inputs,
@@ -227,7 +229,7 @@ def run_import(args: argparse.Namespace) -> int:
         key_map=KeyMap.from_file(args.key_map) if args.key_map else None,
         dtype=getattr(torch, args.dtype) if args.dtype else None,
         command=args.command_line, batch_size=args.batch_size,
-        progress=not args.no_progress)
+        verify=not args.no_verify, progress=not args.no_progress)
     verb = "created" if summary.created else "appended to"
     added = len(summary.indices)
     where = (f" (checkpoints {summary.indices.start}..{summary.indices.stop - 1})"

@@ -9,13 +9,15 @@
 ...     model.load_state_dict(zoo.state_dict(0))
 """
 
+from posteriorzoo.zoo.archives import read_release_archive
 from posteriorzoo.zoo.exchange import (
-    KeyMap,
+    ImportSummary,
+    export_all,
     export_checkpoint,
     import_checkpoints,
-    read_checkpoint,
-    read_release_archive,
 )
+from posteriorzoo.zoo.formats import ReadLimits, read_checkpoint, sniff_format
+from posteriorzoo.zoo.keymap import KeyMap
 from posteriorzoo.zoo.lifecycle import create_zoo, open_zoo
 from posteriorzoo.zoo.manifest import MANIFEST_NAME, sha256_file, verify_manifest, write_manifest
 from posteriorzoo.zoo.schema import METADATA_COLUMNS, checkpoint_digest, recipe_hash
@@ -25,11 +27,14 @@ from posteriorzoo.zoo.verify import VerifyReport, verify_zoo
 __all__ = [
     "MANIFEST_NAME",
     "METADATA_COLUMNS",
+    "ImportSummary",
     "KeyMap",
+    "ReadLimits",
     "VerifyReport",
     "Zoo",
     "checkpoint_digest",
     "create_zoo",
+    "export_all",
     "export_checkpoint",
     "import_checkpoints",
     "iter_checkpoints",
@@ -38,6 +43,7 @@ __all__ = [
     "read_release_archive",
     "recipe_hash",
     "sha256_file",
+    "sniff_format",
     "verify_manifest",
     "verify_zoo",
     "write_manifest",

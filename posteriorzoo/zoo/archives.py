@@ -1,0 +1,169 @@
+"""The authors' release format: tar archives of safetensors files, read as a stream.
+
+A release is a ``.tgz`` of float16 safetensors files, one per model, named
+``models/<task>/<task>-<start>-<end>.tgz``. :func:`read_release_archive` reads it member
+by member without extracting to disk, through a stream that refuses to deliver more
+bytes than the member headers declare (:class:`ReadLimits` bounds each member, the
+number of members and the bytes the archive expands to). :func:`release_task` tells the
+collection attributes a release implies from its file name.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import tarfile
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from posteriorzoo.errors import ZooFormatError
+from posteriorzoo.zoo.formats import (
+    TAR_BLOCK,
+    ReadLimits,
+    parse_safetensors,
+    require_file,
+    sniff_format,
+)
+
+#: Release task names (``models/<task>/<task>-<start>-<end>.tgz``) -> collection attributes.
+RELEASE_TASKS: dict[str, dict[str, Any]] = {
+    "mnist-optunet": {"architecture": "optunet", "dataset": "mnist", "num_classes": 10},
+    "cifar10-resnet18": {"architecture": "resnet18", "dataset": "cifar10", "num_classes": 10},
+    "cifar100-resnet18": {"architecture": "resnet18", "dataset": "cifar100", "num_classes": 100},
+    "tiny-imagenet-resnet18": {"architecture": "resnet18-tiny", "dataset": "tinyimagenet",
+                               "num_classes": 200},
+}
+
+_READ_CHUNK = 2**20
+
+
+class _BoundedReader:
+    """A read-only stream that refuses to deliver more than the bytes it is allowed.
+
+    :func:`read_archive` allows, after each member header, that member's declared data
+    plus :attr:`ReadLimits.archive_header_bytes`; the whole archive at most
+    :attr:`ReadLimits.total_archive_bytes`. Reads come in chunks of at most 1 MiB, so a
+    huge request never decompresses a huge block at once.
+    """
+
+    def __init__(self, raw: BinaryIO, name: str, limits: ReadLimits) -> None:
+        self.raw = raw
+        self.name = name
+        self.total = limits.total_archive_bytes
+        self.slack = limits.archive_header_bytes
+        self.consumed = 0
+        self.limit = min(self.total, self.slack)
+
+    def allow(self, data_bytes: int) -> None:
+        """Let the next member's data (``data_bytes``) and the next headers be read."""
+        self.limit = min(self.total, self.consumed + data_bytes + self.slack)
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            size = self.limit - self.consumed + 1
+        parts = []
+        while size > 0:
+            allowed = self.limit - self.consumed
+            if allowed <= 0:
+                if self.raw.read(1):
+                    self._refuse()
+                break
+            piece = self.raw.read(min(size, allowed, _READ_CHUNK))
+            if not piece:
+                break
+            parts.append(piece)
+            self.consumed += len(piece)
+            size -= len(piece)
+        return b"".join(parts)
+
+    def _refuse(self) -> None:
+        if self.limit >= self.total:
+            raise ZooFormatError(f"{self.name}: the archive expands beyond {self.total} bytes, "
+                                 "the limit; refusing to read on")
+        raise ZooFormatError(
+            f"{self.name}: the archive holds more data than its member headers declare "
+            f"(over {self.slack} bytes of headers between two members); refusing to read on")
+
+
+def _padded(size: int) -> int:
+    """``size`` rounded up to whole tar blocks (a member's data on disk)."""
+    return -(-size // TAR_BLOCK) * TAR_BLOCK
+
+
+def read_release_archive(path: str | os.PathLike, *, limits: ReadLimits | None = None
+                         ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """Yield ``(member name, state_dict)`` for each safetensors file of a release ``.tgz``.
+
+    Members are read from the archive stream in order; nothing is extracted to disk.
+    The archive must be a plain or gzip-compressed tar (recognised by its first bytes).
+    Each member's declared size is checked against ``limits.checkpoint_bytes`` before its
+    data is read, as are the number of members and the bytes the archive expands to.
+
+    Parameters
+    ----------
+    path : path-like
+        The archive.
+    limits : ReadLimits, optional
+        Bounds on what reading it may cost (default :class:`ReadLimits`).
+
+    Yields
+    ------
+    tuple of (str, dict of str to torch.Tensor)
+        ``archive-name:member-name`` and the member's state_dict.
+    """
+    for name, state, _ in read_archive(Path(path), limits or ReadLimits()):
+        yield name, state
+
+
+def read_archive(path: Path, limits: ReadLimits
+                 ) -> Iterator[tuple[str, dict[str, torch.Tensor], dict[str, str]]]:
+    """Like :func:`read_release_archive`, with each member's header metadata too."""
+    require_file(path)
+    kind = sniff_format(path, limits)
+    if kind == "safetensors":
+        raise ZooFormatError(f"{path}: a safetensors file, not a tar archive")
+    members = 0
+    try:
+        with open(path, "rb") as raw:
+            stream: BinaryIO = gzip.GzipFile(fileobj=raw, mode="rb") if kind == "tar.gz" \
+                else raw
+            reader = _BoundedReader(stream, str(path), limits)
+            with tarfile.open(fileobj=reader, mode="r|") as archive:  # type: ignore[call-overload]
+                for member in archive:
+                    members += 1
+                    if members > limits.archive_members:
+                        raise ZooFormatError(f"{path}: more than {limits.archive_members} "
+                                             "archive members, the limit")
+                    if member.size > limits.checkpoint_bytes:
+                        raise ZooFormatError(
+                            f"{path}: member {member.name[:200]!r} declares {member.size} "
+                            f"bytes, over the limit of {limits.checkpoint_bytes} bytes")
+                    reader.allow(_padded(member.size))
+                    if not member.isfile() or member.issparse() \
+                            or not member.name.endswith(".safetensors"):
+                        continue
+                    handle = archive.extractfile(member)
+                    if handle is None:  # pragma: no cover - regular files have data
+                        continue
+                    name = f"{path.name}:{member.name}"
+                    data = handle.read(member.size)
+                    if len(data) != member.size:
+                        raise ZooFormatError(f"{name}: truncated archive member")
+                    state, header = parse_safetensors(data, name, limits)
+                    yield name, state, header
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as error:
+        raise ZooFormatError(f"{path}: not a readable tar archive ({error})"[:400]) from None
+
+
+def release_task(path: str | os.PathLike) -> dict[str, Any] | None:
+    """Collection attributes implied by a release archive's name, or None if unknown."""
+    name = Path(path).name
+    # Longest task first, so a task whose name extends another's wins over the shorter.
+    for task, attributes in sorted(RELEASE_TASKS.items(), key=lambda item: -len(item[0])):
+        if name.startswith(task + "-") or name == f"{task}.tgz":
+            return dict(attributes)
+    return None

@@ -1,0 +1,291 @@
+"""Reading hostile checkpoint files: format detection, read limits, safetensors headers.
+
+Inputs are treated as hostile. Nothing here unpickles: safetensors holds raw tensors and
+a JSON header only. Formats are told apart by their first bytes, never by trying
+decoders (:func:`sniff_format`). Every size is bounded before it is read
+(:class:`ReadLimits`): a safetensors header, a checkpoint file, and (in
+:mod:`posteriorzoo.zoo.archives`) an archive member, the number of archive members and
+the bytes an archive expands to. A header's values are checked for type before anything
+trusts them, so a malformed file raises one :class:`ZooFormatError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import os
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors_bytes
+
+from posteriorzoo.errors import ZooFormatError
+
+#: The ``format`` header value of checkpoints written by
+#: :func:`posteriorzoo.zoo.exchange.export_checkpoint`.
+CHECKPOINT_FORMAT = "posteriorzoo-checkpoint"
+
+#: Largest safetensors header read (the JSON that describes tensors and metadata), bytes.
+MAX_HEADER_BYTES = 100 * 2**20
+#: Largest checkpoint (a safetensors file or archive member) read when the expected
+#: size is unknown, bytes. When the architecture is known the bound is
+#: ``4 * float64 bytes of one checkpoint + CHECKPOINT_SLACK_BYTES`` instead.
+MAX_CHECKPOINT_BYTES = 2**30
+#: What a checkpoint file may hold beyond 4x its float64 size (header, metadata).
+CHECKPOINT_SLACK_BYTES = 2**20
+#: Most entries (files, folders, links) read from one archive.
+MAX_ARCHIVE_MEMBERS = 10_000
+#: Bytes an archive may hold between two members' data (tar and pax headers, padding).
+ARCHIVE_HEADER_BYTES = 2**20
+#: Longest state key, in characters (also bounds the work of a key map's patterns).
+MAX_KEY_LENGTH = 256
+
+#: safetensors dtypes that can be stored (bfloat16 and float8 have no numpy type).
+SUPPORTED_DTYPES = frozenset({"F16", "F32", "F64", "I8", "I16", "I32", "I64", "U8", "BOOL"})
+
+GZIP_MAGIC = b"\x1f\x8b"
+TAR_MAGIC = b"ustar"
+TAR_MAGIC_OFFSET = 257
+TAR_BLOCK = 512
+
+
+@dataclass
+class ReadLimits:
+    """Bounds on what reading one input may cost; every one is checked before reading.
+
+    Attributes
+    ----------
+    header_bytes : int
+        Largest safetensors header.
+    checkpoint_bytes : int
+        Largest safetensors file or archive member (any member: skipped ones are read
+        through too).
+    archive_members : int
+        Most entries in one archive.
+    archive_header_bytes : int
+        Most bytes an archive may hold between the data of two members (tar headers,
+        pax and long-name records, padding, read-ahead).
+    archive_bytes : int or None
+        Most bytes one archive may expand to; default
+        ``archive_members * (checkpoint_bytes + archive_header_bytes)``.
+    """
+
+    header_bytes: int = MAX_HEADER_BYTES
+    checkpoint_bytes: int = MAX_CHECKPOINT_BYTES
+    archive_members: int = MAX_ARCHIVE_MEMBERS
+    archive_header_bytes: int = ARCHIVE_HEADER_BYTES
+    archive_bytes: int | None = None
+
+    @property
+    def total_archive_bytes(self) -> int:
+        """The bytes one archive may expand to: ``archive_bytes`` or its default."""
+        if self.archive_bytes is not None:
+            return self.archive_bytes
+        return self.archive_members * (self.checkpoint_bytes + self.archive_header_bytes)
+
+    def for_values(self, values: int) -> ReadLimits:
+        """These limits, with checkpoints bounded by ``values`` numbers per checkpoint."""
+        bound = 4 * 8 * int(values) + CHECKPOINT_SLACK_BYTES
+        return dataclasses.replace(self, checkpoint_bytes=min(self.checkpoint_bytes, bound))
+
+    def for_shapes(self, shapes: Mapping[str, tuple[tuple[int, ...], Any]]) -> ReadLimits:
+        """These limits, with checkpoints bounded by the size of ``key -> (shape, dtype)``."""
+        return self.for_values(sum(int(np.prod(shape, dtype=np.int64))
+                                   for shape, _ in shapes.values()))
+
+
+def load_json(text: bytes | str, what: str) -> Any:
+    """Parse JSON; malformed or absurdly nested text raises one ZooFormatError."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, bad UTF-8, depth
+        raise ZooFormatError(f"{what} is not valid JSON: {str(error)[:200]}") from None
+
+
+def check_state_key(key: object, what: str) -> str:
+    """``key`` if it is a string of at most :data:`MAX_KEY_LENGTH` characters."""
+    if not isinstance(key, str):
+        raise ZooFormatError(f"{what}: a state key must be a string, not {key!r}"[:300])
+    if len(key) > MAX_KEY_LENGTH:
+        raise ZooFormatError(f"{what}: a state key is {len(key)} characters; "
+                             f"the limit is {MAX_KEY_LENGTH}")
+    return key
+
+
+def require_file(path: Path) -> None:
+    """Raise ZooFormatError unless ``path`` is an existing regular file."""
+    if not path.is_file():
+        raise ZooFormatError(f"{path}: no such file")
+
+
+# ---------------------------------------------------------------------- format detection
+def _safetensors_header_size(prefix: bytes, size: int, limits: ReadLimits) -> int | str:
+    """The header length of safetensors data starting with ``prefix``, or why it is not one.
+
+    ``prefix`` holds the first 9 bytes (or fewer, if the data is shorter); ``size`` is the
+    length of the whole data.
+    """
+    if len(prefix) < 9:
+        return f"{size} bytes is too short"
+    length = int.from_bytes(prefix[:8], "little")
+    if length < 2 or length > size - 8:
+        return f"its header length {length} does not fit its {size} bytes"
+    if length > limits.header_bytes:
+        return f"its header of {length} bytes exceeds the limit of {limits.header_bytes}"
+    if prefix[8:9] != b"{":
+        return "its header is not a JSON object"
+    return length
+
+
+def sniff_format(path: str | os.PathLike, limits: ReadLimits | None = None) -> str:
+    """What an input file is, from its first bytes: ``"safetensors"``, ``"tar"``, ``"tar.gz"``.
+
+    Nothing is decoded beyond the first tar block; anything else raises ZooFormatError.
+    """
+    path = Path(path)
+    limits = limits or ReadLimits()
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            head = handle.read(TAR_MAGIC_OFFSET + len(TAR_MAGIC))
+            if head[:2] == GZIP_MAGIC:
+                handle.seek(0)
+                try:
+                    with gzip.GzipFile(fileobj=handle, mode="rb") as stream:
+                        block = stream.read(TAR_BLOCK)
+                except (OSError, EOFError, zlib.error) as error:
+                    raise ZooFormatError(f"{path}: a corrupt gzip file ({error})") from None
+                if block[TAR_MAGIC_OFFSET:TAR_MAGIC_OFFSET + 5] != TAR_MAGIC:
+                    raise ZooFormatError(f"{path}: a gzip file that does not hold a tar "
+                                         "archive")
+                return "tar.gz"
+    except OSError as error:
+        raise ZooFormatError(f"{path}: cannot be read: {error}") from None
+    if head[TAR_MAGIC_OFFSET:TAR_MAGIC_OFFSET + 5] == TAR_MAGIC:
+        return "tar"
+    found = _safetensors_header_size(head[:9], size, limits)
+    if isinstance(found, int):
+        return "safetensors"
+    raise ZooFormatError(f"{path}: neither a safetensors file nor a tar archive ({found})")
+
+
+# ---------------------------------------------------------------------- safetensors
+def _check_header_values(metadata: Mapping[str, Any], name: str) -> None:
+    """The ``__metadata__`` values this package writes and reads, checked for type."""
+    for key, value in metadata.items():
+        if not isinstance(value, str):
+            raise ZooFormatError(f"{name}: header metadata {key!r} must be text")
+    text = metadata.get("num_classes", "")
+    if text and not (len(text) <= 9 and text.isascii() and text.isdigit() and int(text) > 0):
+        raise ZooFormatError(f"{name}: header 'num_classes' must be a positive integer, "
+                             f"not {text!r}"[:300])
+    for key, kind, label in (("model_options", dict, "a JSON object"),
+                             ("metadata", dict, "a JSON object"),
+                             ("state_keys", list, "a JSON list of strings")):
+        if key in metadata:
+            value = load_json(metadata[key], f"{name}: header {key!r}")
+            if not isinstance(value, kind) or (
+                    kind is list and not all(isinstance(item, str) for item in value)):
+                raise ZooFormatError(f"{name}: header {key!r} must be {label}")
+    if metadata.get("format") == CHECKPOINT_FORMAT:
+        for key in ("architecture", "dataset", "method"):
+            if not metadata.get(key):
+                raise ZooFormatError(f"{name}: header {key!r} is missing")
+
+
+def _check_header(header: Any, name: str) -> dict[str, str]:
+    """Check a safetensors header's structure; returns its ``__metadata__``."""
+    if not isinstance(header, dict):
+        raise ZooFormatError(f"{name}: not a valid safetensors file (its header is not a "
+                             "JSON object)")
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict):
+        raise ZooFormatError(f"{name}: header '__metadata__' must be a JSON object")
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        check_state_key(key, name)
+        if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+            raise ZooFormatError(f"{name}: not a valid safetensors file (tensor {key!r} "
+                                 "has no dtype)"[:300])
+        if entry["dtype"] not in SUPPORTED_DTYPES:
+            raise ZooFormatError(
+                f"{name}: tensor {key!r} has dtype {entry['dtype']!r}; supported are "
+                f"{', '.join(sorted(SUPPORTED_DTYPES))} (convert bfloat16 to float32)"[:400])
+    _check_header_values(metadata, name)
+    return metadata
+
+
+def _check_checkpoint_size(size: int, name: str, limits: ReadLimits) -> None:
+    if size > limits.checkpoint_bytes:
+        raise ZooFormatError(f"{name}: {size} bytes exceeds the limit of "
+                             f"{limits.checkpoint_bytes} bytes for one checkpoint")
+
+
+def parse_safetensors(data: bytes, name: str, limits: ReadLimits
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``(state_dict, header metadata)`` of safetensors ``data``, checked before decoding.
+
+    The state keeps the key order recorded in the ``state_keys`` header when there is one
+    (safetensors itself sorts keys), so a round trip preserves the model's order.
+    """
+    _check_checkpoint_size(len(data), name, limits)
+    found = _safetensors_header_size(data[:9], len(data), limits)
+    if isinstance(found, str):
+        raise ZooFormatError(f"{name}: not a valid safetensors file ({found})")
+    metadata = _check_header(load_json(data[8:8 + found], f"{name}: the safetensors header"),
+                             name)
+    try:
+        tensors = load_safetensors_bytes(data)
+    except (SafetensorError, ValueError, TypeError, RuntimeError) as error:
+        raise ZooFormatError(f"{name}: not a valid safetensors file ({error})"[:400]) from None
+    if "state_keys" in metadata:
+        keys = json.loads(metadata["state_keys"])  # checked by _check_header_values
+        if set(keys) == set(tensors):
+            tensors = {key: tensors[key] for key in keys}
+    return tensors, dict(metadata)
+
+
+def read_checkpoint(path: str | os.PathLike, *, limits: ReadLimits | None = None
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read a safetensors checkpoint: returns ``(state_dict, header metadata)``.
+
+    The file is recognised by its first bytes and its size is checked against
+    ``limits`` before it is read; the header's values are checked for type.
+
+    Parameters
+    ----------
+    path : path-like
+        The safetensors file.
+    limits : ReadLimits, optional
+        Bounds on the header and file size (default :class:`ReadLimits`).
+
+    Returns
+    -------
+    tuple of (dict of str to torch.Tensor, dict of str to str)
+        The state_dict and the header's ``__metadata__``.
+    """
+    path = Path(path)
+    limits = limits or ReadLimits()
+    require_file(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            found = _safetensors_header_size(handle.read(9), size, limits)
+            if isinstance(found, str):
+                raise ZooFormatError(f"{path}: not a valid safetensors file ({found})")
+            _check_checkpoint_size(size, str(path), limits)
+            handle.seek(0)
+            # One byte over the limit: a file that grew since stat() is caught by the
+            # size check in parse_safetensors instead of being read without bound.
+            data = handle.read(limits.checkpoint_bytes + 1)
+    except OSError as error:
+        raise ZooFormatError(f"{path}: cannot be read: {error}") from None
+    return parse_safetensors(data, str(path), limits)

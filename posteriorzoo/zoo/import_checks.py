@@ -1,0 +1,168 @@
+"""What :func:`~posteriorzoo.zoo.exchange.import_checkpoints` reads, infers and checks.
+
+Reading the inputs whatever their format, the attributes a new collection takes from
+them, and the checks one input must pass before anything is written: keys, shapes,
+dtypes and finite values against the collection, and a metadata row the columns accept.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from posteriorzoo.errors import (
+    NonFiniteWeightsError,
+    PosteriorZooError,
+    ZooFormatError,
+    ZooSchemaError,
+)
+from posteriorzoo.zoo import schema
+from posteriorzoo.zoo.archives import read_archive, release_task
+from posteriorzoo.zoo.formats import (
+    CHECKPOINT_FORMAT,
+    ReadLimits,
+    load_json,
+    read_checkpoint,
+    sniff_format,
+)
+from posteriorzoo.zoo.store import as_numpy
+
+Spec = Mapping[str, tuple[tuple[int, ...], np.dtype]]
+
+
+def read_inputs(files: Iterable[Path], limits: Callable[[], ReadLimits]
+                ) -> Iterator[tuple[str, dict[str, torch.Tensor], dict[str, str]]]:
+    """``(name, state, header)`` of every checkpoint in ``files``, any format.
+
+    ``limits()`` is asked again for each file, so a caller can tighten the bounds once
+    the size of a checkpoint is known.
+    """
+    for file in files:
+        current = limits()
+        if sniff_format(file, current) == "safetensors":
+            state, header = read_checkpoint(file, limits=current)
+            yield file.name, state, header
+        else:
+            yield from read_archive(file, current)
+
+
+def limits_for_architecture(limits: ReadLimits, architecture: str | None,
+                            num_classes: int | None,
+                            model_options: Mapping[str, Any] | None) -> ReadLimits:
+    """``limits`` tightened to the architecture's checkpoint size, when it is known."""
+    if not architecture:
+        return limits
+    from posteriorzoo import models
+
+    try:
+        shapes = models.expected_state_shapes(architecture, num_classes=num_classes,
+                                              **dict(model_options or {}))
+    except (PosteriorZooError, TypeError, ValueError):
+        return limits  # an unknown name is reported by the architecture check
+    return limits.for_shapes(shapes)
+
+
+def collection_attributes(first: Path, header: Mapping[str, str], architecture: str | None,
+                          dataset: str | None, method: str | None, num_classes: int | None,
+                          model_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A new collection's attributes: the arguments given, else what the inputs imply.
+
+    An exported checkpoint's header implies all of them; otherwise the name of the first
+    input, if it is a release archive (whose models are deep ensemble members).
+    """
+    implied: dict[str, Any] = {}
+    if header.get("format") == CHECKPOINT_FORMAT:  # values checked when the file was read
+        implied = {"architecture": header["architecture"], "dataset": header["dataset"],
+                   "method": header["method"],
+                   "num_classes": int(header["num_classes"]) if header.get("num_classes")
+                   else None,
+                   "model_options": json.loads(header.get("model_options", "{}"))}
+    elif (task := release_task(first)) is not None:
+        implied = {**task, "method": "de"}
+    given = {"architecture": architecture, "dataset": dataset, "method": method,
+             "num_classes": num_classes, "model_options": model_options}
+    attributes = {key: value if value is not None else implied.get(key)
+                  for key, value in given.items()}
+    attributes["model_options"] = dict(attributes["model_options"] or {})
+    missing = [key for key in ("architecture", "dataset", "method") if not attributes[key]]
+    if missing:
+        raise ZooFormatError(
+            f"cannot tell the new collection's {', '.join(missing)} from the inputs; "
+            f"give the {missing[0].replace('_', ' ')}")
+    return attributes
+
+
+def in_model_order(state: dict[str, torch.Tensor], attributes: Mapping[str, Any]
+                   ) -> dict[str, torch.Tensor]:
+    """The state in the registered model's key order (storage order follows it)."""
+    from posteriorzoo import models
+
+    order = list(models.expected_state_shapes(attributes["architecture"],
+                                              num_classes=attributes["num_classes"],
+                                              **attributes["model_options"]))
+    ranked = {key: position for position, key in enumerate(order)}
+    return dict(sorted(state.items(), key=lambda item: ranked.get(item[0], len(ranked))))
+
+
+def convert_floats(state: dict[str, torch.Tensor], dtype: torch.dtype | None
+                   ) -> dict[str, torch.Tensor]:
+    """The state with floating tensors cast to ``dtype`` (unchanged if it is None)."""
+    if dtype is None:
+        return state
+    return {key: value.to(dtype) if value.is_floating_point() else value
+            for key, value in state.items()}
+
+
+def _source_text(name: str) -> str:
+    """The last 256 bytes of ``name`` as valid UTF-8 (the ``source`` column's width)."""
+    encoded = name.encode("utf-8", errors="replace")[-256:]
+    return encoded.decode("utf-8", errors="ignore")
+
+
+def row_for_input(header: Mapping[str, str], source: str, method: str) -> dict[str, Any]:
+    """The metadata row an input will get, checked now for the columns' types.
+
+    The exported row is kept except the columns the collection computes itself
+    (``sha256``, ``written_at``); ``source`` records where the input came from.
+    """
+    row = load_json(header["metadata"], f"{source}: header 'metadata'") \
+        if "metadata" in header else {}
+    if not isinstance(row, dict):
+        raise ZooFormatError(f"{source}: header 'metadata' must be a JSON object")
+    row = {key: value for key, value in row.items()
+           if key in schema.COLUMN_NAMES and key not in ("sha256", "written_at")}
+    row["source"] = _source_text(source)
+    try:
+        schema.metadata_row({"method": method, **row})
+    except ZooSchemaError as error:
+        raise ZooSchemaError(f"{source}: {error}") from None
+    return row
+
+
+def check_against_spec(spec: Spec, state: Mapping[str, torch.Tensor], name: str,
+                       diverged: bool) -> None:
+    """Raise unless ``state`` has the keys, shapes and dtypes of ``spec``, all finite.
+
+    A checkpoint whose metadata row says it ``diverged`` may hold NaN or infinite values.
+    """
+    if set(spec) != set(state):
+        missing = sorted(set(spec) - set(state))[:3]
+        extra = sorted(set(state) - set(spec))[:3]
+        raise ZooSchemaError(f"{name}: keys do not match (missing {missing}, unexpected "
+                             f"{extra}); a key map can rename them")
+    for key, (shape, dtype) in spec.items():
+        tensor = state[key]
+        if tuple(tensor.shape) != tuple(shape):
+            raise ZooSchemaError(f"{name}: {key} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(shape)}")
+        found = as_numpy(tensor).dtype
+        if found != dtype:
+            raise ZooSchemaError(f"{name}: {key} has dtype {found}, expected {dtype} "
+                                 "(a dtype conversion can be asked for)")
+        if not diverged and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise NonFiniteWeightsError(f"{name}: {key} has NaN or infinite values")

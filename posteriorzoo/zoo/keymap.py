@@ -1,0 +1,230 @@
+"""Renaming foreign state keys (:class:`KeyMap`), with a guard against slow patterns.
+
+A key map's regex rules run on keys read from hostile files, so a pattern that could
+backtrack catastrophically is refused when the key map is built, not found out when an
+import hangs: no backreferences, no nested quantifiers, a bounded number of repeats and
+a bounded length (see :func:`_check_pattern`). Keys themselves are at most
+:data:`~posteriorzoo.zoo.formats.MAX_KEY_LENGTH` characters, which bounds the work of
+every match.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import re._parser as sre_parse
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posteriorzoo.errors import ZooFormatError, ZooSchemaError
+from posteriorzoo.zoo.formats import MAX_KEY_LENGTH, check_state_key, load_json
+
+#: Longest key map pattern, in characters.
+MAX_PATTERN_LENGTH = 300
+#: Most repeats (``*``, ``+``, ``{m,n}``) in one key map pattern: matching time grows
+#: like the key length to this power at worst.
+MAX_PATTERN_REPEATS = 3
+#: Largest key map file, bytes.
+MAX_KEY_MAP_BYTES = 2**20
+
+
+def _is_repeat(op: object, av: object) -> bool:
+    """A quantifier that may match its body more than once (``*``, ``+``, ``{2,}``...)."""
+    if op not in (sre_parse.MAX_REPEAT, sre_parse.MIN_REPEAT, sre_parse.POSSESSIVE_REPEAT):
+        return False
+    return av[1] == sre_parse.MAXREPEAT or av[1] > 1
+
+
+def _children(op: object, av: Any) -> list[Any]:
+    """The sub-patterns of one parsed node."""
+    if op in (sre_parse.MAX_REPEAT, sre_parse.MIN_REPEAT, sre_parse.POSSESSIVE_REPEAT):
+        return [av[2]]
+    if op is sre_parse.SUBPATTERN:
+        return [av[3]]
+    if op is sre_parse.BRANCH:
+        return list(av[1])
+    if op in (sre_parse.ASSERT, sre_parse.ASSERT_NOT):
+        return [av[1]]
+    if op is sre_parse.ATOMIC_GROUP:
+        return [av]
+    return []
+
+
+def _nodes(pattern: Any) -> Iterator[tuple[object, Any]]:
+    """Every node of a parsed pattern, depth first."""
+    for op, av in pattern:
+        yield op, av
+        for child in _children(op, av):
+            yield from _nodes(child)
+
+
+def _check_pattern(pattern: object, what: str) -> re.Pattern[str]:
+    """Compile a key map pattern, refusing ones that can backtrack catastrophically.
+
+    Refused: non-strings, patterns longer than :data:`MAX_PATTERN_LENGTH`,
+    backreferences and conditionals, a repeat whose body holds another repeat or an
+    alternation (``(a+)+``, ``(a|aa)*``), the shapes of exponential backtracking, and
+    more than :data:`MAX_PATTERN_REPEATS` repeats (polynomial backtracking).
+    """
+    if not isinstance(pattern, str):
+        raise ZooFormatError(f"{what}: a pattern must be a string, not {pattern!r}"[:300])
+    if len(pattern) > MAX_PATTERN_LENGTH:
+        raise ZooFormatError(f"{what}: a pattern is {len(pattern)} characters; "
+                             f"the limit is {MAX_PATTERN_LENGTH}")
+    try:
+        parsed = sre_parse.parse(pattern)
+        compiled = re.compile(pattern)
+    except (re.error, OverflowError, RecursionError, ValueError) as error:
+        raise ZooFormatError(f"{what}: bad rule {pattern!r}: {error}") from None
+    repeats = 0
+    for op, av in _nodes(parsed):
+        repeats += _is_repeat(op, av)
+        if op in (sre_parse.GROUPREF, sre_parse.GROUPREF_EXISTS):
+            raise ZooFormatError(f"{what}: bad rule {pattern!r}: backreferences and "
+                                 "conditionals are not allowed")
+        if _is_repeat(op, av) and any(
+                _is_repeat(inner, inner_av) or inner is sre_parse.BRANCH
+                for inner, inner_av in _nodes(av[2])):
+            raise ZooFormatError(
+                f"{what}: bad rule {pattern!r}: a repeated group holds another repeat or "
+                "an alternation (nested quantifiers can take exponential time); "
+                "write it without nesting")
+    if repeats > MAX_PATTERN_REPEATS:
+        raise ZooFormatError(f"{what}: bad rule {pattern!r}: {repeats} repeats; the limit "
+                             f"is {MAX_PATTERN_REPEATS}")
+    return compiled
+
+
+def _check_replacement(replacement: object, compiled: re.Pattern[str], what: str) -> str:
+    """``replacement`` if it is a short string referring only to groups ``compiled`` has."""
+    if not isinstance(replacement, str):
+        raise ZooFormatError(f"{what}: a replacement must be a string, not {replacement!r}"
+                             [:300])
+    if len(replacement) > MAX_PATTERN_LENGTH:
+        raise ZooFormatError(f"{what}: a replacement is {len(replacement)} characters; "
+                             f"the limit is {MAX_PATTERN_LENGTH}")
+    try:
+        sre_parse.parse_template(replacement, compiled)
+    except (re.error, IndexError, ValueError) as error:
+        raise ZooFormatError(f"{what}: bad rule replacement {replacement!r}: {error}") \
+            from None
+    return replacement
+
+
+@dataclass
+class KeyMap:
+    """Rename foreign state keys: exact renames first, then regex rules in order.
+
+    A JSON file ``{"rename": {"old": "new"}, "rules": [["^model\\\\.", ""]],
+    "drop": ["regex", ...]}`` describes one; :meth:`from_file` reads it. Keys matching a
+    ``drop`` pattern are discarded (e.g. optimizer state saved alongside weights).
+
+    The structure is checked when a key map is built (:class:`ZooFormatError`), and so
+    are the patterns: no backreferences, no nested quantifiers, at most
+    :data:`MAX_PATTERN_LENGTH` characters (see :func:`_check_pattern`).
+    """
+
+    rename: dict[str, str] = field(default_factory=dict)
+    rules: list[tuple[str, str]] = field(default_factory=list)
+    drop: list[str] = field(default_factory=list)
+    _compiled_rules: list[tuple[re.Pattern[str], str]] = field(
+        default_factory=list, init=False, repr=False, compare=False)
+    _compiled_drop: list[re.Pattern[str]] = field(
+        default_factory=list, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._validate("key map")
+
+    def _validate(self, what: str) -> None:
+        """Check the fields, normalise them to dict and lists, and compile the patterns.
+
+        ``what`` names the key map in messages (its file, for :meth:`from_file`).
+        """
+        if not isinstance(self.rename, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.rename.items()):
+            raise ZooFormatError(f"{what}: 'rename' must map strings to strings")
+        for old, new in self.rename.items():
+            check_state_key(old, what)
+            check_state_key(new, what)
+        if isinstance(self.rules, str | bytes | Mapping) or not isinstance(
+                self.rules, Iterable):
+            raise ZooFormatError(f"{what}: 'rules' must be a list of [pattern, replacement] "
+                                 f"pairs, not {self.rules!r}"[:300])
+        rules = list(self.rules)
+        for rule in rules:
+            if isinstance(rule, str | bytes | Mapping) or not isinstance(rule, list | tuple) \
+                    or len(rule) != 2:
+                raise ZooFormatError(f"{what}: each rule must be a [pattern, replacement] "
+                                     f"pair of strings, not {rule!r}"[:300])
+        if isinstance(self.drop, str | bytes | Mapping) or not isinstance(self.drop, Iterable):
+            raise ZooFormatError(f"{what}: 'drop' must be a list of patterns, "
+                                 f"not {self.drop!r}"[:300])
+        drop = list(self.drop)
+        compiled_rules = []
+        for pattern, replacement in rules:
+            compiled = _check_pattern(pattern, what)
+            compiled_rules.append((compiled, _check_replacement(replacement, compiled, what)))
+        self.rename = dict(self.rename)
+        self.rules = [(pattern, replacement) for pattern, replacement in rules]
+        self.drop = drop
+        self._compiled_rules = compiled_rules
+        self._compiled_drop = [_check_pattern(pattern, what) for pattern in drop]
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> KeyMap:
+        """Read and check a key map file; any problem raises one :class:`ZooFormatError`."""
+        path = Path(path)
+        what = f"key map {path}"
+        try:
+            size = path.stat().st_size
+            if not path.is_file():
+                raise ZooFormatError(f"{what}: not a file")
+            if size > MAX_KEY_MAP_BYTES:
+                raise ZooFormatError(f"{what}: {size} bytes; the limit is {MAX_KEY_MAP_BYTES}")
+            text = path.read_bytes()
+        except FileNotFoundError:
+            raise ZooFormatError(f"key map not found: {path}") from None
+        except OSError as error:
+            raise ZooFormatError(f"{what} cannot be read: {error}") from None
+        data = load_json(text, what)
+        if not isinstance(data, dict):
+            raise ZooFormatError(f"{what}: must be a JSON object with 'rename', 'rules' "
+                                 "and/or 'drop'")
+        unknown = set(data) - {"rename", "rules", "drop"}
+        if unknown:
+            raise ZooFormatError(f"{what}: unknown entries {sorted(unknown)}"[:300])
+        rename, rules, drop = data.get("rename", {}), data.get("rules", []), data.get("drop", [])
+        if not isinstance(rename, dict):
+            raise ZooFormatError(f"{what}: 'rename' must map strings to strings")
+        if not isinstance(rules, list):
+            raise ZooFormatError(f"{what}: 'rules' must be a list of [pattern, replacement] "
+                                 f"pairs, not {rules!r}"[:300])
+        if not isinstance(drop, list):
+            raise ZooFormatError(f"{what}: 'drop' must be a list of patterns, "
+                                 f"not {drop!r}"[:300])
+        key_map = cls.__new__(cls)
+        key_map.rename, key_map.rules, key_map.drop = rename, rules, drop
+        key_map._validate(what)
+        return key_map
+
+    def apply(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Return the state with renamed keys; two keys mapping to one name raise."""
+        result: dict[str, torch.Tensor] = {}
+        for key, value in state.items():
+            check_state_key(key, "state")
+            if any(pattern.search(key) for pattern in self._compiled_drop):
+                continue
+            new = self.rename.get(key, key)
+            for pattern, replacement in self._compiled_rules:
+                new = pattern.sub(replacement, new)
+                if len(new) > MAX_KEY_LENGTH:
+                    raise ZooSchemaError(f"key map turns {key!r} into a key longer than "
+                                         f"{MAX_KEY_LENGTH} characters")
+            if new in result:
+                raise ZooSchemaError(f"key map sends two keys to {new!r} (one is {key!r})")
+            result[new] = value
+        return result
