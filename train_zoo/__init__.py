@@ -1,8 +1,10 @@
 """The mass trainer: zoo specifications, recipes, engines and backends.
 
->>> from train_zoo import load_spec, train_collection
+>>> from train_zoo import load_spec
+>>> from train_zoo.backends import LocalBackend
+>>> from train_zoo.run import train_collection
 >>> spec = load_spec("specs/optunet-fashion-mnist-target.toml")
->>> train_collection(spec, "target.h5", backend="local", workers=2)   # resumable
+>>> train_collection(spec, "target.h5", backend=LocalBackend(workers=2))   # resumable
 
 Checkpoint i's randomness derives only from (spec.base_seed, i) (:mod:`train_zoo.seeds`).
 """

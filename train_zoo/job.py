@@ -29,10 +29,11 @@ def resolve_engine(spec: ZooSpec, engine: str) -> str:
     if engine == "fast" and not fast.supports(spec):
         raise InvalidOptionError(
             f"the fast engine does not support {spec.architecture} with this recipe; "
-            "use --engine auto or torch")
+            "choose the engine auto or torch")
     if engine == "vectorised" and not vectorised.supports(spec):
         raise InvalidOptionError(
-            f"the vectorised engine does not support {spec.architecture}; use --engine torch")
+            f"the vectorised engine does not support {spec.architecture}; choose the torch "
+            "engine")
     return engine
 
 

@@ -205,17 +205,18 @@ def _missing_message(
     url_base: str | None, reason: str,
 ) -> str:
     cache = dirs[-1]
-    lines = [f"dataset {source.name!r}: {reason}. Put these file(s) in {cache}/:"]
+    files = []
     for spec in missing:
         where = ", ".join(_urls(spec, url_base)) or "no known URL"
         size = f", {spec.size:,} bytes" if spec.size else ""
         digest = f", sha256 {spec.sha256}" if spec.sha256 else ""
-        lines.append(f"  {spec.filename}  (from {where}{size}{digest})")
+        files.append(f"{spec.filename} (from {where}{size}{digest})")
     searched = ", ".join(str(d) for d in dirs)
-    lines.append(f"Folders searched, in order: {searched}. Or pass data_dir=<folder holding "
-                 "them>, or set POSTERIORZOO_DATA so that $POSTERIORZOO_DATA/"
-                 f"{source.name}/ holds them.")
-    return "\n".join(lines)
+    # One line, however many files: the command line prints errors as one line.
+    return (f"dataset {source.name!r}: {reason}. Put these file(s) in {cache}/: "
+            f"{'; '.join(files)}. Folders searched, in order: {searched}. Or pass "
+            f"data_dir=<folder holding them>, or set POSTERIORZOO_DATA so that "
+            f"$POSTERIORZOO_DATA/{source.name}/ holds them.")
 
 
 def _download_into_cache(

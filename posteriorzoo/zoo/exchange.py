@@ -283,6 +283,7 @@ def import_checkpoints(
                           "model_options": zoo.model_options}
             spec = zoo.spec
             stored = set(zoo.digests)
+        given["model_options"] = dict(model_options) if model_options is not None else None
         for key, value in given.items():
             if value is not None and value != attributes[key]:
                 raise InvalidOptionError(f"{zoo_path} holds {key} {attributes[key]!r}, "

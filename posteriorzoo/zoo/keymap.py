@@ -183,9 +183,11 @@ class KeyMap:
             size = path.stat().st_size
             if not path.is_file():
                 raise ZooFormatError(f"{what}: not a file")
+            with open(path, "rb") as handle:  # bounded even if the file grows meanwhile
+                text = handle.read(MAX_KEY_MAP_BYTES + 1)
+            size = max(size, len(text))
             if size > MAX_KEY_MAP_BYTES:
                 raise ZooFormatError(f"{what}: {size} bytes; the limit is {MAX_KEY_MAP_BYTES}")
-            text = path.read_bytes()
         except FileNotFoundError:
             raise ZooFormatError(f"key map not found: {path}") from None
         except OSError as error:
