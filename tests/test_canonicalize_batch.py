@@ -194,29 +194,29 @@ def test_cli_min_mass_report(tmp_path, capsys):
 
     states = [{k: v.float() for k, v in s.items()} for s in _states("optunet", {}, 3)]
     _collection(tmp_path / "z.h5", states)
-    out = tmp_path / "report" / "mass.csv"
+    out = tmp_path / "missing" / "report"
     # a missing folder is not created silently
     code, _, err = run(capsys, "min-mass", tmp_path / "z.h5", "--out", out, "--no-progress")
     assert_one_line_error(code, err, "does not exist")
-    out.parent.mkdir()
+    out = tmp_path / "report"
     assert main(["min-mass", str(tmp_path / "z.h5"), "--out", str(out), "--no-progress"]) == 0
     assert "3 of 3 checkpoints" in capsys.readouterr().out
-    rows = list(csv.DictReader(out.open()))
+    rows = list(csv.DictReader((out / "min_mass.csv").open()))
     report = min_mass_collection(tmp_path / "z.h5")
     assert [int(r["seed"]) for r in rows] == [0, 1, 2]
     for row, before, after in zip(rows, report.mass_before, report.mass_after, strict=True):
         assert float(row["mass_before"]) == before and float(row["mass_after"]) == after
         assert float(row["max_abs_after:fc.weight"]) > 0
-    provenance = json.loads((tmp_path / "report" / "mass.csv.json").read_text())
+    provenance = json.loads((out / "min_mass.json").read_text())
     assert provenance["command"].startswith("posteriorzoo min-mass")
     assert len(provenance["input"]["sha256"]) == 64
     # an existing report is never overwritten
     code, _, err = run(capsys, "min-mass", tmp_path / "z.h5", "--out", out, "--no-progress")
     assert_one_line_error(code, err, "already exists")
-    table = out.read_bytes()
+    table = (out / "min_mass.csv").read_bytes()
     assert provenance["table_sha256"] == __import__("hashlib").sha256(table).hexdigest()
     # unless asked for: the same run gives the same table
     assert main(["min-mass", str(tmp_path / "z.h5"), "--out", str(out), "--no-progress",
                  "--overwrite"]) == 0
-    assert out.read_bytes() == table
-    assert sorted(p.name for p in out.parent.iterdir()) == ["mass.csv", "mass.csv.json"]
+    assert (out / "min_mass.csv").read_bytes() == table
+    assert sorted(p.name for p in out.iterdir()) == ["min_mass.csv", "min_mass.json"]

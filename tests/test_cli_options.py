@@ -43,7 +43,7 @@ def _options(files: dict[str, Path]) -> list[tuple[list[str], str, str]]:
         (["canonicalize", zoo, out + "/c.h5"], "--batch-size", "positive_int"),
         (["canonicalize", zoo, out + "/c.h5"], "--n-verify", "nonnegative_int"),
         (["canonicalize", zoo, out + "/c.h5"], "--seed", "nonnegative_int"),
-        (["min-mass", zoo, "--out", out + "/m.csv"], "--batch-size", "positive_int"),
+        (["min-mass", zoo, "--out", out + "/m"], "--batch-size", "positive_int"),
         (["mmd", zoo, zoo, "--out", out + "/r"], "--bandwidths", "positive_int"),
         (["mmd", zoo, zoo, "--out", out + "/r"], "--scale", "positive_float"),
         (["mmd", zoo, zoo, "--out", out + "/r"], "--alpha", "unit_interval"),

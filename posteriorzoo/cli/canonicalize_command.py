@@ -60,18 +60,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "min-mass", help="minimum weight mass of every checkpoint (paper Fig. 2 data)",
         description="Solve the minimum scaled network mass problem for every checkpoint of "
                     "IN (nothing is written to IN) and print the mass before and after. With "
-                    "--out, write one CSV row per checkpoint (index, seed, mass before and "
-                    "after, Newton iterations, dead units, and each weight tensor's largest "
-                    "|w| before and after) and a JSON file next to it with the command, "
-                    "versions, the input's SHA-256 and summary figures. Checkpoints with "
-                    "non-finite weights (flagged diverged) get empty values.")
+                    "--out DIR, write one CSV row per checkpoint (index, seed, mass before "
+                    "and after, Newton iterations, dead units, and each weight tensor's "
+                    "largest |w| before and after) and a JSON file beside it with the "
+                    "command, versions, the input's SHA-256 and summary figures. Checkpoints "
+                    "with non-finite weights (flagged diverged) get empty values.")
     report.add_argument("source", type=Path, metavar="IN", help="collection file (.h5)")
     report.add_argument("--solver", choices=["fast", "cvxpy"], default="fast",
                         help="batched Newton (fast) or the cvxpy reference "
                              "(default: %(default)s)")
-    report.add_argument("--out", type=Path, default=None, metavar="CSV",
-                        help="per-checkpoint table (.csv; CSV.json gets the provenance and "
-                             "the table's SHA-256); refused if either exists unless "
+    report.add_argument("--out", type=Path, default=None, metavar="DIR",
+                        help="write the per-checkpoint table DIR/min_mass.csv and its "
+                             "provenance DIR/min_mass.json (command, versions, the input's "
+                             "SHA-256, the table's SHA-256); the folder appears only when "
+                             "both are complete and is refused if it exists unless "
                              "--overwrite")
     report.add_argument("--batch-size", type=positive_int, default=None, metavar="B",
                         help="checkpoints per batch (default: as many as fit in 256 MB)")
@@ -105,15 +107,13 @@ def run_min_mass(args: argparse.Namespace) -> int:
     import numpy as np
 
     from posteriorzoo.hashing import sha256_file
-    from posteriorzoo.outputs import atomic_file, check_output
+    from posteriorzoo.outputs import atomic_directory, check_output
     from posteriorzoo.symmetry.collection import min_mass_collection
     from posteriorzoo.zoo import open_zoo
     from posteriorzoo.zoo.schema import library_versions
 
-    sidecar = args.out.with_name(args.out.name + ".json") if args.out else None
-    for path in (args.out, sidecar):
-        if path is not None:
-            check_output(path, inputs=[args.source], overwrite=args.overwrite)
+    if args.out is not None:
+        check_output(args.out, inputs=[args.source], overwrite=args.overwrite)
     report = min_mass_collection(args.source, solver=args.solver, batch_size=args.batch_size,
                                  verify=not args.no_verify, progress=not args.no_progress)
     with open_zoo(args.source) as zoo:
@@ -147,15 +147,13 @@ def run_min_mass(args: argparse.Namespace) -> int:
         writer.writerow([i, int(seeds[i]), *cells[:2], int(report.iterations[i]),
                          int(dead[i]), *cells[2:]])
     text = table.getvalue().encode("utf-8")
-    # The table first, then the provenance that names its digest: a reader can tell a
-    # table from its own run apart from a leftover of another one.
-    with atomic_file(args.out, overwrite=args.overwrite, inputs=[args.source]) as partial:
-        partial.write_bytes(text)
     provenance = {"command": args.command_line, "versions": library_versions(),
                   "input": {"path": str(args.source), "sha256": sha256_file(args.source)},
-                  "solver": args.solver, "summary": summary, "table": args.out.name,
+                  "solver": args.solver, "summary": summary, "table": "min_mass.csv",
                   "table_sha256": hashlib.sha256(text).hexdigest()}
-    with atomic_file(sidecar, overwrite=args.overwrite, inputs=[args.source]) as partial:
-        partial.write_text(json.dumps(provenance, indent=2))
-    print(f"wrote {args.out} and {sidecar}")
+    # Both files in one folder that appears when both are complete.
+    with atomic_directory(args.out, overwrite=args.overwrite, inputs=[args.source]) as partial:
+        (partial / "min_mass.csv").write_bytes(text)
+        (partial / "min_mass.json").write_text(json.dumps(provenance, indent=2))
+    print(f"wrote {args.out / 'min_mass.csv'} and {args.out / 'min_mass.json'}")
     return 0

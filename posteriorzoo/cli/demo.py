@@ -140,8 +140,11 @@ def mmd_step(out: Path, command: str, progress: bool) -> dict[str, Any]:
     from posteriorzoo.mmd import compare_collections
     from posteriorzoo.reference import reference_path
 
+    # The canonical copies go inside the demo's (temporary) output folder, not the
+    # system's temporary folder, so a killed demo leaves nothing behind elsewhere.
     report = compare_collections(reference_path("target"), {"DE": reference_path("de")},
-                                 symmetries="both", progress=progress, command=command)
+                                 symmetries="both", workdir=out, progress=progress,
+                                 command=command)
     written = report.write(out / "mmd-report", scale=100)
     kept, removed = report.summary("DE", "kept"), report.summary("DE", "removed")
     result = {"mmd_median": kept.median, "ns_mmd_median": removed.median,

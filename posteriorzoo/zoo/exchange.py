@@ -67,7 +67,22 @@ def _checkpoint_bytes(zoo: Zoo, index: int) -> bytes:
         "metadata": schema.canonical_json(row),
         "source_collection": zoo.path.name,
     }
-    return save_safetensors_bytes(state, metadata=header)
+    return _sorted_header(save_safetensors_bytes(state, metadata=header))
+
+
+def _sorted_header(data: bytes) -> bytes:
+    """The same safetensors bytes with the header's keys in sorted order.
+
+    safetensors writes its ``__metadata__`` in hash-map order, which changes from run to
+    run; sorting makes an export byte-reproducible (so manifests of exports are stable).
+    The header keeps its length: same keys and values, same compact separators.
+    """
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    if len(text) > length:  # pragma: no cover - serde_json and json agree on compact JSON
+        return data
+    return data[:8] + text.ljust(length) + data[8 + length:]
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
