@@ -1,0 +1,61 @@
+"""Shared test configuration: the probe log of the reliability tests.
+
+With ``POSTERIORZOO_PROBE_LOG=FILE``, every run of a test listed in :data:`PROBES` appends
+one JSON line (command, class, whether it passed) to FILE, next to the lines the fuzz
+and fault-injection suites write themselves; ``tests/probe_table.py FILE`` prints the
+table of probes tried and probes that behaved as promised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+# test module -> test function -> (command, class of input)
+PROBES: dict[str, dict[str, tuple[str, str]]] = {
+    "test_exchange_hostile.py": {
+        "test_export_never_writes_onto_its_input": ("export", "output policy"),
+        "test_export_refuses_an_existing_output_unless_overwrite": ("export", "output policy"),
+        "test_export_all_refuses_an_existing_folder_unless_overwrite": ("export-all",
+                                                                        "output policy"),
+        "test_export_needs_an_existing_parent_folder": ("export", "output policy"),
+        "test_export_verifies_checkpoints": ("export", "content"),
+        "test_one_bad_header_among_good_files_changes_nothing": ("import", "bad header"),
+        "test_bad_tensor_dtype_and_bad_values": ("import", "bad header"),
+        "test_failed_import_into_a_new_path_leaves_no_file": ("import", "all or nothing"),
+        "test_import_refuses_the_collection_as_its_own_input": ("import", "output policy"),
+        "test_reimport_adds_nothing_and_repeats_are_skipped": ("import", "all or nothing"),
+        "test_import_killed_part_way_finishes_when_run_again": ("import", "sigkill"),
+        "test_zero_filled_file_is_refused_at_once": ("import", "hostile archive"),
+        "test_huge_declared_header_is_refused": ("import", "hostile archive"),
+        "test_header_and_file_size_limits": ("import", "hostile archive"),
+        "test_archive_member_declared_too_large": ("import", "hostile archive"),
+        "test_gzip_bombs_fail_fast_with_bounded_memory": ("import", "hostile archive"),
+        "test_bad_key_maps_are_refused": ("import", "bad key map"),
+    },
+    "test_train_robustness.py": {
+        "test_bad_spec_is_refused_before_anything_is_created": ("train", "bad spec"),
+        "test_spec_path_that_is_no_file": ("train", "bad spec"),
+        "test_bad_spec_in_a_real_process": ("train", "bad spec"),
+        "test_train_option_values_are_checked_when_parsed": ("train", "bad option"),
+        "test_failure_before_the_first_checkpoint_leaves_no_file": ("train", "all or nothing"),
+        "test_missing_data_leaves_no_file": ("train", "all or nothing"),
+        "test_second_train_is_busy_while_the_first_one_creates_the_file": ("train", "busy"),
+        "test_second_train_is_busy_while_the_first_one_appends": ("train", "busy"),
+        "test_killed_train_leaves_nothing_or_a_resumable_file": ("train", "sigkill"),
+        "test_workers_end_when_the_train_process_is_killed": ("train", "orphans"),
+    },
+}
+
+
+def pytest_runtest_logreport(report) -> None:
+    path = os.environ.get("POSTERIORZOO_PROBE_LOG")
+    if not path or report.when != "call":
+        return
+    module, _, name = report.nodeid.partition("::")
+    probe = PROBES.get(os.path.basename(module), {}).get(name.split("[")[0])
+    if probe is None:
+        return
+    with open(path, "a") as log:
+        log.write(json.dumps({"suite": "marked", "command": probe[0], "class": probe[1],
+                              "refused": True, "ok": report.passed}) + "\n")
