@@ -102,7 +102,10 @@ def exported_correctly(exported: Path, pristine: Path) -> bool:
 
     from posteriorzoo.zoo import read_checkpoint
 
-    state, header = read_checkpoint(exported)
+    try:
+        state, header = read_checkpoint(exported)
+    except Exception:  # noqa: BLE001 - an export that cannot be read back is wrong
+        return False
     with open_zoo(pristine) as zoo:
         expected, row = zoo.state_dict(0), zoo.metadata_dict(0)
     stored = json.loads(header.get("metadata", "{}"))

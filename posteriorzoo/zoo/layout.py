@@ -143,6 +143,9 @@ def read_layout(handle: h5py.File, path: str | os.PathLike) -> Layout:
     _check_links_and_storage(handle, path)
 
     strings = {name: _string(attrs, name, path) for name in _STRING_ATTRIBUTES}
+    empty = [name for name, value in strings.items() if not value.strip()]
+    if empty:
+        raise _fail(path, f"attribute {empty[0]!r} is empty")
     num_classes = _integer(attrs["num_classes"], "attribute 'num_classes'", path)
     keys = _json(attrs, "state_keys", path)
     if not keys or not all(isinstance(key, str) and key for key in keys) \

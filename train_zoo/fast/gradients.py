@@ -1,0 +1,79 @@
+"""The mean cross-entropy of a batch and its gradient from the numba kernels, for any method.
+
+Methods that need many gradients of an OptuNet-shaped network at weights of their own
+choosing (Bayes by Backprop at sampled weights, SWAG's SGD continuation, SGHMC) call
+:func:`fast_loss_and_grad` with a flat float32 weight vector in state_dict order
+(:meth:`~train_zoo.fast.layout.NetLayout.flatten`) and a batch in the kernels' layout
+(:func:`~train_zoo.fast.batches.fast_batches`). It is the gradient half of
+:class:`~train_zoo.fast.engine.FastNet`'s step, without the SGD update.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from train_zoo.fast.kernels import loss_and_grad
+from train_zoo.fast.layout import NetLayout
+
+__all__ = ["fast_loss_and_grad"]
+
+
+@lru_cache(maxsize=32)
+def _dims(layout: NetLayout) -> tuple[np.ndarray, int]:
+    """The kernels' ``dims`` vector (read-only) and the parameter count, computed once."""
+    dims = layout.dims()
+    dims.flags.writeable = False
+    return dims, layout.num_params
+
+
+def fast_loss_and_grad(layout: NetLayout, theta: np.ndarray, x: np.ndarray, labels: np.ndarray,
+                       *, grad: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+    """Mean cross-entropy of a batch at weights ``theta`` and its gradient.
+
+    Parameters
+    ----------
+    layout : NetLayout
+        The network (:func:`~train_zoo.fast.layout.describe_model`).
+    theta : float32 array ``(P,)``
+        Flat weights in state_dict order, ``P = layout.num_params`` (other dtypes are
+        converted, which costs a copy).
+    x : float32 array ``(C, H, W, B)``
+        Normalised images, batch innermost, ``(C, H, W) == layout.input_shape``.
+    labels : int64 array ``(B,)``
+        Classes in ``0 .. layout.num_classes - 1``.
+    grad : float32 array ``(P,)``, optional
+        Receives the gradient (a new array when omitted).
+
+    Returns
+    -------
+    loss : float
+        The batch's mean cross-entropy in nats per example (float32 arithmetic).
+    grad : float32 array ``(P,)``
+        d loss / d theta (``grad`` itself when given).
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not fit ``layout``.
+    IndexError
+        A label outside the head.
+    """
+    dims, size = _dims(layout)
+    theta = np.ascontiguousarray(theta, dtype=np.float32)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    labels = np.ascontiguousarray(labels, dtype=np.int64)
+    if theta.shape != (size,):
+        raise ValueError(f"theta has shape {theta.shape}, expected ({size},)")
+    if x.ndim != 4 or tuple(x.shape[:3]) != layout.input_shape:
+        raise ValueError(f"x has shape {x.shape}, expected {(*layout.input_shape, 'B')}")
+    if labels.shape != (x.shape[3],):
+        raise ValueError(f"labels have shape {labels.shape}, expected ({x.shape[3]},)")
+    if grad is None:
+        grad = np.empty_like(theta)
+    elif grad.shape != theta.shape or grad.dtype != np.float32 or not grad.flags.c_contiguous:
+        raise ValueError("grad must be a C-contiguous float32 array shaped like theta")
+    logits = np.empty((layout.num_classes, x.shape[3]), dtype=np.float32)
+    loss = loss_and_grad(x, labels, theta, dims, grad, logits)
+    return loss, grad
