@@ -276,7 +276,11 @@ def _writer(path: Path, fd: int, final_path: Path | None = None) -> Zoo:
     """
     handle = open_h5(path, "a")
     try:
-        _upgrade_schema(handle)
+        try:
+            _upgrade_schema(handle)
+        except (OSError, RuntimeError, KeyError, ValueError, TypeError) as error:
+            raise ZooFormatError(
+                f"{path}: cannot be read (corrupt file): {error}") from None
         zoo = Zoo(path, handle, lock_fd=fd, final_path=final_path)
         count = len(zoo)
         for dataset in [*zoo._datasets.values(), handle["metadata"], handle[ROW_DIGESTS]]:
@@ -307,6 +311,8 @@ def _upgrade_schema(handle: h5py.File) -> None:
 def _open_for_append(path: Path) -> Zoo:
     fd = _lock(path)
     try:
+        # Checked read-only first: a damaged or crafted file is never opened for writing.
+        open_zoo(path).close()
         try:
             handle = open_h5(path, "a")
         except OSError:
