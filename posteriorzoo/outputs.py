@@ -181,45 +181,36 @@ def publish(partial: Path, path: Path, *, overwrite: bool) -> None:
 
 
 @contextlib.contextmanager
+def _atomic(path: str | os.PathLike, directory: bool, overwrite: bool,
+            inputs: Iterable[str | os.PathLike]) -> Iterator[Path]:
+    path = check_output(path, inputs=inputs, overwrite=overwrite)
+    _check_kind(path, directory=directory)
+    partial, fd = new_partial(path, directory=directory)
+    try:
+        yield partial
+        publish(partial, path, overwrite=overwrite)
+    finally:
+        _remove(partial)
+        os.close(fd)
+
+
 def atomic_file(path: str | os.PathLike, *, overwrite: bool = False,
-                inputs: Iterable[str | os.PathLike] = ()) -> Iterator[Path]:
+                inputs: Iterable[str | os.PathLike] = ()
+                ) -> contextlib.AbstractContextManager[Path]:
     """Build a file under a temporary name next to ``path``; publish it when the block ends.
 
     Yields the temporary path (an empty file, locked by this process). If the block
     raises, the temporary file is removed and ``path`` is untouched.
     """
-    path = check_output(path, inputs=inputs, overwrite=overwrite)
-    _check_kind(path, directory=False)
-    partial, fd = new_partial(path)
-    try:
-        yield partial
-        publish(partial, path, overwrite=overwrite)
-    finally:
-        _remove(partial)
-        os.close(fd)
+    return _atomic(path, False, overwrite, inputs)
 
 
-@contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False,
-                     inputs: Iterable[str | os.PathLike] = ()) -> Iterator[Path]:
+                     inputs: Iterable[str | os.PathLike] = ()
+                     ) -> contextlib.AbstractContextManager[Path]:
     """Build a folder under a temporary name next to ``path``; publish it when the block ends.
 
     Yields the temporary folder (empty, locked by this process). If the block raises, it
     is removed with everything in it and ``path`` is untouched.
     """
-    path = check_output(path, inputs=inputs, overwrite=overwrite)
-    _check_kind(path, directory=True)
-    partial, fd = new_partial(path, directory=True)
-    try:
-        yield partial
-        publish(partial, path, overwrite=overwrite)
-    finally:
-        _remove(partial)
-        os.close(fd)
-
-
-def write_text_atomic(path: str | os.PathLike, text: str, *, overwrite: bool = False) -> Path:
-    """Write ``text`` to ``path`` atomically under the output policy."""
-    with atomic_file(path, overwrite=overwrite) as partial:
-        partial.write_text(text, encoding="utf-8")
-    return Path(path)
+    return _atomic(path, True, overwrite, inputs)
