@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import io
 import json
+import os
 import shutil
 import sys
 import time
@@ -80,6 +81,9 @@ def commands(case: Path, out: Path, fixtures: dict[str, Path]) -> dict[str, list
         "import-into": ["import", case, fixtures["safetensors"], quiet],
         "train-into": ["train", fixtures["spec"], "--out", case, "--backend", "serial",
                        quiet],
+        # the Hub is unreachable here (HF_ENDPOINT points at a closed local port): a good
+        # file fails at the network call, a damaged one must be refused before it
+        "upload": ["upload", "someone/collection", case],
     }
 
 
@@ -171,6 +175,8 @@ def run_case(probe: dict, fixtures: dict[str, Path], workdir: Path, results) -> 
 
 
 def main_driver() -> None:
+    os.environ.update(HF_ENDPOINT="http://127.0.0.1:9", HF_TOKEN="not-a-token",
+                      HF_HUB_OFFLINE="0")
     cases = json.loads(Path(sys.argv[1]).read_text())
     workdir = Path(sys.argv[3])
     fixtures = prepare(workdir)

@@ -30,8 +30,8 @@ import pytest
 from fuzz_cases import ATTRIBUTES, named_cases
 
 DRIVER = Path(__file__).parent / "fuzz_driver.py"
-READERS = {"verify", "export-all", "canonicalize", "min-mass", "mmd-target", "mmd-method",
-           "train-into", "import-into"}
+READERS = {"info", "verify", "export-all", "canonicalize", "min-mass", "mmd-target",
+           "mmd-method", "train-into", "import-into"}
 APPENDERS = {"import-into", "train-into"}
 FAST_NAMED = [
     "attr-format-deleted", "attr-schema_version-nan", "attr-state_keys-bad-json",

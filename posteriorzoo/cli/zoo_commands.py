@@ -18,9 +18,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     info = subparsers.add_parser(
         "info", help="what a collection file holds",
         description="Show a collection's architecture, dataset, method, number of checkpoints, "
-                    "tensors (shape, dtype, parameter count) and a metadata summary.")
+                    "tensors (shape, dtype, parameter count) and a metadata summary. Every "
+                    "checkpoint is checked against its digests first (--no-verify skips "
+                    "this, e.g. to look at a damaged file).")
     info.add_argument("zoo", type=Path, help="collection file (.h5)")
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    add_no_verify_option(info)
     info.set_defaults(func=run_info)
 
     verify = subparsers.add_parser(
@@ -93,11 +96,16 @@ def _summary(values: np.ndarray) -> dict[str, float] | None:
             "max": float(finite.max())}
 
 
-def describe(path: Path) -> dict[str, Any]:
-    """A JSON-serialisable description of a collection (what ``info`` prints)."""
+def describe(path: Path, verify: bool = True) -> dict[str, Any]:
+    """A JSON-serialisable description of a collection (what ``info`` prints).
+
+    With ``verify`` (default) every checkpoint is checked against its digests first, so
+    a corrupt collection is refused rather than described.
+    """
     from posteriorzoo.zoo import open_zoo
 
-    with open_zoo(path) as zoo:
+    with open_zoo(path, verify=verify) as zoo:
+        zoo.verify_all()
         metadata = zoo.metadata
         tensors = [{"key": key, "shape": list(shape), "dtype": str(dtype),
                     "count": int(np.prod(shape, dtype=np.int64)),
@@ -128,7 +136,7 @@ def describe(path: Path) -> dict[str, Any]:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    info = describe(args.zoo)
+    info = describe(args.zoo, verify=not args.no_verify)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
