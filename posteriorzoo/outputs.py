@@ -29,9 +29,13 @@ from posteriorzoo.errors import InvalidOptionError, OutputExistsError, ZooBusyEr
 _PARTIAL = ".partial-"
 
 
-def _same_path(a: Path, b: Path) -> bool:
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths name one file: the same resolved path, or the same inode (hard
+    links, bind mounts). False when either cannot be examined."""
+    a, b = Path(a), Path(b)
     try:
-        return a.exists() and b.exists() and os.path.samefile(a, b)
+        return a.resolve() == b.resolve() or (a.exists() and b.exists()
+                                              and os.path.samefile(a, b))
     except OSError:
         return False
 
@@ -51,7 +55,7 @@ def check_output(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike]
     path = Path(path)
     for source in inputs:
         source = Path(source)
-        if _same_path(path, source) or path.resolve() == source.resolve():
+        if same_file(path, source):
             raise InvalidOptionError(f"{path}: the output would replace the input {source}")
         if source.resolve().is_relative_to(path.resolve()) and path.is_dir():
             raise InvalidOptionError(f"{path}: the output folder holds the input {source}")

@@ -27,7 +27,7 @@ from safetensors.torch import save as save_safetensors_bytes
 
 from posteriorzoo._faults import fault_point
 from posteriorzoo.errors import ChecksumError, InvalidOptionError, ZooFormatError, ZooSchemaError
-from posteriorzoo.outputs import atomic_directory, atomic_file, check_output
+from posteriorzoo.outputs import atomic_directory, atomic_file, check_output, same_file
 from posteriorzoo.zoo import schema
 from posteriorzoo.zoo.archives import release_task
 from posteriorzoo.zoo.formats import CHECKPOINT_FORMAT, ReadLimits, require_file
@@ -210,15 +210,6 @@ class ImportSummary:
 
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    """Whether two paths name one file (false when either cannot be examined)."""
-    try:
-        return a.resolve() == b.resolve() or (a.exists() and b.exists()
-                                              and os.path.samefile(a, b))
-    except OSError:
-        return False
-
-
 @dataclass
 class _Prepared:
     """One input after the key map and dtype conversion, checked, with its digest."""
@@ -280,7 +271,7 @@ def import_checkpoints(
     zoo_path = Path(zoo_path)
     for file in files:
         require_file(file)
-        if _same_file(file, zoo_path):
+        if same_file(file, zoo_path):
             raise InvalidOptionError(f"{zoo_path}: the collection is also an input")
     key_map = key_map or KeyMap()
     exists = zoo_path.exists()
