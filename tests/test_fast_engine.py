@@ -324,7 +324,7 @@ def test_one_training_step_matches_torch(digits):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, weight_decay=1e-3)
     loss_t, _ = _torch_loss_grads(model, images, labels)
     optimizer.step()
-    assert net.step(_inner(images), labels.numpy(), 0.5) == pytest.approx(loss_t, rel=1e-5)
+    assert net.step((_inner(images), labels.numpy()), 0.5) == pytest.approx(loss_t, rel=1e-5)
     for key, value in net.arrays().items():
         expected = model.state_dict()[key].numpy()
         np.testing.assert_allclose(value, expected, rtol=0,
@@ -427,7 +427,7 @@ def test_every_step_follows_torch(digits):
             near = _near_switch(model, images)
             loss_t, _ = _torch_loss_grads(model, images, labels)
             optimizer.step()
-            loss_f = net.step(x, fast_labels, lr)
+            loss_f = net.step((x, fast_labels), lr)
             steps += 1
             expected = layout.flatten(model.state_dict())
             if not (abs(loss_f - loss_t) <= 1e-5 * loss_t

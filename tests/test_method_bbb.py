@@ -1,4 +1,5 @@
-"""Bayes by Backprop (train_zoo.methods.bbb): known answers, gradients, init, samples, fast path.
+"""Bayes by Backprop (train_zoo.methods.bbb, .bbb_fast): known answers, gradients, init,
+samples, fast path.
 
 Tolerances (why, in short):
 
@@ -31,6 +32,7 @@ from posteriorzoo.models import ResNet18, build
 from train_zoo.fast.gradients import fast_loss_and_grad
 from train_zoo.fast.layout import describe_model
 from train_zoo.methods import bbb
+from train_zoo.methods.bbb_fast import FastBBB
 from train_zoo.methods.common import logits, mean_nll
 
 RTOL = 1e-5  # of each tensor's largest |entry|; see the module docstring
@@ -309,7 +311,7 @@ def test_fast_step_equals_torch_step(prior, architecture):
     model = build(architecture)
     layout = describe_model(model, (1, 28, 28))
     state = bbb.init(model, _generator(25), **prior)
-    fast = bbb.FastBBB(layout, state)
+    fast = FastBBB(layout, state)
     torch_noise, fast_noise = _generator(26), _generator(26)
     size = layout.num_params
     for i, (lr, momentum, nesterov) in enumerate([(0.04, 0.9, True), (0.02, 0.9, True)]):
@@ -334,12 +336,30 @@ def test_fast_step_equals_torch_step(prior, architecture):
                            torch.randn(3, generator=fast_noise))
 
 
+def test_fast_arrays_are_live_views_of_the_means():
+    model = build("optunet")
+    layout = describe_model(model, (1, 28, 28))
+    fast = FastBBB(layout, bbb.init(model, _generator(30)))
+    arrays = fast.arrays()
+    assert list(arrays) == list(layout.keys)
+    for key, value in fast.state().mu.items():
+        assert np.array_equal(arrays[key], value.numpy())
+    before = {key: value.copy() for key, value in arrays.items()}
+    images, labels = _batch(31, 8)
+    fast.step(np.ascontiguousarray(images.permute(1, 2, 3, 0).numpy()), labels.numpy(),
+              _generator(32), 60000, 0.05)
+    # The same dict, read again after the step: views, not copies, so it moved.
+    assert any(not np.array_equal(arrays[key], before[key]) for key in arrays)
+    for key, value in fast.state().mu.items():
+        assert np.array_equal(arrays[key], value.numpy())
+
+
 def test_fast_path_refuses_what_it_cannot_run():
     model = ResNet18(num_classes=10, width=4)
     optunet = build("optunet")
     layout = describe_model(optunet, (1, 28, 28))
     with pytest.raises(ValueError, match="variational"):
-        bbb.FastBBB(layout, bbb.init(model, _generator(28)))
+        FastBBB(layout, bbb.init(model, _generator(28)))
     theta = layout.flatten(optunet.state_dict())
     x, labels = _batch(29, 4)
     with pytest.raises(ValueError, match="x has shape"):

@@ -90,12 +90,16 @@ def test_load_spec(tmp_path):
         "zoo", "optunet", "digits", 5, 7)
     assert spec.recipe.epochs == 1 and spec.recipe.lr == 0.04
     assert spec.collection_recipe()["dataset"] == "digits"
+    # MC Dropout trains with dropout (its option p, 0.2 for OptuNet, 0.5 for ResNets) and
+    # stores the base architecture.
     dropout = make_spec("optunet-mnist", dataset="digits", method="mc-dropout")
-    assert dropout.model_options["dropout"] == 0.2
+    assert dropout.model_options == {} and dropout.training_model_options["dropout"] == 0.2
+    resnet = make_spec("resnet18-cifar100", method="mc-dropout")
+    assert resnet.method_options == {"p": 0.5}
     bad = tmp_path / "bad.toml"
     for text, error in (("recipe = [", ZooFormatError), ("dataset = 'digits'", ZooFormatError),
                         ("recipe = 'optunet-mnist'\nbatchsize = 3", UnknownNameError),
-                        ("recipe = 'optunet-mnist'\nmethod = 'bbb'", UnknownNameError),
+                        ("recipe = 'optunet-mnist'\nmethod = 'vi'", UnknownNameError),
                         ("recipe = 'optunet-mnist'\ncheckpoints = 2.5", InvalidOptionError),
                         ("recipe = 'optunet-mnist'\n[recipe_overrides]\nlr = nan",
                          InvalidOptionError)):

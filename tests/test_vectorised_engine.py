@@ -31,9 +31,10 @@ SPECS = {
     # The paper's OptuNet recipe (crop augmentation, weight decay), one epoch.
     "optunet": (make_spec("optunet-mnist", dataset="digits", checkpoints=3,
                           recipe_overrides={"epochs": 1}), 1e-6),
-    # MC dropout: per-model dropout masks replayed from each checkpoint's noise seed.
+    # Dropout: per-model dropout masks replayed from each checkpoint's noise seed.
     "optunet-mc-dropout": (make_spec("optunet-mnist", dataset="digits", checkpoints=3,
-                                     method="mc-dropout", recipe_overrides={"epochs": 1}),
+                                     model_options={"dropout": 0.2},
+                                     recipe_overrides={"epochs": 1}),
                            1e-6),
     # An MLP with Nesterov momentum and weight decay, no augmentation.
     "mlp-nesterov": (make_spec("optunet-mnist", dataset="digits", architecture="mlp",

@@ -17,14 +17,18 @@ import numpy as np
 
 @dataclass(frozen=True)
 class StepInfo:
-    """Where training is: checkpoint index, epoch (0-based), global step (1-based after
-    the first update), learning rate, and the mini-batch loss of the last step (nats)."""
+    """Where training is: the mode's index, epoch (0-based), step (1-based after the
+    first update), learning rate, the mini-batch loss of the last step (nats; a method
+    phase reports its own objective, e.g. BBB's negative ELBO per example), and the phase:
+    ``"train"`` for the base network, else the method's phase (``"swag"``, ``"sghmc"``,
+    ``"bbb"``). Epochs and steps count from 0 in each phase."""
 
     index: int
     epoch: int
     step: int
     lr: float
     loss: float
+    phase: str = "train"
 
 
 class Callback(Protocol):

@@ -1,9 +1,10 @@
-"""One unit of work: train some checkpoints of a spec with a chosen engine.
+"""One unit of work: produce some modes of a spec with a chosen engine.
 
 Engines: ``torch`` (generic autograd, any model), ``fast`` (numba, OptuNet-shaped
-networks), ``vectorised`` (torch.func, many small models in lockstep). ``auto`` picks
-``fast`` when it supports the spec and ``torch`` otherwise, so everything the fast paths
-do not cover falls back to the generic engine.
+networks), ``vectorised`` (torch.func, many small models in lockstep; Deep Ensembles
+only). ``auto`` picks ``fast`` when it supports the spec's base networks and ``torch``
+otherwise, so everything the fast paths do not cover falls back to the generic engine.
+All three are engines of the one loop :func:`train_zoo.loop.fit`.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from collections.abc import Sequence
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 from train_zoo import fast, vectorised
 from train_zoo.data import TrainingData, load_training_data
+from train_zoo.programs import produce_mode
 from train_zoo.result import CheckpointResult
 from train_zoo.spec import ZooSpec
-from train_zoo.torch_engine import train_torch
 
 ENGINES = ("auto", "torch", "fast", "vectorised")
 
@@ -30,6 +31,10 @@ def resolve_engine(spec: ZooSpec, engine: str) -> str:
         raise InvalidOptionError(
             f"the fast engine does not support {spec.architecture} with this recipe; "
             "choose the engine auto or torch")
+    if engine == "vectorised" and spec.method != "de":
+        raise InvalidOptionError(
+            f"the vectorised engine trains Deep Ensembles only, not {spec.method}; choose "
+            "the engine auto, fast or torch")
     if engine == "vectorised" and not vectorised.supports(spec):
         raise InvalidOptionError(
             f"the vectorised engine does not support {spec.architecture}; choose the torch "
@@ -40,12 +45,13 @@ def resolve_engine(spec: ZooSpec, engine: str) -> str:
 def train_checkpoints(spec: ZooSpec, indices: Sequence[int], data: TrainingData | None = None,
                       engine: str = "auto", callbacks: Sequence[object] = ()
                       ) -> list[CheckpointResult]:
-    """Train checkpoints ``indices`` of ``spec``; returns their results in that order."""
+    """Produce modes ``indices`` of ``spec``: their checkpoints, mode by mode, each mode's
+    samples in order (:func:`train_zoo.programs.produce_mode`)."""
     data = data or load_training_data(spec.dataset, spec.data_dir)
     chosen = resolve_engine(spec, engine)
     if chosen == "vectorised":
         if callbacks:
             raise InvalidOptionError("callbacks are not supported by the vectorised engine")
         return vectorised.train_vectorised(spec, list(indices), data)
-    trainer = fast.train_fast if chosen == "fast" else train_torch
-    return [trainer(spec, index, data, callbacks) for index in indices]
+    return [result for index in indices
+            for result in produce_mode(spec, index, data, chosen, callbacks)]

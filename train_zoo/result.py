@@ -17,7 +17,8 @@ class CheckpointResult:
     Attributes
     ----------
     index : int
-        Checkpoint index in the spec (0 .. N-1).
+        The mode: the base network's index in the spec (0 .. modes-1); stored as
+        ``mode_id``.
     state : dict of str to numpy.ndarray
         The final state_dict, as numpy arrays (a worker-independent wire format).
     metrics : dict of str to float
@@ -32,6 +33,8 @@ class CheckpointResult:
         Optimiser steps taken.
     engine : str
         Which engine trained it (``torch``, ``fast``, ``vectorised``).
+    sample : int
+        The draw around the mode (0 .. samples_per_mode-1); stored as ``sample_id``.
     """
 
     index: int
@@ -42,13 +45,15 @@ class CheckpointResult:
     seeds: CheckpointSeeds
     steps: int
     engine: str
+    sample: int = 0
 
     def metadata(self, epochs: int, recipe_hash: str, source: str) -> dict[str, Any]:
         """The checkpoint's metadata row for :meth:`posteriorzoo.zoo.Zoo.append`."""
         return {"seed": self.seeds.init, "data_seed": self.seeds.data, "mode_id": self.index,
-                "sample_id": 0, "epoch": epochs, "recipe_hash": recipe_hash,
+                "sample_id": self.sample, "epoch": epochs, "recipe_hash": recipe_hash,
                 "wall_time": self.wall_time, "diverged": self.diverged,
-                "source": f"{source} index {self.index} engine {self.engine}", **self.metrics}
+                "source": f"{source} mode {self.index} sample {self.sample} "
+                          f"engine {self.engine}", **self.metrics}
 
 
 def is_diverged(state: dict[str, np.ndarray], test_accuracy: float, num_classes: int) -> bool:

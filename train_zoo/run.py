@@ -1,8 +1,11 @@
 """Train a whole collection into a zoo file: resumable, one writer, any backend.
 
-Rerunning the same command after a crash or SIGKILL trains exactly the checkpoints the
-file does not hold yet (identified by their index, stored as ``mode_id``), so the run
-ends with N distinct, complete checkpoints whatever happened before.
+The unit of work is a *mode* (:func:`train_zoo.programs.produce_mode`): a base network and
+the ``samples_per_mode`` samples around it, stored with ``mode_id`` (the mode) and
+``sample_id`` (the draw) and appended in one commit. Rerunning the same command after a
+crash or SIGKILL produces exactly the modes the file does not hold yet, so the run ends
+with ``modes x samples_per_mode`` distinct, complete checkpoints whatever happened before,
+bit-identical to an uninterrupted run (a mode depends only on its seeds).
 
 A new collection is built under a temporary, locked name next to the output and appears
 at the output path right after its first checkpoint is committed; from then on it is an
@@ -55,14 +58,22 @@ class TrainSummary:
 
 
 def completed_indices(zoo: Zoo) -> set[int]:
-    """Spec indices already in the collection."""
+    """Modes already in the collection (their ``mode_id``)."""
     return {int(i) for i in np.asarray(zoo.metadata["mode_id"]) if i >= 0}
 
 
 def missing_indices(spec: ZooSpec, zoo: Zoo) -> list[int]:
-    """Indices 0..N-1 of ``spec`` that ``zoo`` does not hold yet, ascending."""
+    """Modes 0..modes-1 of ``spec`` that ``zoo`` does not hold yet, ascending."""
     done = completed_indices(zoo)
-    return [index for index in range(spec.checkpoints) if index not in done]
+    return [index for index in range(spec.modes) if index not in done]
+
+
+def _annotations(spec: ZooSpec) -> dict[str, object]:
+    """What a method collection says about its modes (file attribute ``annotations``)."""
+    if spec.method == "de":
+        return {}
+    return {"posterior": "multi-mode" if spec.modes > 1 else "single-mode",
+            "modes": spec.modes, "samples_per_mode": spec.samples_per_mode}
 
 
 def open_collection(spec: ZooSpec, out: str | os.PathLike, command: str | None = None,
@@ -85,16 +96,16 @@ def open_collection(spec: ZooSpec, out: str | os.PathLike, command: str | None =
         ``out`` exists but was trained from another spec.
     """
     out = Path(out)
-    recipe = spec.collection_recipe()
     for _ in range(2):
         if out.exists() or out.is_symlink():
-            return _open_existing(spec, out, recipe, verify)
+            return _open_existing(spec, out, verify)
         if not out.parent.is_dir():
             raise InvalidOptionError(f"{out}: the folder {out.parent} does not exist")
         if outputs.partial_in_progress(out):
             raise ZooBusyError(f"{out}: another process is training this collection")
         template = _template(spec)
         data = load_training_data(spec.dataset, spec.data_dir)
+        recipe = spec.collection_recipe(len(data.train))
         if spec.num_classes is not None and spec.num_classes < data.train.num_classes:
             raise InvalidOptionError(
                 f"spec field 'num_classes' is {spec.num_classes}, but {spec.dataset} has "
@@ -104,13 +115,17 @@ def open_collection(spec: ZooSpec, out: str | os.PathLike, command: str | None =
                               method=spec.method,
                               num_classes=spec.num_classes or data.train.num_classes,
                               model_options=spec.model_options, template=template,
-                              recipe=recipe, command=command, publish=False)
+                              recipe=recipe, annotations=_annotations(spec), command=command,
+                              publish=False)
         except OutputExistsError:
             continue  # published by another process meanwhile: open it (busy if it writes)
     raise ZooBusyError(f"{out}: another process is training this collection")
 
 
-def _open_existing(spec: ZooSpec, out: Path, recipe: dict, verify: bool) -> Zoo:
+def _open_existing(spec: ZooSpec, out: Path, verify: bool) -> Zoo:
+    num_data = (len(load_training_data(spec.dataset, spec.data_dir).train)
+                if spec.method == "bbb" else None)  # BBB records its resolved KL weight
+    recipe = spec.collection_recipe(num_data)
     zoo = open_zoo(out, mode="a", verify=verify)
     try:
         zoo.verify_all()
@@ -129,9 +144,11 @@ def _open_existing(spec: ZooSpec, out: Path, recipe: dict, verify: bool) -> Zoo:
 
 
 def _template(spec: ZooSpec) -> dict:
-    """The untrained network's state_dict: checks that the spec's model can be built."""
+    """The untrained base network's state_dict: checks that the spec's models (trained and
+    stored) can be built."""
     try:
-        return initial_model(spec, 0).state_dict()
+        initial_model(spec, 0)
+        return initial_model(spec, 0, training=False).state_dict()
     except PosteriorZooError:
         raise
     except (TypeError, ValueError) as error:
@@ -144,7 +161,7 @@ def _template(spec: ZooSpec) -> dict:
 def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: object | None = None,
                      engine: str = "auto", progress: bool = True, command: str | None = None,
                      verify: bool = True) -> TrainSummary:
-    """Train the checkpoints of ``spec`` that ``out`` lacks and append each as it finishes.
+    """Produce the modes of ``spec`` that ``out`` lacks and append each as it finishes.
 
     Parameters
     ----------
@@ -174,25 +191,34 @@ def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: object |
         missing = missing_indices(spec, zoo)
         trained = diverged = steps = 0
         source = f"train_zoo spec {spec.name}"
-        with tqdm(total=spec.checkpoints, initial=spec.checkpoints - len(missing), unit="ckpt",
+        with tqdm(total=spec.checkpoints,
+                  initial=(spec.modes - len(missing)) * spec.samples_per_mode, unit="ckpt",
                   desc=f"train {Path(out).name}", disable=not progress) as bar:
             results = backend.run(spec, missing, engine)
+            pending: dict[int, list] = {}
             try:
                 for result in results:
-                    zoo.append(result.state, **result.metadata(spec.recipe.epochs,
-                                                               spec.recipe_hash, source))
+                    mode = pending.setdefault(result.index, [])
+                    mode.append(result)
+                    if len(mode) < spec.samples_per_mode:
+                        continue
+                    del pending[result.index]
+                    # A mode's samples in one commit: a collection holds whole modes only.
+                    zoo.append_many([r.state for r in mode],
+                                    [r.metadata(spec.recipe.epochs, spec.recipe_hash, source)
+                                     for r in mode])
                     if not zoo.published:
                         zoo.publish()  # from now on an ordinary, resumable collection
-                    trained += 1
-                    diverged += result.diverged
-                    steps += result.steps
+                    trained += len(mode)
+                    diverged += sum(r.diverged for r in mode)
+                    steps += mode[0].steps
                     elapsed = time.perf_counter() - started
                     bar.set_postfix(steps_per_s=f"{steps / elapsed:.0f}", diverged=diverged)
-                    bar.update(1)
+                    bar.update(len(mode))
             finally:
                 close = getattr(results, "close", None)
                 if close is not None:  # stop the backend's workers now on an error
                     close()
-        total = len(completed_indices(zoo))
+        total = len(zoo)
     return TrainSummary(Path(out), total, trained, diverged, steps,
                         time.perf_counter() - started)

@@ -1,22 +1,32 @@
 """Zoo specifications: what collection to train, read from TOML.
 
-A spec names the architecture, dataset, method, number of checkpoints, base seed and
-recipe of one collection::
+A spec names the architecture, dataset, method, modes and samples, base seed and recipe
+of one collection::
 
-    name = "optunet-fashion-mnist-target"
+    name = "optunet-fashion-mnist-swag-multi-mode"
     recipe = "optunet-mnist"          # a built-in recipe (train_zoo.recipes)
     dataset = "fashion-mnist"         # overrides the recipe's dataset
-    method = "de"                     # "de" (independent training) or "mc-dropout"
-    checkpoints = 1000
-    base_seed = 0
+    method = "swag"                   # de, mc-dropout, swag, laplace, sghmc or bbb
+    modes = 10                        # independently trained base networks
+    samples_per_mode = 10             # draws around each
+    base_seed = 1
 
     [recipe_overrides]                # any Recipe field
     epochs = 10                       # milestones are scaled unless given
 
     [model_options]                   # options of posteriorzoo.models.build
-    dropout = 0.0
+    width = 16
 
-Checkpoint ``i``'s randomness derives only from ``(base_seed, i)``: see :mod:`train_zoo.seeds`.
+    [method_options]                  # see train_zoo.method_options
+    scale = 0.1
+
+``checkpoints`` may be given instead of (or with) ``modes`` and ``samples_per_mode``: it is
+their product. For ``de`` a mode is one network (``samples_per_mode = 1``, so
+``checkpoints`` is the number of members); for the other methods ``checkpoints = N`` alone
+means one mode with N samples. Mode ``i``'s randomness derives only from
+``(base_seed, i)``: see :mod:`train_zoo.seeds`. The base networks of every method are
+trained with the spec's recipe exactly as DE members are, so a method spec with the DE's
+base seed builds around the DE's own members.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from posteriorzoo.errors import (
     ZooFormatError,
 )
 from posteriorzoo.zoo.schema import recipe_hash
+from train_zoo.method_options import METHODS, resolve_kl_weight, resolve_method_options
 from train_zoo.recipes import (
     Recipe,
     apply_overrides,
@@ -46,13 +57,9 @@ from train_zoo.recipes import (
     show,
 )
 
-#: Methods the trainer implements, and the model options each implies by default.
-METHODS: dict[str, dict[str, float]] = {
-    "de": {},
-    "mc-dropout": {"dropout": 0.2},
-}
-_SPEC_KEYS = {"name", "recipe", "architecture", "dataset", "method", "checkpoints",
-              "base_seed", "num_classes", "data_dir", "recipe_overrides", "model_options"}
+_SPEC_KEYS = {"name", "recipe", "architecture", "dataset", "method", "checkpoints", "modes",
+              "samples_per_mode", "base_seed", "num_classes", "data_dir", "recipe_overrides",
+              "model_options", "method_options"}
 
 
 @dataclass(frozen=True)
@@ -69,15 +76,25 @@ class ZooSpec:
         Model and data set names (default: the recipe's).
     method : str
         ``"de"``: independently trained networks (deep-ensemble members, or the target
-        posterior); ``"mc-dropout"``: the same with dropout before the last layer.
+        posterior); ``"mc-dropout"``, ``"swag"``, ``"laplace"``, ``"sghmc"``, ``"bbb"``:
+        the method's samples around independently trained base networks
+        (:mod:`train_zoo.programs`).
     checkpoints : int
-        Number of checkpoints N; checkpoint indices are 0..N-1.
+        Number of checkpoints, ``modes * samples_per_mode``.
+    modes : int
+        Independently trained base networks (SGHMC: chains; BBB: variational fits),
+        stored as ``mode_id`` 0 .. modes-1.
+    samples_per_mode : int
+        Draws around each mode, stored as ``sample_id``; 1 for ``de``.
     base_seed : int
         Root of every seed (see :func:`train_zoo.seeds.checkpoint_seeds`).
     num_classes : int or None
         Output size (default: the model's).
     model_options : dict
-        Options of ``posteriorzoo.models.build``.
+        Options of ``posteriorzoo.models.build`` for the stored checkpoints (the base
+        architecture).
+    method_options : dict
+        The method's options, every default filled in (:mod:`train_zoo.method_options`).
     data_dir : str or None
         Folder searched first for the dataset files.
     """
@@ -87,11 +104,14 @@ class ZooSpec:
     architecture: str
     dataset: str
     method: str = "de"
-    checkpoints: int = 1
+    checkpoints: int | None = None
     base_seed: int = 0
     num_classes: int | None = None
     model_options: Mapping[str, Any] = field(default_factory=dict)
     data_dir: str | None = None
+    modes: int | None = None
+    samples_per_mode: int | None = None
+    method_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Every field is checked here, so a bad spec fails before anything is created.
@@ -105,7 +125,7 @@ class ZooSpec:
             raise UnknownNameError(
                 f"unknown method {show(self.method)}; the trainer implements "
                 f"{', '.join(METHODS)}")
-        check_integer(_field("checkpoints"), self.checkpoints, 1)
+        self._resolve_counts()
         check_integer(_field("base_seed"), self.base_seed, 0)
         if self.num_classes is not None:
             check_integer(_field("num_classes"), self.num_classes, 1)
@@ -115,15 +135,68 @@ class ZooSpec:
                     f"spec field 'data_dir' must be a folder path, not {show(self.data_dir)}")
             object.__setattr__(self, "data_dir", os.fspath(self.data_dir) or None)
         own = check_table(_field("model_options"), self.model_options)
-        options = {**METHODS[self.method], **self.recipe.model_options, **own}
-        object.__setattr__(self, "model_options", options)
+        object.__setattr__(self, "model_options", {**self.recipe.model_options, **own})
+        if "dropout" in self.model_options and self.method == "mc-dropout":
+            raise InvalidOptionError("MC Dropout's probability is the method option 'p'; "
+                                     "model_options describe the stored base architecture")
+        method_options = check_table(_field("method_options"), self.method_options)
+        object.__setattr__(self, "method_options", resolve_method_options(
+            self.method, method_options, self.architecture, self.recipe))
 
-    def collection_recipe(self) -> dict[str, Any]:
-        """What the collection file records as its recipe (everything that shapes weights)."""
-        return {**self.recipe.to_dict(), "name": self.name, "base_seed": self.base_seed,
-                "method": self.method, "architecture": self.architecture,
-                "dataset": self.dataset, "num_classes": self.num_classes,
-                "model_options": dict(self.model_options)}
+    def _resolve_counts(self) -> None:
+        """Fill in whichever of checkpoints, modes and samples_per_mode is missing."""
+        total, modes, per_mode = self.checkpoints, self.modes, self.samples_per_mode
+        for name, value in (("checkpoints", total), ("modes", modes),
+                            ("samples_per_mode", per_mode)):
+            if value is not None:
+                check_integer(_field(name), value, 1)
+        if modes is None and per_mode is None:
+            total = 1 if total is None else total
+            modes, per_mode = (total, 1) if self.method == "de" else (1, total)
+        elif per_mode is None:
+            if total is None and self.method != "de":
+                raise InvalidOptionError(f"spec field 'samples_per_mode' is needed with "
+                                         f"'modes' for the method {self.method}")
+            per_mode = 1 if total is None else total // modes
+        elif modes is None:
+            modes = 1 if total is None else total // per_mode
+        if self.method == "de" and per_mode != 1:
+            raise InvalidOptionError("spec field 'samples_per_mode' must be 1 for the method "
+                                     "de (each member is its own mode)")
+        if total is not None and total != modes * per_mode:
+            raise InvalidOptionError(
+                f"spec field 'checkpoints' ({total}) must be modes x samples_per_mode "
+                f"({modes} x {per_mode})")
+        for name, value in (("checkpoints", modes * per_mode), ("modes", modes),
+                            ("samples_per_mode", per_mode)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def training_model_options(self) -> dict[str, Any]:
+        """The options base networks are trained with: the stored architecture's, plus
+        MC Dropout's dropout layer."""
+        if self.method == "mc-dropout":
+            return {**self.model_options, "dropout": self.method_options["p"]}
+        return dict(self.model_options)
+
+    def collection_recipe(self, num_data: int | None = None) -> dict[str, Any]:
+        """What the collection file records as its recipe (everything that shapes weights).
+
+        For methods other than ``de`` it includes ``samples_per_mode`` and the resolved
+        ``method_options`` (BBB's ``kl_weight`` resolved for ``num_data`` training
+        examples when given). The number of modes is not part of it: a collection can be
+        extended by more modes.
+        """
+        recipe = {**self.recipe.to_dict(), "name": self.name, "base_seed": self.base_seed,
+                  "method": self.method, "architecture": self.architecture,
+                  "dataset": self.dataset, "num_classes": self.num_classes,
+                  "model_options": dict(self.model_options)}
+        if self.method != "de":
+            options = dict(self.method_options)
+            if self.method == "bbb" and num_data is not None:
+                options = resolve_kl_weight(options, num_data)
+            recipe.update(samples_per_mode=self.samples_per_mode, method_options=options)
+        return recipe
 
     @property
     def recipe_hash(self) -> str:
@@ -133,7 +206,13 @@ class ZooSpec:
         return recipe_hash(recipe)
 
     def replace(self, **changes: Any) -> ZooSpec:
-        """A copy with fields changed (``recipe`` overrides go through ``recipe=``)."""
+        """A copy with fields changed (``recipe`` overrides go through ``recipe=``).
+
+        A new ``checkpoints`` without ``modes`` keeps ``samples_per_mode`` and sets the
+        number of modes to match.
+        """
+        if "checkpoints" in changes and "modes" not in changes:
+            changes["modes"] = None
         return dataclasses.replace(self, **changes)
 
 

@@ -7,7 +7,7 @@ schedule, same update rule); the tests compare them against it.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -15,18 +15,26 @@ from torch import nn
 
 from posteriorzoo.data import iterate_batches
 from posteriorzoo.models import build
-from train_zoo.callbacks import StepInfo, notify
 from train_zoo.data import TrainingData, eval_transform, train_transform
+from train_zoo.loop import fit
+from train_zoo.recipes import Recipe
 from train_zoo.result import CheckpointResult, is_diverged
 from train_zoo.seeds import CheckpointSeeds, checkpoint_seeds
 from train_zoo.spec import ZooSpec
 
+Batch = tuple[torch.Tensor, torch.Tensor]
 
-def initial_model(spec: ZooSpec, init_seed: int) -> nn.Module:
-    """The untrained network of a checkpoint: a pure function of ``init_seed``."""
+
+def initial_model(spec: ZooSpec, init_seed: int, *, training: bool = True) -> nn.Module:
+    """The untrained network of a mode: a pure function of ``init_seed``.
+
+    ``training`` builds it with the options it is trained with (MC Dropout's dropout
+    layer); ``False`` with the options the collection stores (the base architecture).
+    """
+    options = spec.training_model_options if training else spec.model_options
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(init_seed)
-        return build(spec.architecture, num_classes=spec.num_classes, **spec.model_options)
+        return build(spec.architecture, num_classes=spec.num_classes, **options)
 
 
 @torch.no_grad()
@@ -42,53 +50,83 @@ def evaluate(model: nn.Module, dataset, batch_size: int = 1000) -> tuple[float, 
     return loss / len(dataset), correct / len(dataset)
 
 
-def _arrays(model: nn.Module) -> dict[str, np.ndarray]:
-    return {key: value.detach().numpy() for key, value in model.state_dict().items()}
+def torch_batches(data: TrainingData, recipe: Recipe, seed: int, *, augment: bool = True
+                  ) -> Callable[[int], Iterable[Batch]]:
+    """``batches(epoch)`` for :func:`train_zoo.loop.fit`: the recipe's batches of the
+    training split in the order ``seed`` gives, augmented as the recipe says (or only
+    normalised with ``augment=False``)."""
+    transform = (train_transform(recipe, data.train) if augment
+                 else eval_transform(data.train))
+
+    def batches(epoch: int) -> Iterable[Batch]:
+        return iterate_batches(data.train, recipe.batch_size, seed=seed, epoch=epoch,
+                               transform=transform)
+
+    return batches
+
+
+class TorchSGD:
+    """A model trained by ``torch.optim.SGD`` on the recipe: the torch engine's stepper.
+
+    Dropout draws come from a private torch random state seeded with ``noise_seed``
+    (swapped in for each step), so they form one stream per network whatever else runs
+    in the process.
+    """
+
+    def __init__(self, model: nn.Module, recipe: Recipe, noise_seed: int) -> None:
+        self.model = model
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=recipe.lr,
+                                         momentum=recipe.momentum, nesterov=recipe.nesterov,
+                                         weight_decay=recipe.weight_decay)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(noise_seed)
+            self._rng = torch.get_rng_state()
+        self.stopped = False
+
+    def step(self, batch: Batch, lr: float) -> float:
+        images, labels = batch
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self._rng)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(self.model(images), labels)
+            loss.backward()
+            self.optimizer.step()
+            self._rng = torch.get_rng_state()
+        value = loss.item()
+        self.stopped = not np.isfinite(value)
+        return value
+
+    def arrays(self) -> Mapping[str, np.ndarray]:
+        return {key: value.detach().numpy() for key, value in self.model.state_dict().items()}
+
+
+def train_base(spec: ZooSpec, index: int, data: TrainingData, callbacks: Sequence[object] = ()
+               ) -> tuple[nn.Module, int]:
+    """Train mode ``index``'s base network with torch; returns it and the steps taken."""
+    seeds = checkpoint_seeds(spec.base_seed, index)
+    model = initial_model(spec, seeds.init)
+    stepper = TorchSGD(model, spec.recipe, seeds.noise)
+    result = fit(stepper, torch_batches(data, spec.recipe, seeds.data),
+                 spec.recipe.learning_rate, spec.recipe.epochs, index=index,
+                 callbacks=callbacks)
+    return model, result.steps
 
 
 def train_torch(spec: ZooSpec, index: int, data: TrainingData,
                 callbacks: Sequence[object] = ()) -> CheckpointResult:
-    """Train checkpoint ``index`` of ``spec`` with torch autograd."""
+    """Train checkpoint ``index`` of a Deep-Ensemble spec with torch autograd."""
     started = time.perf_counter()
-    seeds = checkpoint_seeds(spec.base_seed, index)
-    recipe = spec.recipe
-    model = initial_model(spec, seeds.init)
-    optimizer = torch.optim.SGD(model.parameters(), lr=recipe.lr, momentum=recipe.momentum,
-                                nesterov=recipe.nesterov, weight_decay=recipe.weight_decay)
-    augment = train_transform(recipe, data.train)
-    step, loss_value, finite = 0, float("nan"), True
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seeds.noise)  # dropout masks
-        for epoch in range(recipe.epochs):
-            lr = recipe.learning_rate(epoch)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            model.train()
-            for images, labels in iterate_batches(data.train, recipe.batch_size,
-                                                  seed=seeds.data, epoch=epoch,
-                                                  transform=augment):
-                optimizer.zero_grad(set_to_none=True)
-                loss = nn.functional.cross_entropy(model(images), labels)
-                loss.backward()
-                optimizer.step()
-                step += 1
-                loss_value = loss.item()
-                if callbacks:
-                    notify(callbacks, "on_step_end",
-                           StepInfo(index, epoch, step, lr, loss_value), _arrays(model))
-                if not np.isfinite(loss_value):
-                    finite = False
-                    break
-            if callbacks:
-                notify(callbacks, "on_epoch_end",
-                       StepInfo(index, epoch, step, lr, loss_value), _arrays(model))
-            if not finite:
-                break
-    return finish(spec, index, model, seeds, step, started, "torch", data)
+    model, steps = train_base(spec, index, data, callbacks)
+    return finish(spec, index, model, checkpoint_seeds(spec.base_seed, index), steps,
+                  started, "torch", data)
 
 
 def finish(spec: ZooSpec, index: int, model: nn.Module, seeds: CheckpointSeeds, steps: int,
-           started: float, engine: str, data: TrainingData) -> CheckpointResult:
+           started: float, engine: str, data: TrainingData, sample: int = 0
+           ) -> CheckpointResult:
     """Evaluate the final model on both splits and package the result."""
     train_loss, train_accuracy = evaluate(model, data.train)
     test_loss, test_accuracy = evaluate(model, data.test)
@@ -100,4 +138,4 @@ def finish(spec: ZooSpec, index: int, model: nn.Module, seeds: CheckpointSeeds, 
                  "test_loss": test_loss, "test_accuracy": test_accuracy},
         wall_time=time.perf_counter() - started,
         diverged=is_diverged(state, test_accuracy, num_classes),
-        seeds=seeds, steps=steps, engine=engine)
+        seeds=seeds, steps=steps, engine=engine, sample=sample)

@@ -45,6 +45,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from posteriorzoo.data import iterate_batches
 from posteriorzoo.errors import InvalidOptionError
 from train_zoo.data import TrainingData, train_transform
+from train_zoo.loop import fit
 from train_zoo.result import CheckpointResult
 from train_zoo.seeds import CheckpointSeeds, checkpoint_seeds
 from train_zoo.spec import ZooSpec
@@ -193,6 +194,48 @@ class _StackedSGD:
         return updated
 
 
+class _StackedStepper:
+    """M stacked models as one stepper of :func:`train_zoo.loop.fit`.
+
+    A batch is the M models' own batches (one per model, same size B); ``step`` returns
+    their mean loss. A model whose loss is non-finite takes that step and is then frozen,
+    as the torch engine stops such a checkpoint; the stepper stops when all are frozen.
+    """
+
+    def __init__(self, batched_step, params: dict[str, Tensor], optimizer: _StackedSGD,
+                 probe, generators: list[torch.Generator], device: torch.device) -> None:
+        self.batched_step = batched_step
+        self.params = params
+        self.optimizer = optimizer
+        self.probe = probe
+        self.generators = generators
+        self.device = device
+        count = len(generators)
+        self.steps = torch.zeros(count, dtype=torch.int64)
+        self.active = torch.ones(count, dtype=torch.bool)
+        self.stopped = False
+        self._dropout_calls: dict[int, list[tuple[torch.Size, torch.dtype, float]]] = {}
+
+    def step(self, batches, lr: float) -> float:
+        images = torch.stack([b[0] for b in batches]).to(self.device)  # (M, B, C, H, W)
+        labels = torch.stack([b[1] for b in batches]).to(self.device)  # (M, B)
+        size = images.shape[1]
+        if size not in self._dropout_calls:  # shapes of the dropout inputs for batch size B
+            self._dropout_calls[size] = self.probe(size, images[0, :1])
+        masks = _draw_masks(self._dropout_calls[size], self.generators, self.device)
+        grads, losses = self.batched_step(self.params, images, labels, masks)
+        self.params = self.optimizer.step(self.params, grads, lr,
+                                          None if bool(self.active.all())
+                                          else self.active.to(self.device))
+        self.steps += self.active
+        self.active &= torch.isfinite(losses.detach()).cpu()
+        self.stopped = not bool(self.active.any())
+        return float(losses.detach().mean())
+
+    def arrays(self) -> dict[str, object]:
+        return {name: value.detach().cpu().numpy() for name, value in self.params.items()}
+
+
 # ----------------------------------------------------------------------------- training
 
 
@@ -247,34 +290,21 @@ def train_vectorised(spec: ZooSpec, indices: Sequence[int], data: TrainingData,
         logits = functional_call(skeleton, model_params, (images,))
         return nn.functional.cross_entropy(logits, labels)
 
-    batched_step = vmap(grad_and_value(loss), in_dims=(0, 0, 0, 0))
-    optimizer = _StackedSGD(recipe.momentum, recipe.nesterov, recipe.weight_decay)
+    stepper = _StackedStepper(vmap(grad_and_value(loss), in_dims=(0, 0, 0, 0)), params,
+                              _StackedSGD(recipe.momentum, recipe.nesterov,
+                                          recipe.weight_decay),
+                              lambda size, images: _probe_dropout(skeleton, tape, stepper.params,
+                                                                  images, size),
+                              generators, device)
     augment = train_transform(recipe, data.train)
-    count = len(indices)
-    steps = torch.zeros(count, dtype=torch.int64)
-    active = torch.ones(count, dtype=torch.bool)
-    dropout_calls: dict[int, list[tuple[torch.Size, torch.dtype, float]]] = {}
 
-    for epoch in range(recipe.epochs):
-        lr = recipe.learning_rate(epoch)
+    def batches(epoch: int):
         streams = [iterate_batches(data.train, recipe.batch_size, seed=s.data, epoch=epoch,
                                    transform=augment) for s in seeds]
-        for batches in zip(*streams, strict=True):
-            images = torch.stack([b[0] for b in batches]).to(device)  # (M, B, C, H, W)
-            labels = torch.stack([b[1] for b in batches]).to(device)  # (M, B)
-            size = images.shape[1]
-            if size not in dropout_calls:  # shapes of the dropout inputs for batch size B
-                dropout_calls[size] = _probe_dropout(skeleton, tape, params, images[0, :1], size)
-            masks = _draw_masks(dropout_calls[size], generators, device)
-            grads, losses = batched_step(params, images, labels, masks)
-            params = optimizer.step(params, grads, lr, None if bool(active.all()) else
-                                    active.to(device))
-            steps += active
-            active &= torch.isfinite(losses.detach()).cpu()
-            if not active.any():
-                break
-        if not active.any():
-            break
+        return zip(*streams, strict=True)
+
+    fit(stepper, batches, recipe.learning_rate, recipe.epochs)
+    params, steps, count = stepper.params, stepper.steps, len(indices)
 
     share = (time.perf_counter() - started) / count
     results = []

@@ -1,12 +1,18 @@
-"""The fast engine: train one OptuNet-shaped checkpoint exactly as the torch engine does.
+"""The fast engine: OptuNet-shaped networks trained by numba kernels, exactly as by torch.
 
 Same initial weights (:func:`train_zoo.torch_engine.initial_model`), same batches in the
 same order with the same augmentation (:func:`posteriorzoo.data.iterate_batches` with the
 recipe's transform, replayed by :class:`~train_zoo.fast.batches.FastTransform`), the same
 loss and gradients (numba, :mod:`train_zoo.fast.kernels`), the same SGD update and
-learning-rate schedule, callbacks at the same points with the same arguments, the same
-stop at a non-finite loss, and the same evaluation and packaging
-(:func:`train_zoo.torch_engine.finish`). Only float32 rounding differs.
+learning-rate schedule; the loop, its callbacks and its stop at a non-finite loss are
+:func:`train_zoo.loop.fit` itself, and evaluation and packaging are
+:func:`train_zoo.torch_engine.finish`. Only float32 rounding differs.
+
+What the engine covers: the SGD training of base networks and of SWAG's continuation
+(:class:`FastNet`), the gradient of the mean cross-entropy for SGHMC
+(:func:`train_zoo.fast.gradients.fast_loss_and_grad`) and BBB's steps through dL/dw
+(:class:`train_zoo.methods.bbb_fast.FastBBB`). Not covered: dropout during training
+(MC Dropout's base networks), BatchNorm, and the Laplace curvature (torch.func).
 """
 
 from __future__ import annotations
@@ -14,15 +20,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from posteriorzoo.models import input_shape
-from train_zoo.callbacks import StepInfo, notify
-from train_zoo.data import TrainingData, train_transform
+from train_zoo.data import TrainingData, eval_transform, train_transform
 from train_zoo.fast.batches import FastTransform, fast_batches
 from train_zoo.fast.kernels import train_step
 from train_zoo.fast.layout import (
@@ -31,13 +36,16 @@ from train_zoo.fast.layout import (
     UnsupportedModelError,
     describe_model,
 )
+from train_zoo.loop import fit
 from train_zoo.recipes import Recipe
 from train_zoo.result import CheckpointResult
 from train_zoo.seeds import checkpoint_seeds
 from train_zoo.spec import ZooSpec
-from train_zoo.torch_engine import finish, initial_model, train_torch
+from train_zoo.torch_engine import finish, initial_model
+from train_zoo.torch_engine import train_base as torch_train_base
 
-__all__ = ["FastNet", "supports", "train_fast", "unsupported_reason"]
+__all__ = ["FastNet", "batches_for", "layout_for", "supports", "train_fast",
+           "unsupported_reason"]
 
 #: Recipe fields whose meaning this engine implements. A field added to Recipe later is
 #: unknown here, so such recipes fall back to the torch engine until it is implemented.
@@ -45,6 +53,8 @@ KNOWN_RECIPE_FIELDS = frozenset({
     "architecture", "dataset", "epochs", "batch_size", "lr", "weight_decay", "momentum",
     "nesterov", "schedule", "milestones", "gamma", "crop_padding", "horizontal_flip",
     "model_options"})
+
+FastBatch = tuple[np.ndarray, np.ndarray]
 
 
 class FastNet:
@@ -65,6 +75,8 @@ class FastNet:
         SGD's momentum buffer (used when ``recipe.momentum > 0``).
     steps : int
         Updates taken (the momentum buffer is initialised on the first).
+    stopped : bool
+        The last step's loss was not finite (:func:`train_zoo.loop.fit` stops there).
     """
 
     def __init__(self, layout: NetLayout, state: Mapping[str, torch.Tensor | np.ndarray],
@@ -78,12 +90,15 @@ class FastNet:
         self.momentum = float(recipe.momentum)
         self.nesterov = bool(recipe.nesterov)
         self.steps = 0
+        self.stopped = False
         self._views = layout.views(self.theta)
         self._logits: dict[int, np.ndarray] = {}
 
-    def step(self, x: np.ndarray, labels: np.ndarray, lr: float) -> float:
-        """One SGD step on a batch ``x`` float32 ``(C, H, W, B)``, ``labels`` int64
-        ``(B,)``; returns the batch's mean cross-entropy before the update."""
+    def step(self, batch: FastBatch, lr: float) -> float:
+        """One SGD step on a batch ``(x, labels)``: ``x`` float32 ``(C, H, W, B)``,
+        ``labels`` int64 ``(B,)``; returns the batch's mean cross-entropy before the
+        update."""
+        x, labels = batch
         x = np.ascontiguousarray(x, dtype=np.float32)
         labels = np.ascontiguousarray(labels, dtype=np.int64)
         count = x.shape[3]
@@ -95,6 +110,7 @@ class FastNet:
                           self.momentum_buffer, lr, self.weight_decay, self.momentum,
                           self.nesterov, self.steps > 0)
         self.steps += 1
+        self.stopped = not math.isfinite(loss)
         return loss
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -132,7 +148,7 @@ def supports(spec: ZooSpec) -> bool:
     return unsupported_reason(spec) is None
 
 
-def _layout_for(model: nn.Module, data: TrainingData) -> NetLayout | None:
+def layout_for(model: nn.Module, data: TrainingData) -> NetLayout | None:
     """``model``'s layout for ``data``'s images, or None if the kernels cannot take them
     (labels outside the head included: torch raises its own error for those)."""
     try:
@@ -145,9 +161,39 @@ def _layout_for(model: nn.Module, data: TrainingData) -> NetLayout | None:
     return layout
 
 
+def batches_for(data: TrainingData, recipe: Recipe, seed: int, *, augment: bool = True
+                ) -> Callable[[int], Iterable[FastBatch]]:
+    """:func:`train_zoo.torch_engine.torch_batches` in the kernels' layout."""
+    transform = (train_transform(recipe, data.train) if augment
+                 else eval_transform(data.train))
+    fast_transform = FastTransform(transform, data.train.image_shape)
+
+    def batches(epoch: int) -> Iterable[FastBatch]:
+        return fast_batches(data.train, recipe.batch_size, seed, epoch, fast_transform)
+
+    return batches
+
+
+def train_base(spec: ZooSpec, index: int, data: TrainingData, callbacks: Sequence[object] = ()
+               ) -> tuple[nn.Module, int, str]:
+    """Train mode ``index``'s base network with the kernels (with torch where the data do
+    not fit them); returns the model, the steps taken and the engine that trained it."""
+    seeds = checkpoint_seeds(spec.base_seed, index)
+    model = initial_model(spec, seeds.init)
+    layout = layout_for(model, data)
+    if layout is None:
+        model, steps = torch_train_base(spec, index, data, callbacks)
+        return model, steps, "torch"
+    net = FastNet(layout, model.state_dict(), spec.recipe)
+    result = fit(net, batches_for(data, spec.recipe, seeds.data), spec.recipe.learning_rate,
+                 spec.recipe.epochs, index=index, callbacks=callbacks)
+    model.load_state_dict(net.state_dict())
+    return model, result.steps, "fast"
+
+
 def train_fast(spec: ZooSpec, index: int, data: TrainingData,
                callbacks: Sequence[object] = ()) -> CheckpointResult:
-    """Train checkpoint ``index`` of ``spec`` with the numba kernels.
+    """Train checkpoint ``index`` of a Deep-Ensemble spec with the numba kernels.
 
     Reproduces :func:`train_zoo.torch_engine.train_torch` (same seeds, batches, updates,
     callbacks, stopping and evaluation) up to float32 rounding; data the kernels do not
@@ -155,31 +201,6 @@ def train_fast(spec: ZooSpec, index: int, data: TrainingData,
     The result's ``engine`` is ``"fast"``.
     """
     started = time.perf_counter()
-    seeds = checkpoint_seeds(spec.base_seed, index)
-    recipe = spec.recipe
-    model = initial_model(spec, seeds.init)
-    layout = _layout_for(model, data)
-    if layout is None:
-        return train_torch(spec, index, data, callbacks)
-    net = FastNet(layout, model.state_dict(), recipe)
-    augment = FastTransform(train_transform(recipe, data.train), data.train.image_shape)
-    step, loss_value, finite = 0, float("nan"), True
-    for epoch in range(recipe.epochs):
-        lr = recipe.learning_rate(epoch)
-        for x, labels in fast_batches(data.train, recipe.batch_size, seeds.data, epoch,
-                                      augment):
-            loss_value = net.step(x, labels, lr)
-            step += 1
-            if callbacks:
-                notify(callbacks, "on_step_end",
-                       StepInfo(index, epoch, step, lr, loss_value), net.arrays())
-            if not math.isfinite(loss_value):
-                finite = False
-                break
-        if callbacks:
-            notify(callbacks, "on_epoch_end",
-                   StepInfo(index, epoch, step, lr, loss_value), net.arrays())
-        if not finite:
-            break
-    model.load_state_dict(net.state_dict())
-    return finish(spec, index, model, seeds, step, started, "fast", data)
+    model, steps, engine = train_base(spec, index, data, callbacks)
+    return finish(spec, index, model, checkpoint_seeds(spec.base_seed, index), steps,
+                  started, engine, data)

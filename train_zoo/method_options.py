@@ -1,0 +1,149 @@
+"""The options of each method in a spec's ``[method_options]`` table, checked and completed.
+
+:func:`resolve_method_options` returns every option with its default filled in, so a
+collection records exactly what produced it. Defaults follow PAPER_NOTES and the method
+modules:
+
+``de``
+    No options: a mode is one independently trained network, stored as it is.
+``mc-dropout``
+    ``p``: dropout probability before the last layer during training (ResNets 0.5,
+    other architectures 0.2).
+``swag``
+    ``lr`` (the recipe's initial lr), ``epochs`` (twice the recipe's), ``ramp_epochs``
+    (10, at most ``epochs``), ``iterates`` (20), ``rank`` (20), ``scale`` (0.1),
+    ``collect_from`` (0: the first epoch of the window whose iterates are collected).
+``laplace``
+    ``structure`` (``"full"`` for OptuNet and MLPs, ``"last-layer-kfac"`` otherwise) and
+    ``prior_precision`` (``"marglik"``, ``"training"`` for N x weight decay, or a number).
+``sghmc``
+    ``lr`` (0.004, per example: the step size on the full-data log posterior is
+    ``lr / N``), ``alpha`` (friction 0.1), ``burn_in`` (2000 steps), ``thin`` (200 steps),
+    ``prior_precision`` (``"training"`` for N x weight decay, or a number).
+``bbb``
+    The fields of :class:`train_zoo.methods.bbb.BBBOptions` (prior N(0, 0.1^2), rho init
+    -7 / -6, 3 ELBO samples, ``kl_weight`` 1/N when unset).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from posteriorzoo.errors import InvalidOptionError, UnknownNameError
+from train_zoo.recipes import Recipe, check_integer, check_name, check_number, show
+
+METHODS = ("de", "mc-dropout", "swag", "laplace", "sghmc", "bbb")
+
+#: Architectures whose every parameter fits a dense GGN (full Laplace).
+FULL_LAPLACE_ARCHITECTURES = ("optunet", "optunet-v1", "mlp")
+LAPLACE_STRUCTURES = ("full", "last-layer-kfac")
+
+
+def _dropout(options: dict[str, Any], architecture: str, recipe: Recipe) -> dict[str, Any]:
+    p = options.pop("p", 0.5 if architecture.startswith("resnet") else 0.2)
+    check_number("mc-dropout option 'p'", p, 0)
+    if p >= 1:
+        raise InvalidOptionError(f"mc-dropout option 'p' must be below 1, not {show(p)}")
+    return {"p": p}
+
+
+def _swag(options: dict[str, Any], architecture: str, recipe: Recipe) -> dict[str, Any]:
+    def option(name: str) -> str:
+        return f"swag option {name!r}"
+
+    epochs = check_integer(option("epochs"), options.pop("epochs", 2 * recipe.epochs), 1)
+    resolved = {
+        "lr": check_number(option("lr"), options.pop("lr", recipe.lr), 0, strict=True),
+        "epochs": epochs,
+        "ramp_epochs": check_integer(option("ramp_epochs"),
+                                     options.pop("ramp_epochs", min(10, epochs)), 0),
+        "iterates": check_integer(option("iterates"), options.pop("iterates", 20), 2),
+        "rank": check_integer(option("rank"), options.pop("rank", 20), 1),
+        "scale": check_number(option("scale"), options.pop("scale", 0.1), 0),
+        "collect_from": check_integer(option("collect_from"),
+                                      options.pop("collect_from", 0), 0),
+    }
+    if resolved["iterates"] > epochs - resolved["collect_from"]:
+        raise InvalidOptionError(
+            f"swag option 'iterates' ({resolved['iterates']}) exceeds the "
+            f"{epochs - resolved['collect_from']} epochs from 'collect_from' to 'epochs'")
+    return resolved
+
+
+def _prior(method: str, value: object, choices: tuple[str, ...]) -> object:
+    if isinstance(value, str):
+        return check_name(f"{method} option 'prior_precision'", value, choices)
+    return check_number(f"{method} option 'prior_precision'", value, 0, strict=True)
+
+
+def _laplace(options: dict[str, Any], architecture: str, recipe: Recipe) -> dict[str, Any]:
+    default = "full" if architecture in FULL_LAPLACE_ARCHITECTURES else "last-layer-kfac"
+    return {
+        "structure": check_name("laplace option 'structure'",
+                                options.pop("structure", default), LAPLACE_STRUCTURES),
+        "prior_precision": _prior("laplace", options.pop("prior_precision", "marglik"),
+                                  ("marglik", "training")),
+    }
+
+
+def _sghmc(options: dict[str, Any], architecture: str, recipe: Recipe) -> dict[str, Any]:
+    def option(name: str) -> str:
+        return f"sghmc option {name!r}"
+
+    alpha = check_number(option("alpha"), options.pop("alpha", 0.1), 0, strict=True)
+    if alpha > 1:
+        raise InvalidOptionError(f"sghmc option 'alpha' must be at most 1, not {show(alpha)}")
+    return {
+        "lr": check_number(option("lr"), options.pop("lr", 0.004), 0, strict=True),
+        "alpha": alpha,
+        "burn_in": check_integer(option("burn_in"), options.pop("burn_in", 2000), 0),
+        "thin": check_integer(option("thin"), options.pop("thin", 200), 1),
+        "prior_precision": _prior("sghmc", options.pop("prior_precision", "training"),
+                                  ("training",)),
+    }
+
+
+def _bbb(options: dict[str, Any], architecture: str, recipe: Recipe) -> dict[str, Any]:
+    from train_zoo.methods.bbb import BBBOptions
+
+    names = {field.name for field in dataclasses.fields(BBBOptions)}
+    given = {name: options.pop(name) for name in list(options) if name in names}
+    try:
+        return dataclasses.asdict(BBBOptions(**given))
+    except InvalidOptionError as error:
+        raise InvalidOptionError(f"bbb option {error}") from None
+
+
+_RESOLVERS = {"mc-dropout": _dropout, "swag": _swag, "laplace": _laplace, "sghmc": _sghmc,
+              "bbb": _bbb}
+
+
+def resolve_method_options(method: str, options: Mapping[str, Any], architecture: str,
+                           recipe: Recipe) -> dict[str, Any]:
+    """Every option of ``method`` for this architecture and recipe, defaults filled in.
+
+    Raises
+    ------
+    UnknownNameError
+        An option ``method`` does not have.
+    InvalidOptionError
+        A value of the wrong type or out of range (one line naming the option).
+    """
+    remaining = dict(options)
+    resolved = _RESOLVERS[method](remaining, architecture, recipe) if method in _RESOLVERS \
+        else {}
+    if remaining:
+        known = sorted(resolved) or ["none"]
+        raise UnknownNameError(f"unknown {method} option(s) {sorted(remaining)}; options: "
+                               f"{', '.join(known)}")
+    return resolved
+
+
+def resolve_kl_weight(options: Mapping[str, Any], num_data: int) -> dict[str, Any]:
+    """BBB's options with ``kl_weight`` set to ``1 / num_data`` when it was left unset."""
+    if options.get("kl_weight") is not None:
+        return dict(options)
+    check_integer("the training-set size", num_data, 1)
+    return {**options, "kl_weight": 1.0 / num_data}

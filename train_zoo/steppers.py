@@ -1,0 +1,151 @@
+"""Steppers of the method phases: SGHMC and BBB, on the torch and the numba engines.
+
+Each adapts a method's functional ``update`` (:mod:`train_zoo.methods`) to
+:func:`train_zoo.loop.fit`; the engines only supply gradients:
+
+- torch: ``torch.func`` on the module (:func:`torch_log_posterior`,
+  :func:`train_zoo.methods.bbb.step`);
+- fast: the numba kernels' dL/dw (:func:`fast_log_posterior`,
+  :class:`~train_zoo.methods.bbb_fast.FastBBB`).
+
+Both draw their noise from the same ``torch.Generator`` in the same order, so the two
+engines run the same chain up to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import grad_and_value
+
+from train_zoo.fast.gradients import fast_loss_and_grad
+from train_zoo.fast.layout import NetLayout
+from train_zoo.methods import bbb, sghmc
+from train_zoo.methods.bbb_fast import FastBBB
+from train_zoo.methods.common import Params, flatten, unflatten
+
+#: ``gradient(params, batch) -> (loss, grad log p(theta | D))``: the loss is the negative
+#: log posterior per training example (nats), the gradient at full-data scale.
+LogPosteriorGradient = Callable[[Params, tuple], tuple[float, Params]]
+
+
+def torch_log_posterior(model: nn.Module, buffers: Mapping[str, torch.Tensor], num_data: int,
+                        prior_precision: float) -> LogPosteriorGradient:
+    """SGHMC's gradient with torch.func (any architecture; the model in eval mode)."""
+    model.eval()
+
+    def objective(params: Params, batch: tuple) -> torch.Tensor:
+        return sghmc.log_posterior(model, params, buffers, batch, num_data, prior_precision)
+
+    gradient = grad_and_value(objective)
+
+    def evaluate(params: Params, batch: tuple) -> tuple[float, Params]:
+        grads, value = gradient({k: v.detach() for k, v in params.items()}, batch)
+        return -float(value) / num_data, dict(grads)
+
+    return evaluate
+
+
+def fast_log_posterior(layout: NetLayout, like: Params, num_data: int,
+                       prior_precision: float) -> LogPosteriorGradient:
+    """SGHMC's gradient on the numba kernels: ``-(N dL/dw + prior_precision * theta)``
+    with ``L`` the batch's mean cross-entropy (batches in the kernels' layout)."""
+    grad = np.empty(layout.num_params, dtype=np.float32)
+
+    def evaluate(params: Params, batch: tuple) -> tuple[float, Params]:
+        theta = flatten(params)
+        x, labels = batch
+        loss, _ = fast_loss_and_grad(layout, theta.numpy(), x, labels, grad=grad)
+        g = torch.from_numpy(grad)
+        log_grad = -(num_data * g + prior_precision * theta)
+        square = float(theta.double().square().sum())
+        return loss + 0.5 * prior_precision * square / num_data, unflatten(log_grad, like)
+
+    return evaluate
+
+
+class SghmcStepper:
+    """One SGHMC chain (:func:`train_zoo.methods.sghmc.update`) for ``total_steps`` steps.
+
+    ``lr`` of :meth:`step` is ignored: the chain's step size ``eta`` is fixed. The chain
+    stops after ``total_steps`` updates or at a non-finite loss.
+    """
+
+    def __init__(self, params: Params, gradient: LogPosteriorGradient, eta: float,
+                 alpha: float, generator: torch.Generator, total_steps: int) -> None:
+        self.state = sghmc.init(params)
+        self.gradient = gradient
+        self.eta = eta
+        self.alpha = alpha
+        self.generator = generator
+        self.total_steps = total_steps
+        self.stopped = total_steps == 0
+
+    def step(self, batch: tuple, lr: float) -> float:
+        loss, grads = self.gradient(self.state.params, batch)
+        self.state = sghmc.update(self.state, grads, self.eta, self.alpha, self.generator)
+        self.stopped = self.state.step >= self.total_steps or not math.isfinite(loss)
+        return loss
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: value.numpy() for name, value in self.state.params.items()}
+
+
+class BBBStepper:
+    """BBB's SGD on the negative ELBO with torch.func (:func:`train_zoo.methods.bbb.step`)."""
+
+    def __init__(self, state: bbb.BBBState, model: nn.Module, generator: torch.Generator,
+                 num_data: int, momentum: float, nesterov: bool) -> None:
+        self.state = state
+        self.model = model
+        self.buffers = {name: value.detach().clone() for name, value in model.named_buffers()}
+        self.generator = generator
+        self.num_data = num_data
+        self.momentum = momentum
+        self.nesterov = nesterov
+        self.stopped = False
+
+    def step(self, batch: tuple, lr: float) -> float:
+        self.model.train()
+        self.state, loss = bbb.step(self.state, self.model, self.buffers, batch,
+                                    self.generator, self.num_data, lr,
+                                    momentum=self.momentum, nesterov=self.nesterov)
+        value = float(loss)
+        self.stopped = not math.isfinite(value)
+        return value
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: value.detach().numpy() for name, value in self.state.mu.items()}
+
+    def bbb_state(self) -> bbb.BBBState:
+        return self.state
+
+
+class FastBBBStepper:
+    """BBB's SGD on the numba kernels (:class:`~train_zoo.methods.bbb_fast.FastBBB`)."""
+
+    def __init__(self, fast: FastBBB, generator: torch.Generator, num_data: int,
+                 momentum: float, nesterov: bool) -> None:
+        self.fast = fast
+        self.generator = generator
+        self.num_data = num_data
+        self.momentum = momentum
+        self.nesterov = nesterov
+        self.stopped = False
+
+    def step(self, batch: tuple, lr: float) -> float:
+        x, labels = batch
+        loss = self.fast.step(x, labels, self.generator, self.num_data, lr,
+                              momentum=self.momentum, nesterov=self.nesterov)
+        self.stopped = not math.isfinite(loss)
+        return loss
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return self.fast.arrays()
+
+    def bbb_state(self) -> bbb.BBBState:
+        return self.fast.state()
