@@ -11,10 +11,15 @@ from posteriorzoo.cli._types import add_no_verify_option, positive_int
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "train", help="train a collection from a zoo spec (resumable)",
-        description="Train the checkpoints of a TOML zoo spec into a collection file. "
-                    "Checkpoint i depends only on the spec's base seed and i. Rerunning the "
-                    "same command after an interruption trains exactly the missing "
-                    "checkpoints. A new collection file appears once its first checkpoint is "
+        description="Produce the checkpoints of a TOML zoo spec into a collection file. "
+                    "Methods: de (independently trained networks), mc-dropout, swag, "
+                    "laplace, sghmc and bbb (samples around independently trained base "
+                    "networks, stored as checkpoints of the base architecture); the spec "
+                    "gives modes x samples_per_mode and [method_options] (see "
+                    "train_zoo.spec and train_zoo.method_options). Mode i depends only on "
+                    "the spec's base seed and i, and its samples are stored together. "
+                    "Rerunning the same command after an interruption produces exactly the "
+                    "missing modes. A new collection file appears once its first mode is "
                     "stored; a run that fails before leaves no file. Built-in recipes: "
                     "optunet-mnist, resnet18-cifar100, resnet18-tinyimagenet (see "
                     "train_zoo.recipes).")
@@ -29,14 +34,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "instance); default: one per core")
     parser.add_argument("--engine", choices=["auto", "torch", "fast", "vectorised"],
                         default="auto", help="auto: the numba fast path where it applies, "
-                        "else torch (default: %(default)s)")
+                        "else torch; vectorised: Deep Ensembles only (default: %(default)s)")
     parser.add_argument("--group-size", type=positive_int, default=1,
-                        help="checkpoints per task; the vectorised engine trains a group in "
+                        help="modes per task; the vectorised engine trains a group in "
                              "lockstep (default: %(default)s)")
     parser.add_argument("--ray-address", help="existing Ray cluster, e.g. auto or "
                         "ray://head:10001 (default: start a local instance)")
     parser.add_argument("--checkpoints", type=positive_int,
-                        help="override the spec's number of checkpoints")
+                        help="override the spec's number of checkpoints (the number of "
+                             "modes follows; samples_per_mode must divide it)")
     add_no_verify_option(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(func=run_train)
