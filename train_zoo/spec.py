@@ -209,10 +209,13 @@ class ZooSpec:
         """A copy with fields changed (``recipe`` overrides go through ``recipe=``).
 
         A new ``checkpoints`` without ``modes`` keeps ``samples_per_mode`` and sets the
-        number of modes to match.
+        number of modes to match; a new ``modes`` or ``samples_per_mode`` without
+        ``checkpoints`` sets ``checkpoints`` to their product.
         """
         if "checkpoints" in changes and "modes" not in changes:
             changes["modes"] = None
+        elif {"modes", "samples_per_mode"} & set(changes) and "checkpoints" not in changes:
+            changes["checkpoints"] = None
         return dataclasses.replace(self, **changes)
 
 
