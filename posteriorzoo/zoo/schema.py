@@ -50,15 +50,18 @@ METADATA_COLUMNS: tuple[Column, ...] = (
     Column("seed", "<i8", -1, "seed of initialisation (and of everything not listed apart)"),
     Column("data_seed", "<i8", -1, "seed of the data order and augmentation"),
     Column("method", "S32", b"", "posterior approximation that produced the checkpoint"),
-    Column("mode_id", "<i8", -1, "index of the independently trained mode (multi-mode methods)"),
-    Column("sample_id", "<i8", -1, "index of the sample around its mode"),
-    Column("epoch", "<i8", -1, "epochs trained when the checkpoint was taken"),
+    Column("mode_id", "<i8", -1, "the base network (mode) the sample belongs to: a DE "
+           "member's own index, the network a method's samples surround, an SGHMC chain"),
+    Column("sample_id", "<i8", -1, "the draw around its mode, 0 .. samples_per_mode-1 "
+           "(0 for DE members)"),
+    Column("epoch", "<i8", -1, "epochs of the recipe the (base) network was trained for"),
     Column("train_loss", "<f8", np.nan, "final training loss (mean cross-entropy, nats)"),
     Column("train_accuracy", "<f8", np.nan, "final training accuracy, in [0, 1]"),
     Column("test_loss", "<f8", np.nan, "test loss (mean cross-entropy, nats)"),
     Column("test_accuracy", "<f8", np.nan, "test accuracy, in [0, 1]"),
     Column("recipe_hash", "S64", b"", "SHA-256 of the recipe's canonical JSON"),
-    Column("wall_time", "<f8", np.nan, "training wall-clock time, seconds"),
+    Column("wall_time", "<f8", np.nan, "training wall-clock time, seconds (a method's samples "
+           "share their mode's time evenly, plus their own evaluation)"),
     Column("versions", "S256", b"", "JSON of library versions that produced the checkpoint"),
     Column("source", "S256", b"", "where the checkpoint came from (trainer, file, archive)"),
     Column("diverged", "?", False, "True if training diverged (NaN, or chance accuracy)"),
