@@ -1,6 +1,6 @@
 """Where training runs. Every backend has ``run(spec, indices, engine) -> Iterator[result]``:
-it trains the given checkpoint indices and yields each :class:`CheckpointResult` as soon as
-it is done, so one writer can append it to the collection at once.
+it produces the given modes and yields each :class:`CheckpointResult` as soon as it is
+done (a mode's samples together), so one writer can append them to the collection at once.
 
 - :class:`SerialBackend`: in this process (supports callbacks);
 - :class:`LocalBackend`: a pool of processes on this machine, one torch thread each;
@@ -8,6 +8,30 @@ it is done, so one writer can append it to the collection at once.
   extra, ``pip install posteriorzoo[ray]``; imported only when chosen).
 """
 
-from train_zoo.backends.local import LocalBackend, SerialBackend, groups, make_backend
+from __future__ import annotations
 
-__all__ = ["LocalBackend", "SerialBackend", "groups", "make_backend"]
+from collections.abc import Sequence
+
+from posteriorzoo.errors import InvalidOptionError, UnknownNameError
+from train_zoo.backends.local import LocalBackend, SerialBackend
+from train_zoo.backends.tasks import groups
+
+BACKENDS = ("local", "serial", "ray")
+
+__all__ = ["BACKENDS", "LocalBackend", "SerialBackend", "groups", "make_backend"]
+
+
+def make_backend(name: str, workers: int | None = None, group_size: int = 1,
+                 address: str | None = None, callbacks: Sequence[object] = ()) -> object:
+    """A backend by name: ``local``, ``serial`` or ``ray``."""
+    if name not in BACKENDS:
+        raise UnknownNameError(f"unknown backend {name!r}; backends: {', '.join(BACKENDS)}")
+    if callbacks and name != "serial":
+        raise InvalidOptionError("callbacks run only with the serial backend")
+    if name == "serial":
+        return SerialBackend(group_size, callbacks)
+    if name == "local":
+        return LocalBackend(workers, group_size=group_size)
+    from train_zoo.backends.ray_backend import RayBackend
+
+    return RayBackend(address=address, num_cpus=workers, group_size=group_size)

@@ -15,21 +15,12 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 
 import torch
 
-from posteriorzoo.errors import InvalidOptionError, UnknownNameError
+from posteriorzoo.errors import InvalidOptionError
+from train_zoo.backends.tasks import groups
 from train_zoo.data import load_training_data
 from train_zoo.job import resolve_engine, train_checkpoints
 from train_zoo.result import CheckpointResult
 from train_zoo.spec import ZooSpec
-
-BACKENDS = ("local", "serial", "ray")
-
-
-def groups(indices: Sequence[int], size: int) -> list[list[int]]:
-    """``indices`` cut into consecutive groups of at most ``size`` (one task each)."""
-    if size < 1:
-        raise InvalidOptionError("group size must be at least 1")
-    indices = list(indices)
-    return [indices[start:start + size] for start in range(0, len(indices), size)]
 
 
 class SerialBackend:
@@ -145,19 +136,3 @@ class LocalBackend:
                 pool.shutdown(wait=True)
             else:  # a task failed, or the consumer stopped: no point finishing the rest
                 _stop_pool(pool)
-
-
-def make_backend(name: str, workers: int | None = None, group_size: int = 1,
-                 address: str | None = None, callbacks: Sequence[object] = ()) -> object:
-    """A backend by name: ``local``, ``serial`` or ``ray``."""
-    if name not in BACKENDS:
-        raise UnknownNameError(f"unknown backend {name!r}; backends: {', '.join(BACKENDS)}")
-    if callbacks and name != "serial":
-        raise InvalidOptionError("callbacks run only with the serial backend")
-    if name == "serial":
-        return SerialBackend(group_size, callbacks)
-    if name == "local":
-        return LocalBackend(workers, group_size=group_size)
-    from train_zoo.backends.ray_backend import RayBackend
-
-    return RayBackend(address=address, num_cpus=workers, group_size=group_size)

@@ -24,7 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from posteriorzoo.errors import InvalidOptionError
-from train_zoo.backends.local import groups
+from train_zoo.backends.tasks import groups
 from train_zoo.job import resolve_engine
 from train_zoo.result import CheckpointResult
 from train_zoo.spec import ZooSpec
