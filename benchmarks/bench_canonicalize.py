@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from posteriorzoo.models import build, input_shape
+from posteriorzoo.provenance import library_versions
 from posteriorzoo.reference import open_reference
 from posteriorzoo.symmetry import (
     apply_symmetry_batch,
@@ -62,7 +63,6 @@ from posteriorzoo.symmetry.canonical import canonicalize_batch, canonicalize_sta
 from posteriorzoo.symmetry.minmass import mass_problem, solve_min_mass_batch
 from posteriorzoo.symmetry.structure import trace_structure
 from posteriorzoo.zoo import create_zoo
-from posteriorzoo.zoo.schema import library_versions
 
 
 def timed(function: Callable[[], Any]) -> tuple[float, Any]:

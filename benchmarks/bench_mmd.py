@@ -419,7 +419,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     import numba
 
-    from posteriorzoo.zoo.schema import library_versions
+    from posteriorzoo.provenance import library_versions
 
     args = parse_args(argv)
     started = time.perf_counter()

@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     import numba
     import torch
 
-    from posteriorzoo.zoo.schema import library_versions
+    from posteriorzoo.provenance import library_versions
 
     dataset = args.dataset or pick_dataset()
     versions = {**library_versions(), "numba": numba.__version__}

@@ -73,8 +73,8 @@ import numpy as np
 import torch
 
 from posteriorzoo.models import build
+from posteriorzoo.provenance import library_versions
 from posteriorzoo.zoo import create_zoo, open_zoo
-from posteriorzoo.zoo.schema import library_versions
 
 MB = 1e6
 STATE_READ_SEED = 12345  # numpy seed of the random checkpoint indices read as state_dicts

@@ -108,9 +108,9 @@ def run_min_mass(args: argparse.Namespace) -> int:
 
     from posteriorzoo.hashing import sha256_file
     from posteriorzoo.outputs import atomic_directory, check_output
+    from posteriorzoo.provenance import library_versions
     from posteriorzoo.symmetry.collection import min_mass_collection
     from posteriorzoo.zoo import open_zoo
-    from posteriorzoo.zoo.schema import library_versions
 
     if args.out is not None:
         check_output(args.out, inputs=[args.source], overwrite=args.overwrite)

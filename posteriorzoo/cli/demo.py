@@ -59,7 +59,7 @@ def _accuracy_line(info: dict[str, Any]) -> str:
 
 def reference_step(progress: bool) -> dict[str, Any]:
     """Describe and verify the shipped collections (skipped if not installed)."""
-    from posteriorzoo.cli.zoo_commands import describe
+    from posteriorzoo.collection import describe
     from posteriorzoo.errors import ZooFormatError
     from posteriorzoo.reference import COLLECTIONS, reference_path
     from posteriorzoo.zoo import verify_zoo
@@ -71,7 +71,7 @@ def reference_step(progress: bool) -> dict[str, Any]:
         except ZooFormatError as error:
             print(f"[1] reference {name}: skipped ({error})")
             continue
-        info = describe(path)
+        info = describe(path).to_dict()
         report = verify_zoo(path, progress=progress)
         print(f"[1] reference {name}: {_accuracy_line(info)}; "
               f"{'verified' if report.ok else 'CORRUPT'}")
@@ -167,7 +167,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_steps(args: argparse.Namespace, out: Path) -> int:
-    from posteriorzoo.cli.zoo_commands import describe
+    from posteriorzoo.collection import describe
+    from posteriorzoo.provenance import library_versions
     from posteriorzoo.zoo import (
         export_checkpoint,
         import_checkpoints,
@@ -176,7 +177,6 @@ def _run_steps(args: argparse.Namespace, out: Path) -> int:
         verify_zoo,
         write_manifest,
     )
-    from posteriorzoo.zoo.schema import library_versions
     from train_zoo import make_spec
     from train_zoo.backends import SerialBackend
     from train_zoo.run import train_collection
@@ -193,7 +193,7 @@ def _run_steps(args: argparse.Namespace, out: Path) -> int:
     zoo_path = out / "optunet-digits-de.h5"
     trained = train_collection(spec, zoo_path, backend=SerialBackend(),
                                progress=not args.no_progress, command=args.command_line)
-    info = {**describe(zoo_path), "path": str(args.out / zoo_path.name)}
+    info = {**describe(zoo_path).to_dict(), "path": str(args.out / zoo_path.name)}
     report = verify_zoo(zoo_path)
     print(f"[3] trained {trained.trained} checkpoint(s) at {trained.steps_per_second:.0f} "
           f"model-steps/s: {zoo_path.name} holds {_accuracy_line(info)}; "

@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from posteriorzoo.cli._types import add_no_verify_option, add_overwrite_option, positive_int
 from posteriorzoo.errors import ZooFormatError
 
@@ -17,8 +15,10 @@ from posteriorzoo.errors import ZooFormatError
 def register(subparsers: argparse._SubParsersAction) -> None:
     info = subparsers.add_parser(
         "info", help="what a collection file holds",
-        description="Show a collection's architecture, dataset, method, number of checkpoints, "
-                    "tensors (shape, dtype, parameter count) and a metadata summary. Every "
+        description="Show a collection's architecture, dataset, method, number of checkpoints "
+                    "and modes, tensors (shape, dtype, parameter count), its annotations (what "
+                    "was derived: symmetries removed, multi-mode, ...) and a metadata summary. "
+                    "Every "
                     "checkpoint is checked against its digests first (--no-verify skips "
                     "this, e.g. to look at a damaged file).")
     info.add_argument("zoo", type=Path, help="collection file (.h5)")
@@ -88,64 +88,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 # ---------------------------------------------------------------------- info
-def _summary(values: np.ndarray) -> dict[str, float] | None:
-    finite = values[np.isfinite(values)]
-    if finite.size == 0:
-        return None
-    return {"min": float(finite.min()), "median": float(np.median(finite)),
-            "max": float(finite.max())}
-
-
-def describe(path: Path, verify: bool = True) -> dict[str, Any]:
-    """A JSON-serialisable description of a collection (what ``info`` prints).
-
-    With ``verify`` (default) every checkpoint is checked against its digests first, so
-    a corrupt collection is refused rather than described.
-    """
-    from posteriorzoo.zoo import open_zoo
-
-    with open_zoo(path, verify=verify) as zoo:
-        zoo.verify_all()
-        metadata = zoo.metadata
-        tensors = [{"key": key, "shape": list(shape), "dtype": str(dtype),
-                    "count": int(np.prod(shape, dtype=np.int64)),
-                    "chunk_rows": int(zoo.dataset_handle(key).chunks[0])}
-                   for key, (shape, dtype) in zoo.spec.items()]
-        seeds = metadata["seed"][metadata["seed"] >= 0]
-        return {
-            "path": str(path),
-            "architecture": zoo.architecture,
-            "dataset": zoo.dataset,
-            "method": zoo.method,
-            "num_classes": zoo.num_classes,
-            "model_options": zoo.model_options,
-            "checkpoints": len(zoo),
-            "values_per_checkpoint": sum(t["count"] for t in tensors),
-            "tensors": tensors,
-            "recipe": zoo.recipe,
-            "created_by": zoo.created_by,
-            "metadata": {
-                "seeds": None if seeds.size == 0 else [int(seeds.min()), int(seeds.max())],
-                "distinct_seeds": int(np.unique(seeds).size),
-                "diverged": int(metadata["diverged"].sum()),
-                "test_accuracy": _summary(metadata["test_accuracy"]),
-                "test_loss": _summary(metadata["test_loss"]),
-                "wall_time_seconds": _summary(metadata["wall_time"]),
-            },
-        }
-
-
 def run_info(args: argparse.Namespace) -> int:
-    info = describe(args.zoo, verify=not args.no_verify)
+    from posteriorzoo.collection import describe
+
+    description = describe(args.zoo, verify=not args.no_verify, command=args.command_line)
     if args.json:
-        print(json.dumps(info, indent=2))
+        print(description.to_json(), end="")
         return 0
+    info = description.to_dict()
     options = f" {info['model_options']}" if info["model_options"] else ""
     print(f"{info['path']}")
     print(f"  architecture  {info['architecture']}{options} ({info['num_classes']} classes)")
     print(f"  dataset       {info['dataset']}")
     print(f"  method        {info['method']}")
-    print(f"  checkpoints   {info['checkpoints']}")
+    print(f"  checkpoints   {info['checkpoints']} ({info['metadata']['modes']} modes)")
     print(f"  values/ckpt   {info['values_per_checkpoint']:,}")
     width = max(len(t["key"]) for t in info["tensors"])
     print(f"  {'tensor':<{width}}  {'shape':<18} {'dtype':<8} {'count':>10}")
@@ -163,6 +119,8 @@ def run_info(args: argparse.Namespace) -> int:
                   f"max {stats['max']:.4g}")
     if info["recipe"]:
         print(f"  recipe        {json.dumps(info['recipe'], sort_keys=True)}")
+    # Canonical and raw files differ here (symmetries removed, min-mass, ...).
+    print(f"  annotations   {json.dumps(info['annotations'], sort_keys=True) or '{}'}")
     if info["created_by"].get("command"):
         print(f"  created by    {info['created_by']['command']}")
     return 0

@@ -406,7 +406,7 @@ def compare_sources(target, methods: Sequence, layers: Sequence[Layer], *,
 def _base_provenance(command: str | None) -> dict[str, Any]:
     import numba
 
-    from posteriorzoo.zoo.schema import library_versions
+    from posteriorzoo.provenance import library_versions
 
     versions = library_versions()
     versions["numba"] = numba.__version__

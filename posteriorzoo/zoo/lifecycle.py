@@ -42,7 +42,7 @@ from posteriorzoo.errors import (
     ZooFormatError,
     ZooSchemaError,
 )
-from posteriorzoo.zoo import schema
+from posteriorzoo.provenance import library_versions
 from posteriorzoo.zoo.layout import ROW_DIGEST_DTYPE, ROW_DIGESTS
 from posteriorzoo.zoo.schema import (
     FORMAT_NAME,
@@ -186,7 +186,7 @@ def create_zoo(
     except (TypeError, ValueError) as error:
         raise ZooSchemaError(f"collection attributes are not JSON-serialisable: {error}") \
             from None
-    provenance = {"command": command, "versions": schema.library_versions(),
+    provenance = {"command": command, "versions": library_versions(),
                   "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     # The temporary file is locked from its first byte: see posteriorzoo.outputs.
     temporary, fd = outputs.new_partial(path)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -72,22 +71,6 @@ COLUMN_NAMES = tuple(column.name for column in METADATA_COLUMNS)
 METADATA_DTYPE = np.dtype([(column.name, column.dtype) for column in METADATA_COLUMNS])
 # Columns the store fills itself; users may not set them.
 _AUTOMATIC = {"sha256", "written_at"}
-
-
-def library_versions() -> dict[str, str]:
-    """Versions of Python and of the libraries that shape a checkpoint's bytes."""
-    import h5py
-    import torch
-
-    from posteriorzoo import __version__
-
-    return {
-        "posteriorzoo": __version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "h5py": h5py.__version__,
-    }
 
 
 def canonical_json(value: object) -> str:

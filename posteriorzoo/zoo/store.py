@@ -32,6 +32,7 @@ from posteriorzoo.errors import (
     ZooFormatError,
     ZooSchemaError,
 )
+from posteriorzoo.provenance import library_versions
 from posteriorzoo.zoo import schema
 from posteriorzoo.zoo.layout import COMMITTED, METADATA, ROW_DIGESTS, STATE_GROUP, read_layout
 from posteriorzoo.zoo.schema import (
@@ -454,7 +455,7 @@ class Zoo:
 
         Returns ``(rows, {key: [array, ...]})``; raises on the first bad checkpoint.
         """
-        versions = canonical_json(schema.library_versions())
+        versions = canonical_json(library_versions())
         stacks: dict[str, list[np.ndarray]] = {key: [] for key in self._keys}
         rows = np.zeros(len(state_dicts), dtype=METADATA_DTYPE)
         now = time.time()

@@ -1,0 +1,46 @@
+"""Accept a path or an open :class:`~posteriorzoo.zoo.Zoo` wherever a collection is read."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.zoo import Zoo, open_zoo
+
+#: What the collection layer's functions take as a collection.
+Source = str | os.PathLike | Zoo
+
+
+@contextlib.contextmanager
+def opened(source: Source, *, verify: bool = True) -> Iterator[Zoo]:
+    """The collection ``source`` opened read-only (an open Zoo is used as it is and left
+    open; its own ``verify`` setting applies)."""
+    if isinstance(source, Zoo):
+        yield source
+        return
+    if not isinstance(source, str | os.PathLike):
+        raise InvalidOptionError(f"a collection is a path or an open Zoo, not "
+                                 f"{type(source).__name__}")
+    with open_zoo(Path(source), verify=verify) as zoo:
+        yield zoo
+
+
+def source_path(source: Source) -> Path:
+    """The file behind ``source``."""
+    return source.path if isinstance(source, Zoo) else Path(source)
+
+
+def content_digest(zoo: Zoo) -> str:
+    """SHA-256 of the collection's content: of its checkpoints' digests in row order.
+
+    Cheap (no tensor is read) and independent of the HDF5 layout, so two files holding the
+    same checkpoints in the same order have the same content digest.
+    """
+    digest = hashlib.sha256()
+    for row in zoo.metadata["sha256"]:
+        digest.update(bytes(row))
+    return digest.hexdigest()
