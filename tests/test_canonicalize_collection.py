@@ -65,3 +65,25 @@ def test_cli_canonicalize(twin_collections, capsys):
         assert main(argv + ["--no-progress"]) == 2
         err = capsys.readouterr().err
         assert fragment in err and len(err.strip().splitlines()) == 1
+
+
+def test_unsupported_operations_are_warned_about_and_annotated(twin_collections, monkeypatch):
+    import posteriorzoo.symmetry.collection as collection
+    from posteriorzoo.symmetry import SymmetryCoverageWarning
+
+    gap = "norm (LayerNorm) is not supported, so the units of conv2 are neither permuted, " \
+          "scaled nor sign-flipped"
+    real = collection.trace_structure
+
+    def with_gap(model, shape):
+        structure = real(model, shape)
+        structure.notes.append(gap)
+        structure.gaps.append(gap)
+        return structure
+
+    monkeypatch.setattr(collection, "trace_structure", with_gap)
+    with pytest.warns(SymmetryCoverageWarning, match="units of conv2"):
+        canonicalize_collection(twin_collections / "a.h5", twin_collections / "c.h5")
+    with open_zoo(twin_collections / "c.h5") as zoo:
+        assert zoo.annotations["not_removed"] == [gap]
+        assert zoo.annotations["flipped_variables"] == 0 and zoo.annotations["sign_rule"] is None

@@ -172,8 +172,11 @@ def test_unsupported_operations_are_reported():
     assert any("Tanh" in note for note in tanh.notes)
     assert [s.size for s in tanh.spaces if not s.fixed] == [5, 4]  # both permutable
     assert len(tanh.scalable()) == 1  # only the ReLU units
+    assert tanh.gaps == []  # tanh has no scalings to lose: nothing is left in place
     cat = symmetry_structure(CatNet(), CatNet().state_dict(), input_shape=(3,))
     assert any("cat" in note for note in cat.notes)
+    assert cat.gaps == ["cat (cat) is not supported, so the units of a, b are neither "
+                        "permuted, scaled nor sign-flipped"]
     assert cat.permutable() == []
 
 
@@ -241,6 +244,7 @@ def _close(a, b) -> bool:
                for k in a if a[k].is_floating_point())
 
 
+@pytest.mark.filterwarnings("ignore::posteriorzoo.symmetry.SymmetryCoverageWarning")
 @pytest.mark.parametrize("scaling", ["norm", "std", "minmass", "none"])
 @pytest.mark.parametrize("name,options", REGISTERED + [(n, {}) for n in CUSTOM])
 def test_symmetric_copies_have_one_canonical_form(name, options, scaling):

@@ -1,12 +1,15 @@
-"""Weight-space symmetries: permutations, positive scalings, the softmax shift.
+"""Weight-space symmetries: permutations, positive scalings, sign flips, the softmax shift.
 
 The structure of a network's symmetry group is derived by tracing it with torch.fx
-(:func:`symmetry_structure`), not from a list of architectures. :func:`random_symmetry`
-applies a random group element, for tests and for users checking their own models.
-The canonicalizer (sorting, scaling normalisation, min-mass) builds on these pieces:
-:func:`canonicalize` and :func:`min_mass` for one checkpoint, :func:`canonicalize_many`
-for a batch in memory, and :func:`canonicalize_collection` / :func:`min_mass_collection`
-for a whole collection file, all vectorised over the checkpoint axis.
+(:func:`symmetry_structure`), not from a list of architectures; which operations let
+which symmetries through is one table (:mod:`posteriorzoo.symmetry.operations`).
+:func:`random_symmetry` applies a random group element, for tests and for users checking
+their own models. The canonicalizer (scaling normalisation or min-mass, signs, sorting)
+builds on these pieces: :func:`canonicalize` and :func:`min_mass` for one checkpoint,
+:func:`canonicalize_many` for a batch in memory, and :func:`canonicalize_collection` /
+:func:`min_mass_collection` for a whole collection file, all vectorised over the
+checkpoint axis. Where an operation the tracer does not support leaves units untouched,
+the canonicalizers say so with a :class:`SymmetryCoverageWarning`.
 """
 
 from __future__ import annotations
@@ -33,17 +36,22 @@ from posteriorzoo.symmetry.minmass import (
     solve_min_mass,
     solve_min_mass_batch,
 )
+from posteriorzoo.symmetry.operations import OperationProperties, operation_properties
 from posteriorzoo.symmetry.structure import (
     ScaleVariable,
+    SignVariable,
+    SymmetryCoverageWarning,
     SymmetryStructure,
     TensorAxis,
     UnitSpace,
     trace_structure,
+    warn_coverage,
 )
 from posteriorzoo.symmetry.transform import (
     apply_symmetry,
     apply_symmetry_batch,
     sample_permutations,
+    sample_signs,
     stack_states,
 )
 
@@ -53,7 +61,10 @@ __all__ = [
     "MinMassBatch",
     "MinMassReport",
     "MinMassResult",
+    "OperationProperties",
     "ScaleVariable",
+    "SignVariable",
+    "SymmetryCoverageWarning",
     "SymmetryStructure",
     "TensorAxis",
     "UnitSpace",
@@ -67,13 +78,16 @@ __all__ = [
     "mass_problem",
     "min_mass",
     "min_mass_collection",
+    "operation_properties",
     "solve_min_mass",
     "solve_min_mass_batch",
     "stack_states",
     "random_symmetry",
     "resolve_model",
     "sample_permutations",
+    "sample_signs",
     "symmetry_structure",
+    "warn_coverage",
 ]
 
 
@@ -111,7 +125,8 @@ def _require_finite(state_dict: Mapping[str, torch.Tensor]) -> None:
 
 def canonicalize(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.Tensor],
                  permutation: str = "first", scaling: str = "norm", softmax: bool = True,
-                 solver: str = "fast", **options: Any) -> dict[str, torch.Tensor]:
+                 solver: str = "fast", signs: bool = True, **options: Any
+                 ) -> dict[str, torch.Tensor]:
     """The canonical form of a checkpoint: a new state_dict with the same keys and shapes.
 
     Parameters
@@ -131,26 +146,41 @@ def canonicalize(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.
         Shift the output biases to sum to zero.
     solver : {"fast", "cvxpy"}
         Min-mass solver (``scaling="minmass"`` only).
+    signs : bool
+        Remove the sign flips odd activations allow (tanh, sin, ...): each such unit's
+        incoming values are made to sum to a positive number (see
+        :mod:`posteriorzoo.symmetry.canonical`). Networks without them are unaffected.
+
+    Returns
+    -------
+    dict of str to tensor
+
+    Warns
+    -----
+    SymmetryCoverageWarning
+        When an operation the tracer does not support (LayerNorm, a concatenation, ...)
+        leaves units untouched; the message names the operation and the layers.
 
     Symmetric copies of one network map to the same canonical state_dict, and the
     canonical network computes the same function, both up to float rounding.
     """
     _require_finite(state_dict)
     structure = symmetry_structure(model_or_name, state_dict, **options)
+    warn_coverage(structure)
     return canonicalize_state(state_dict, structure, permutation, scaling, softmax,
-                              solver)[0]
+                              solver, signs)[0]
 
 
 def canonicalize_many(model_or_name: nn.Module | str,
                       states: Mapping[str, torch.Tensor | np.ndarray],
                       permutation: str = "first", scaling: str = "norm",
-                      softmax: bool = True, solver: str = "fast", **options: Any
-                      ) -> dict[str, torch.Tensor]:
+                      softmax: bool = True, solver: str = "fast", signs: bool = True,
+                      **options: Any) -> dict[str, torch.Tensor]:
     """:func:`canonicalize` for B checkpoints at once, vectorised over the checkpoint axis.
 
     ``states`` maps every state key to an array of shape (B, *shape) (e.g. one
     ``Zoo.layer(key)`` per key); the result has the same keys and shapes, in float64.
-    The structure is traced once.
+    The structure is traced once; warns like :func:`canonicalize`.
     """
     batch = {key: torch.as_tensor(value) for key, value in states.items()}
     _require_finite(batch)
@@ -158,7 +188,9 @@ def canonicalize_many(model_or_name: nn.Module | str,
              for key, value in batch.items()}
     structure = symmetry_structure(model_or_name, {k: v[0] for k, v in batch.items()},
                                    **options)
-    return canonicalize_batch(batch, structure, permutation, scaling, softmax, solver)[0]
+    warn_coverage(structure)
+    return canonicalize_batch(batch, structure, permutation, scaling, softmax, solver,
+                              signs)[0]
 
 
 def min_mass(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.Tensor],
@@ -177,12 +209,13 @@ def min_mass(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.Tens
 def random_symmetry(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.Tensor],
                     seed: int, scale_range: tuple[float, float] = (0.1, 10.0),
                     batchnorm_prescale: bool = True, softmax: bool = True,
-                    **options: Any) -> dict[str, torch.Tensor]:
+                    signs: bool = True, **options: Any) -> dict[str, torch.Tensor]:
     """Apply a random element of the network's symmetry group; returns a new state_dict.
 
     Permutations are uniform (block-structured around grouped convolutions); every
     scalable unit gets a log-uniform scale in ``scale_range``; the output biases are
-    shifted by a standard normal constant. ``batchnorm_prescale=False`` leaves out the
+    shifted by a standard normal constant; with ``signs``, every unit an odd activation
+    lets flip gets a uniformly random sign. ``batchnorm_prescale=False`` leaves out the
     scalings a BatchNorm's running statistics absorb (they are exact too: the running
     variance becomes ``lambda**2 * (var + eps) - eps``).
     """
@@ -196,4 +229,5 @@ def random_symmetry(model_or_name: nn.Module | str, state_dict: Mapping[str, tor
         if batchnorm_prescale or not structure.scales[index].through_batchnorm}
     permutations = sample_permutations(structure, rng)
     shift = float(rng.standard_normal()) if softmax else 0.0
-    return apply_symmetry(state_dict, structure, permutations, scales, shift)
+    flips = sample_signs(structure, rng) if signs else {}  # drawn last: old seeds still hold
+    return apply_symmetry(state_dict, structure, permutations, scales, shift, flips)

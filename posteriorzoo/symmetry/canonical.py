@@ -1,9 +1,22 @@
 """Canonical forms: one representative per symmetry orbit.
 
 The order is fixed: scalings first (so that sort keys do not depend on the input's
-scale), then the softmax shift, then permutations, each pass in the network's graph
-order so that a layer's incoming weights are already canonical when its own units are
-normalised or sorted. Every pass works on a batch ``{key: (B, *shape)}`` at once.
+scale), then signs, then the softmax shift, then permutations, each pass in the network's
+graph order so that a layer's incoming weights are already canonical when its own units
+are normalised, flipped or sorted. Every pass works on a batch ``{key: (B, *shape)}`` at
+once.
+
+**Sign rule.** Where an odd activation allows a unit's sign to be flipped (see
+:mod:`posteriorzoo.symmetry.structure`), the canonical sign makes the sum of the unit's
+incoming values positive: its weights over all its inputs (and kernel positions) plus its
+bias. That sum does not depend on the order of the inputs, and the inputs' scales and
+signs are already canonical when it is taken, so it depends only on the orbit. When it is
+zero (at most 1e-9 of the sum of absolute values), the sum of cubes decides, then the sum
+of fifth powers; a unit for which all three vanish (a dead unit, or incoming values that
+come in +/- pairs) keeps its sign and is reported in :attr:`CanonicalReport.sign_ties`.
+Under ``scaling="std"`` the units are first scaled to unit norm, then flipped, then
+scaled to unit standard deviation: a standard deviation changes when an input unit is
+flipped, a norm does not.
 
 ``scaling="minmass"`` first applies ``norm`` (which also fixes the scales a BatchNorm
 absorbs, on which the mass has no minimum) and then rescales to the minimum mass over the
@@ -20,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from posteriorzoo.errors import InvalidOptionError
-from posteriorzoo.symmetry.structure import ScaleVariable, SymmetryStructure
+from posteriorzoo.symmetry.structure import ScaleVariable, SignVariable, SymmetryStructure
 from posteriorzoo.symmetry.transform import State, apply_symmetry_batch
 
 PERMUTATION_KEYS = ("first", "max", "none")
@@ -33,7 +46,9 @@ class CanonicalReport:
 
     ``dead_units`` lists ``(scale variable, unit)`` pairs for one checkpoint, or
     ``(checkpoint, scale variable, unit)`` triples for a batch: units with no incoming
-    weights, left at scale 1.
+    weights, left at scale 1. ``sign_ties`` lists ``(sign variable, unit)`` (or
+    ``(checkpoint, sign variable, unit)``): units whose sign the rule cannot decide (see
+    the module docstring), left as they are.
     """
 
     permutation: str
@@ -41,12 +56,14 @@ class CanonicalReport:
     softmax: bool
     dead_units: list[tuple[int, ...]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    signs: bool = True
+    sign_ties: list[tuple[int, ...]] = field(default_factory=list)
 
 
-def _unit_rows(states: Mapping[str, torch.Tensor], variable: ScaleVariable, size: int
-               ) -> torch.Tensor | None:
+def _unit_rows(states: Mapping[str, torch.Tensor], variable: ScaleVariable | SignVariable,
+               size: int) -> torch.Tensor | None:
     """Each unit's incoming values, (B, size, k): the rows of the writers that scale
-    exactly by lambda.
+    exactly by lambda (or flip exactly with the sign).
 
     A tensor that also reads the same variable (a layer inside its own residual stream)
     scales by lambda_i / lambda_j, not by lambda_i, so it does not define the scale.
@@ -75,6 +92,33 @@ def canonical_scales(states: State, structure: SymmetryStructure, method: str,
         report.dead_units += [(int(b), index, int(unit)) for b, unit in dead.nonzero().tolist()]
         factors = torch.where(dead, 1.0, 1.0 / torch.where(dead, 1.0, spread))
         states = apply_symmetry_batch(states, structure, scales={index: factors})
+    return states
+
+
+#: A sum of odd powers counts as zero below this fraction of the sum of absolute powers.
+SIGN_TOLERANCE = 1e-9
+
+
+def canonical_signs(states: State, structure: SymmetryStructure, report: CanonicalReport
+                    ) -> State:
+    """Flip every flippable unit so that the sum of its incoming values is positive (ties:
+    sums of cubes, then of fifth powers), variable by variable in graph order."""
+    for index in structure.flippable():
+        variable = structure.signs[index]
+        rows = _unit_rows(states, variable, structure.spaces[variable.space].size)
+        if rows is None:
+            continue
+        rows = rows.double()
+        signs = torch.zeros(rows.shape[:2], dtype=torch.float64)
+        for power in (1, 3, 5):
+            moment = (rows ** power).sum(dim=2)
+            decided = (signs == 0) & (moment.abs() > SIGN_TOLERANCE
+                                      * (rows.abs() ** power).sum(dim=2))
+            signs = torch.where(decided, torch.sign(moment), signs)
+        tied = signs == 0
+        report.sign_ties += [(int(b), index, int(unit)) for b, unit in tied.nonzero().tolist()]
+        states = apply_symmetry_batch(states, structure,
+                                      signs={index: torch.where(tied, 1.0, signs)})
     return states
 
 
@@ -138,20 +182,33 @@ def check_options(permutation: str, scaling: str, solver: str = "fast") -> None:
 
 def canonicalize_batch(states: Mapping[str, torch.Tensor], structure: SymmetryStructure,
                        permutation: str = "first", scaling: str = "norm",
-                       softmax: bool = True, solver: str = "fast"
+                       softmax: bool = True, solver: str = "fast", signs: bool = True
                        ) -> tuple[State, CanonicalReport]:
-    """Canonical forms of a batch ``{key: (B, *shape)}``; dead units reported as
-    ``(checkpoint, variable, unit)``. ``solver`` is used by ``scaling="minmass"`` only."""
+    """Canonical forms of a batch ``{key: (B, *shape)}``; dead units and sign ties reported
+    as ``(checkpoint, variable, unit)``. ``solver`` is used by ``scaling="minmass"`` only;
+    ``signs=False`` leaves the sign flips of odd activations in place."""
     check_options(permutation, scaling, solver)
-    report = CanonicalReport(permutation, scaling, softmax, notes=list(structure.notes))
+    report = CanonicalReport(permutation, scaling, softmax, notes=list(structure.notes),
+                             signs=signs)
+    flip = signs and bool(structure.flippable())
     result = dict(states)
-    if scaling != "none":
+    late_std = flip and scaling == "std"
+    if late_std:
+        # A standard deviation changes when an input unit flips: norm first, for the sign
+        # rule, and std after it (its dead units are the ones reported).
+        result = canonical_scales(result, structure, "norm",
+                                  CanonicalReport(permutation, scaling, softmax))
+    elif scaling != "none":
         result = canonical_scales(result, structure, "std" if scaling == "std" else "norm",
                                   report)
     if scaling == "minmass":
         from posteriorzoo.symmetry.minmass import solve_min_mass_batch
 
         result = solve_min_mass_batch(result, structure, solver).states
+    if flip:
+        result = canonical_signs(result, structure, report)
+    if late_std:
+        result = canonical_scales(result, structure, "std", report)
     if softmax and structure.output_bias is not None:
         bias = result[structure.output_bias]
         result[structure.output_bias] = bias - bias.mean(dim=1, keepdim=True)
@@ -163,13 +220,15 @@ def canonicalize_batch(states: Mapping[str, torch.Tensor], structure: SymmetrySt
 
 def canonicalize_state(state: Mapping[str, torch.Tensor], structure: SymmetryStructure,
                        permutation: str = "first", scaling: str = "norm",
-                       softmax: bool = True, solver: str = "fast"
+                       softmax: bool = True, solver: str = "fast", signs: bool = True
                        ) -> tuple[State, CanonicalReport]:
     """The canonical form of one checkpoint under ``structure``'s symmetries, and a report
-    whose dead units are ``(variable, unit)`` pairs."""
+    whose dead units and sign ties are ``(variable, unit)`` pairs."""
     batch, report = canonicalize_batch({key: value[None] for key, value in state.items()},
-                                       structure, permutation, scaling, softmax, solver)
+                                       structure, permutation, scaling, softmax, solver,
+                                       signs)
     report.dead_units = [unit[1:] for unit in report.dead_units]
+    report.sign_ties = [unit[1:] for unit in report.sign_ties]
     return {key: value[0] for key, value in batch.items()}, report
 
 

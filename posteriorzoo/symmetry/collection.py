@@ -21,7 +21,7 @@ from posteriorzoo.models import build, input_shape
 from posteriorzoo.outputs import check_output
 from posteriorzoo.symmetry.canonical import canonicalize_batch, check_options
 from posteriorzoo.symmetry.minmass import MinMassBatch, mass_problem, solve_min_mass_batch
-from posteriorzoo.symmetry.structure import SymmetryStructure, trace_structure
+from posteriorzoo.symmetry.structure import SymmetryStructure, trace_structure, warn_coverage
 from posteriorzoo.zoo import Zoo, create_zoo, open_zoo
 from posteriorzoo.zoo.schema import decode
 
@@ -124,7 +124,8 @@ def logit_change(model: torch.nn.Module, shape: tuple[int, ...], before: dict,
 
 def canonicalize_collection(source: str | os.PathLike, target: str | os.PathLike, *,
                             permutation: str = "first", scaling: str = "norm",
-                            softmax: bool = True, solver: str = "fast", n_verify: int = 0,
+                            softmax: bool = True, solver: str = "fast", signs: bool = True,
+                            n_verify: int = 0,
                             seed: int = 0, batch_size: int | None = None,
                             verify: bool = True, overwrite: bool = False,
                             progress: bool = False, command: str | None = None
@@ -140,6 +141,10 @@ def canonicalize_collection(source: str | os.PathLike, target: str | os.PathLike
     :data:`VERIFY_TOLERANCE` relative). Checkpoints with NaN or infinite weights, which a
     collection holds only flagged as diverged, have no canonical form: they are copied
     unchanged, still flagged, and counted in :attr:`CanonicalizeSummary.copied_unchanged`.
+    ``signs`` removes the sign flips odd activations allow (see
+    :mod:`posteriorzoo.symmetry.canonical`); a :class:`SymmetryCoverageWarning` names the
+    units an unsupported operation leaves untouched (also in the ``not_removed``
+    annotation).
 
     ``verify`` (default True) checks every source checkpoint's SHA-256 as it is read and
     refuses a corrupt source. The target is built under a temporary name and appears only
@@ -155,12 +160,17 @@ def canonicalize_collection(source: str | os.PathLike, target: str | os.PathLike
     with open_zoo(source, verify=verify) as zoo:
         model, shape = _model(zoo)
         structure = trace_structure(model, shape)
+        warn_coverage(structure)
+        flips = signs and bool(structure.flippable())
         annotations = {"canonicalized_from": source.name, "permutation": permutation,
                        "scaling": scaling, "solver": solver if scaling == "minmass" else None,
                        "softmax": softmax,
                        "softmax_rule": "output biases sum to zero" if softmax else None,
                        "permuted_spaces": len(structure.permutable()),
                        "scaled_variables": len(structure.scalable()),
+                       "flipped_variables": len(structure.flippable()) if signs else 0,
+                       "sign_rule": "incoming weights and bias of each flippable unit sum "
+                                    "to a positive number" if flips else None,
                        "not_removed": structure.notes,
                        "dead_units": "units without incoming weights keep scale 1",
                        "non_finite": "checkpoints with NaN or infinite weights (flagged "
@@ -183,7 +193,7 @@ def canonicalize_collection(source: str | os.PathLike, target: str | os.PathLike
                      disable=not progress) as bar:
             for start, block, batch, non_finite in _batches(zoo, batch_size):
                 canonical, report = canonicalize_batch(batch, structure, permutation,
-                                                       scaling, softmax, solver)
+                                                       scaling, softmax, solver, signs)
                 dead += sum(1 for unit in report.dead_units if not non_finite[unit[0]])
                 size = len(non_finite)
                 stored = [{key: block[key][b] for key in block} if non_finite[b] else

@@ -1,117 +1,74 @@
 """The weight-space symmetry structure of a network, derived by tracing it with torch.fx.
 
-Two kinds of objects are found:
+Three kinds of objects are found:
 
 - **Unit spaces** (permutations). A unit space is a set of channels (conv output
   channels, dense units) that one permutation must reorder everywhere at once: on the
   output axis of every tensor that *writes* them (weights, biases, BatchNorm parameters
-  and statistics) and on the input axis of every tensor that *reads* them. Layers that
-  write into the same residual stream are tied into one space by the additions.
-  The network's input and output spaces are fixed.
+  and statistics, per-channel PReLU slopes) and on the input axis of every tensor that
+  *reads* them. Layers that write into the same residual stream are tied into one space
+  by the additions. The network's input and output spaces are fixed.
 - **Scale variables** (positive scalings). A scale variable multiplies what a set of
   writers produces by lambda > 0 per unit; its readers then divide by lambda. It exists
   only where everything between writers and readers is positively homogeneous (ReLU,
-  max/average pooling, dropout, flatten, additions). A BatchNorm normalises away the scale
+  LeakyReLU, PReLU, max/average pooling, dropout, flatten, additions; the table is in
+  :mod:`posteriorzoo.symmetry.operations`). A BatchNorm normalises away the scale
   of its input: the writers of that input get a scale variable read by the BatchNorm's
   running mean (times lambda) and variance (``lambda**2 * (var + eps) - eps``, so that
   the normalisation is exactly the same) instead of by a next layer. The BatchNorm's own
-  weight and bias
-  start a new scale variable.
+  weight and bias start a new scale variable.
+- **Sign variables** (sign flips). Where everything between writers and readers is odd
+  (tanh, sin, softsign, symmetric hardtanh, linear operations, additions), multiplying
+  a unit's incoming weights and bias and its outgoing weights by -1 keeps the function.
+  A sign variable is laid out like a scale variable, with values in {+1, -1}; units with
+  both (a linear activation) may be multiplied by any nonzero real, sign times scale.
+  A BatchNorm could absorb its input's sign too (negating its running mean and its
+  weight); that flip is not used, so that networks without odd activations keep exactly
+  their former canonical forms: a BatchNorm fixes its input's sign, and its weight and
+  bias start a new sign variable.
 
 Anything the tracer does not recognise makes the spaces and variables it touches fixed,
-and is reported in :attr:`SymmetryStructure.notes`: what is removed is valid, and what is
-not removed is said.
+and is reported in :attr:`SymmetryStructure.gaps` (also in :attr:`SymmetryStructure.notes`,
+which holds the informational notes too): what is removed is valid, and what is not
+removed is said. :func:`warn_coverage` turns the gaps into a
+:class:`SymmetryCoverageWarning`.
 """
 
 from __future__ import annotations
 
+import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.symmetry.operations import (
+    OperationProperties,
+    is_prelu,
+    label,
+    operation_properties,
+    prelu_slope,
+)
+from posteriorzoo.symmetry.structure_types import (
+    ScaleVariable,
+    SignVariable,
+    SymmetryCoverageWarning,
+    SymmetryStructure,
+    TensorAxis,
+    UnitSpace,
+    warn_coverage,
+)
 
-_HOMOGENEOUS = (nn.ReLU, nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d,
-                nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.Dropout, nn.Identity,
-                nn.Flatten)
-_HOMOGENEOUS_FUNCTIONS = {torch.relu, torch.nn.functional.relu, torch.flatten,
-                          torch.nn.functional.max_pool2d, torch.nn.functional.avg_pool2d,
-                          torch.nn.functional.adaptive_avg_pool2d,
-                          torch.nn.functional.dropout}
+__all__ = ["ScaleVariable", "SignVariable", "SymmetryCoverageWarning", "SymmetryStructure",
+           "TensorAxis", "UnitSpace", "trace_structure", "warn_coverage"]
+
+_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Linear)
+_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d)
 _ADD = {operator.add, operator.iadd, torch.add}
-_PASSTHROUGH_METHODS = {"relu", "relu_", "flatten", "view", "reshape"}
-
-
-@dataclass(frozen=True)
-class TensorAxis:
-    """One axis of one state tensor, indexed by the units of a space.
-
-    ``block``: each unit owns ``block`` consecutive entries (a flattened C x H x W input
-    read by a dense layer). ``groups``: the tensor is a grouped convolution's weight read
-    on its input axis, whose entries are local to each of ``groups`` blocks. ``power``:
-    how the tensor scales with the unit's scale (1 for weights, 2 for a running variance,
-    -1 for readers). ``epsilon``: a BatchNorm's epsilon, for its running variance, which
-    maps to ``lambda**2 * (var + eps) - eps`` so that ``sqrt(var + eps)`` scales exactly
-    by lambda (for ``lambda**2 < eps / (var + eps)`` the stored value is negative, which
-    BatchNorm accepts: it only uses ``var + eps``, still positive).
-    """
-
-    key: str
-    axis: int
-    block: int = 1
-    groups: int = 1
-    power: int = 1
-    epsilon: float = 0.0
-
-
-@dataclass
-class UnitSpace:
-    """Units that one permutation reorders everywhere (see the module docstring)."""
-
-    size: int
-    writers: list[TensorAxis] = field(default_factory=list)
-    readers: list[TensorAxis] = field(default_factory=list)
-    fixed: bool = False
-    #: grouped convolutions this space feeds (in) or leaves (out): (layer, groups).
-    group_constraints: list[tuple[str, str, int]] = field(default_factory=list)
-
-
-@dataclass
-class ScaleVariable:
-    """Units whose writers may be multiplied by lambda > 0 and readers divided by it."""
-
-    space: int
-    writers: list[TensorAxis] = field(default_factory=list)
-    readers: list[TensorAxis] = field(default_factory=list)
-    fixed: bool = False
-    through_batchnorm: bool = False
-
-
-@dataclass
-class SymmetryStructure:
-    """Unit spaces, scale variables, the softmax bias, and what could not be handled."""
-
-    spaces: list[UnitSpace]
-    scales: list[ScaleVariable]
-    output_bias: str | None
-    notes: list[str]
-
-    def permutable(self) -> list[int]:
-        """Indices of the spaces that may be permuted."""
-        return [i for i, space in enumerate(self.spaces) if not space.fixed and space.size > 1]
-
-    def fixed_group_layers(self) -> set[str]:
-        """Grouped layers with a fixed space on either side: their groups may not be swapped."""
-        return {layer for space in self.spaces if space.fixed
-                for layer, _, _ in space.group_constraints}
-
-    def scalable(self) -> list[int]:
-        """Indices of the scale variables that may be scaled."""
-        return [i for i, var in enumerate(self.scales)
-                if not var.fixed and not self.spaces[var.space].fixed and var.readers]
+_KINDS = ("space", "scale", "sign")
 
 
 class _UnionFind:
@@ -137,11 +94,20 @@ class _UnionFind:
 
 @dataclass
 class _Flow:
-    """What a traced value carries: its unit space and scale variable (raw ids)."""
+    """What a traced value carries: raw ids of its unit space, scale and sign variables,
+    the entries per unit, and the bias whose shift (the softmax symmetry) reaches it as
+    one constant added to every channel."""
 
     space: int
     scale: int
+    sign: int
     block: int = 1
+    bias: str | None = None
+
+
+def _shape(meta: object) -> tuple[int, ...] | None:
+    shape = getattr(meta, "shape", None)  # a tuple of outputs has no single shape
+    return tuple(int(size) for size in shape) if shape is not None else None
 
 
 def _example_input(model: nn.Module, input_shape: tuple[int, ...]) -> torch.Tensor:
@@ -150,193 +116,265 @@ def _example_input(model: nn.Module, input_shape: tuple[int, ...]) -> torch.Tens
 
 
 def trace_structure(model: nn.Module, input_shape: tuple[int, ...]) -> SymmetryStructure:
-    """Derive the symmetry structure of ``model`` for inputs of shape ``input_shape``."""
+    """Derive the symmetry structure of ``model`` for inputs of shape ``input_shape``.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A module torch.fx can trace.
+    input_shape : tuple of int
+        One input's shape, without the batch axis.
+
+    Returns
+    -------
+    SymmetryStructure
+    """
     try:
         graph = fx.symbolic_trace(model)
     except Exception as error:  # torch.fx raises many kinds on untraceable code
         raise InvalidOptionError(f"cannot trace the model with torch.fx: {error}") from None
     ShapeProp(graph).propagate(_example_input(model, input_shape))
-    spaces, scales = _UnionFind(), _UnionFind()
-    sizes: dict[int, int] = {}
-    writers: dict[str, list[tuple[int, TensorAxis]]] = {"space": [], "scale": []}
-    readers: dict[str, list[tuple[int, TensorAxis]]] = {"space": [], "scale": []}
-    fixed_spaces: set[int] = set()
-    fixed_scales: set[int] = set()
-    group_constraints: list[tuple[int, str, str, int]] = []
-    batchnorm_scales: set[int] = set()
-    notes: list[str] = []
+    tracer = _Tracer()
     flows: dict[fx.Node, _Flow] = {}
     modules = dict(graph.named_modules())
-    bias_of_space: dict[int, str] = {}
-    output_bias = None
-
-    scale_home: dict[int, int] = {}
-
-    def new_scale(space: int) -> int:
-        scale = scales.new()
-        scale_home[scale] = space
-        return scale
-
-    def fresh(size: int) -> _Flow:
-        space = spaces.new()
-        sizes[space] = size
-        return _Flow(space, new_scale(space))
-
-    def write(flow: _Flow, key: str, power: int = 1, scale: bool = True) -> None:
-        writers["space"].append((flow.space, TensorAxis(key, 0)))
-        if scale:
-            writers["scale"].append((flow.scale, TensorAxis(key, 0, power=power)))
-
     for node in graph.graph.nodes:
-        meta = node.meta.get("tensor_meta")
-        channels = int(meta.shape[1]) if meta is not None and len(meta.shape) > 1 else 0
-        inputs = [flows[arg] for arg in node.all_input_nodes if arg in flows]
+        module = modules.get(node.target) if node.op == "call_module" else None
+        sources = [arg for arg in node.all_input_nodes if arg in flows]
+        flow = tracer.visit(node, module, sources, [flows[arg] for arg in sources])
+        if flow is not None:
+            flows[node] = flow
+    return tracer.assemble()
+
+
+class _Tracer:
+    """Raw ids (merged by union-find) and the tensors that write and read them."""
+
+    def __init__(self) -> None:
+        self.union = {kind: _UnionFind() for kind in _KINDS}
+        self.home: dict[str, dict[int, int]] = {"scale": {}, "sign": {}}
+        self.sizes: dict[int, int] = {}
+        self.origin: dict[int, str] = {}
+        self.writers: dict[str, list[tuple[int, TensorAxis]]] = {kind: [] for kind in _KINDS}
+        self.readers: dict[str, list[tuple[int, TensorAxis]]] = {kind: [] for kind in _KINDS}
+        self.fixed: dict[str, set[int]] = {kind: set() for kind in _KINDS}
+        self.group_constraints: list[tuple[int, str, str, int]] = []
+        self.batchnorm_scales: set[int] = set()
+        self.inputs: set[int] = set()
+        self.notes: list[str] = []
+        self.gaps: list[tuple[str, list[int]]] = []
+        self.output_bias: str | None = None
+
+    # ------------------------------------------------------------ raw ids
+    def variable(self, kind: str, space: int) -> int:
+        raw = self.union[kind].new()
+        self.home[kind][raw] = space
+        return raw
+
+    def fresh(self, size: int, origin: str) -> _Flow:
+        space = self.union["space"].new()
+        self.sizes[space], self.origin[space] = size, origin
+        return _Flow(space, self.variable("scale", space), self.variable("sign", space))
+
+    def fix(self, flow: _Flow, kinds: tuple[str, ...] = _KINDS) -> None:
+        for kind in kinds:
+            self.fixed[kind].add(getattr(flow, kind))
+
+    def write(self, flow: _Flow, key: str) -> None:
+        for kind in _KINDS:
+            self.writers[kind].append((getattr(flow, kind), TensorAxis(key, 0)))
+
+    def read(self, flow: _Flow, key: str, groups: int) -> None:
+        self.readers["space"].append((flow.space, TensorAxis(key, 1, flow.block, groups)))
+        for kind in ("scale", "sign"):
+            self.readers[kind].append((getattr(flow, kind),
+                                       TensorAxis(key, 1, flow.block, groups, power=-1)))
+
+    # ------------------------------------------------------------ nodes
+    def visit(self, node: fx.Node, module: nn.Module | None, sources: list[fx.Node],
+              inputs: list[_Flow]) -> _Flow | None:
+        shape = _shape(node.meta.get("tensor_meta"))
+        channels = shape[1] if shape is not None and len(shape) > 1 else 0
         if node.op == "placeholder":
-            flows[node] = fresh(channels)
-            fixed_spaces.add(flows[node].space)
-            fixed_scales.add(flows[node].scale)
-            continue
+            flow = self.fresh(channels, node.name)
+            self.fix(flow)
+            self.inputs.add(flow.space)
+            return flow
         if node.op == "output":
             for flow in inputs:
-                fixed_spaces.add(flow.space)
-                fixed_scales.add(flow.scale)
-                output_bias = bias_of_space.get(flow.space, output_bias)
-            continue
+                self.fix(flow)
+                self.output_bias = flow.bias or self.output_bias
+            return None
         if node.op == "get_attr":
-            notes.append(f"{node.target}: a tensor used directly in the graph; its uses are fixed")
-            continue
-        module = modules.get(node.target) if node.op == "call_module" else None
-        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Linear)) and len(inputs) == 1:
-            source = inputs[0]
-            groups = getattr(module, "groups", 1)
-            reader = TensorAxis(f"{node.target}.weight", 1, block=source.block, groups=groups)
-            readers["space"].append((source.space, reader))
-            readers["scale"].append((source.scale, TensorAxis(reader.key, 1, source.block,
-                                                              groups, power=-1)))
-            flow = fresh(channels)
-            write(flow, f"{node.target}.weight")
-            if module.bias is not None:
-                write(flow, f"{node.target}.bias")
-                bias_of_space[flow.space] = f"{node.target}.bias"
-            if groups > 1:
-                group_constraints.append((source.space, node.target, "in", groups))
-                group_constraints.append((flow.space, node.target, "out", groups))
-            flows[node] = flow
-        elif isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d)) and len(inputs) == 1:
-            source = inputs[0]
-            name = node.target
-            # The input's scale is normalised away: the running statistics read it.
-            readers["scale"].append((source.scale, TensorAxis(f"{name}.running_mean", 0,
-                                                              power=1)))
-            readers["scale"].append((source.scale, TensorAxis(f"{name}.running_var", 0,
-                                                              power=2, epsilon=module.eps)))
-            batchnorm_scales.add(source.scale)
-            flow = _Flow(source.space, new_scale(source.space))
-            writers["space"] += [(source.space, TensorAxis(f"{name}.{suffix}", 0))
-                                 for suffix in ("running_mean", "running_var")]
-            if module.affine:
-                write(flow, f"{name}.weight")
-                write(flow, f"{name}.bias")
-            else:
-                fixed_scales.add(flow.scale)
-            flows[node] = flow
-        elif (isinstance(module, _HOMOGENEOUS) or node.target in _HOMOGENEOUS_FUNCTIONS
-              or (node.op == "call_method" and node.target in _PASSTHROUGH_METHODS)):
-            flows[node] = _passthrough(node, inputs, meta)
-        elif node.target in _ADD and len(inputs) == 2:
-            space = spaces.union(inputs[0].space, inputs[1].space)
-            scale = scales.union(inputs[0].scale, inputs[1].scale)
-            flows[node] = _Flow(space, scale, inputs[0].block)
-        elif inputs:
-            label = type(module).__name__ if module is not None else str(node.target)
-            # A permutation still commutes with any elementwise activation, but a scaling
-            # does not; anything else fixes both.
-            if module is not None and _elementwise(module):
-                notes.append(f"{node.name} ({label}): not positively homogeneous; "
-                             "units before it are permuted but not scaled")
-                for flow in inputs:
-                    fixed_scales.add(flow.scale)
-                flow = _Flow(inputs[0].space, new_scale(inputs[0].space), inputs[0].block)
-                fixed_scales.add(flow.scale)
-                flows[node] = flow
-            else:
-                notes.append(f"{node.name} ({label}): unsupported operation; the units "
-                             "around it are neither permuted nor scaled")
-                for flow in inputs:
-                    fixed_spaces.add(flow.space)
-                    fixed_scales.add(flow.scale)
-                if meta is not None:
-                    flow = fresh(channels)
-                    fixed_spaces.add(flow.space)
-                    fixed_scales.add(flow.scale)
-                    flows[node] = flow
-    return _assemble(spaces, scales, sizes, scale_home, writers, readers, fixed_spaces,
-                     fixed_scales, group_constraints, batchnorm_scales, output_bias, notes)
+            # A PReLU's slope read by F.prelu is handled with the PReLU.
+            if not all(is_prelu(user) and node not in user.args[:1] for user in node.users):
+                self.notes.append(f"{node.target}: a tensor used directly in the graph; "
+                                  "its uses are fixed")
+            return None
+        if isinstance(module, _LAYERS) and len(inputs) == 1:
+            return self.layer(node, module, inputs[0], channels)
+        if isinstance(module, _BATCHNORMS) and len(inputs) == 1:
+            return self.batchnorm(str(node.target), module, inputs[0])
+        if node.target in _ADD and len(inputs) == 2:
+            first, second = inputs
+            return _Flow(self.union["space"].union(first.space, second.space),
+                         self.union["scale"].union(first.scale, second.scale),
+                         self.union["sign"].union(first.sign, second.sign), first.block,
+                         first.bias or second.bias)  # a shift of either summand shifts the sum
+        properties = operation_properties(node, module)
+        if properties is not None and len(inputs) == 1:
+            flow = self.channelwise(node, module, inputs[0], properties,
+                                    _shape(sources[0].meta.get("tensor_meta")), shape)
+            if flow is not None:
+                return flow
+        if not inputs:
+            return None
+        self.gaps.append((f"{node.name} ({label(node, module)})", [f.space for f in inputs]))
+        for flow in inputs:
+            self.fix(flow)
+        if shape is None:
+            return None
+        flow = self.fresh(channels, node.name)
+        self.fix(flow)
+        return flow
 
+    def layer(self, node: fx.Node, module: nn.Module, source: _Flow, channels: int) -> _Flow:
+        groups = getattr(module, "groups", 1)
+        self.read(source, f"{node.target}.weight", groups)
+        flow = self.fresh(channels, node.name)
+        self.write(flow, f"{node.target}.weight")
+        if module.bias is not None:
+            self.write(flow, f"{node.target}.bias")
+            flow.bias = f"{node.target}.bias"
+        if groups > 1:
+            self.group_constraints.append((source.space, str(node.target), "in", groups))
+            self.group_constraints.append((flow.space, str(node.target), "out", groups))
+        return flow
 
-def _elementwise(module: nn.Module) -> bool:
-    return isinstance(module, (nn.Tanh, nn.Sigmoid, nn.GELU, nn.ELU, nn.SiLU, nn.LeakyReLU,
-                               nn.Softplus, nn.Hardtanh))
+    def batchnorm(self, name: str, module: nn.Module, source: _Flow) -> _Flow:
+        # The input's scale is normalised away: the running statistics read it.
+        self.readers["scale"].append((source.scale, TensorAxis(f"{name}.running_mean", 0)))
+        self.readers["scale"].append((source.scale, TensorAxis(
+            f"{name}.running_var", 0, power=2, epsilon=module.eps)))
+        self.batchnorm_scales.add(source.scale)
+        self.fixed["sign"].add(source.sign)  # see the module docstring
+        flow = _Flow(source.space, self.variable("scale", source.space),
+                     self.variable("sign", source.space))
+        self.writers["space"] += [(source.space, TensorAxis(f"{name}.{suffix}", 0))
+                                  for suffix in ("running_mean", "running_var")]
+        if module.affine:
+            self.write(flow, f"{name}.weight")
+            self.write(flow, f"{name}.bias")
+        else:
+            self.fix(flow, ("scale", "sign"))
+        return flow
 
+    def channelwise(self, node: fx.Node, module: nn.Module | None, source: _Flow,
+                    properties: OperationProperties, before: tuple[int, ...] | None,
+                    after: tuple[int, ...] | None) -> _Flow | None:
+        """The flow after a table operation, or None where it moves channels around."""
+        if before is None or after is None or len(before) < 2 or len(after) < 2:
+            return None
+        if after[1] == before[1]:
+            block = source.block
+        elif len(after) == 2 and after[1] == math.prod(before[1:]):
+            # a flatten: each channel becomes a block of its spatial positions
+            block = source.block * math.prod(before[2:])
+        else:
+            return None
+        flow = _Flow(source.space, source.scale, source.sign, block,
+                     source.bias if properties.shift else None)
+        if is_prelu(node, module):
+            slope = prelu_slope(node, module)
+            if slope is None or slope[1] not in (1, before[1]):
+                return None
+            if slope[1] > 1:  # one slope per channel: permuted with the channel
+                self.writers["space"].append((source.space,
+                                              TensorAxis(slope[0], 0, block=source.block)))
+        for kind, kept in (("scale", properties.homogeneous), ("sign", properties.odd)):
+            if not kept:  # the units before it keep their scale (sign); so do those after
+                self.fixed[kind].add(getattr(source, kind))
+                setattr(flow, kind, self.variable(kind, source.space))
+                self.fixed[kind].add(getattr(flow, kind))
+        if not properties.homogeneous:
+            kept = "permuted and sign-flipped" if properties.odd else "permuted"
+            lost = "scaled" if properties.odd else "scaled or sign-flipped"
+            what = "odd but not positively homogeneous" if properties.odd else \
+                "neither positively homogeneous nor odd"
+            self.notes.append(f"{node.name} ({label(node, module)}): {what}; the units "
+                              f"before it are {kept}, not {lost}")
+        return flow
 
-def _passthrough(node: fx.Node, inputs: list[_Flow], meta: object) -> _Flow:
-    source = inputs[0]
-    input_meta = node.all_input_nodes[0].meta.get("tensor_meta")
-    block = source.block
-    if input_meta is not None and meta is not None and len(input_meta.shape) > len(meta.shape):
-        # flatten: each channel becomes a block of its spatial positions
-        spatial = 1
-        for size in input_meta.shape[2:]:
-            spatial *= int(size)
-        block = source.block * spatial
-    return _Flow(source.space, source.scale, block)
+    # ------------------------------------------------------------ result
+    def assemble(self) -> SymmetryStructure:
+        find = self.union["space"].find
+        space_ids: dict[int, int] = {}
+        spaces: list[UnitSpace] = []
+        for raw in sorted(self.sizes):
+            root = find(raw)
+            if root not in space_ids:
+                space_ids[root] = len(spaces)
+                spaces.append(UnitSpace(self.sizes[root]))
+        for raw in self.fixed["space"]:
+            spaces[space_ids[find(raw)]].fixed = True
+        for raw, axis in self.writers["space"]:
+            _append_unique(spaces[space_ids[find(raw)]].writers, axis)
+        for raw, axis in self.readers["space"]:
+            _append_unique(spaces[space_ids[find(raw)]].readers, axis)
+        for raw, layer, side, groups in self.group_constraints:
+            spaces[space_ids[find(raw)]].group_constraints.append((layer, side, groups))
+        scales, scale_ids = self.variables("scale", ScaleVariable, space_ids)
+        for raw in self.batchnorm_scales:
+            scales[scale_ids[self.union["scale"].find(raw)]].through_batchnorm = True
+        signs, _ = self.variables("sign", SignVariable, space_ids)
+        notes, gaps = list(self.notes), []
+        for name, raws in self.gaps:
+            text, lost = self.gap(name, raws, spaces, space_ids)
+            notes.append(text)
+            if lost:
+                gaps.append(text)
+        return SymmetryStructure(spaces, scales, self.output_bias, notes, signs, gaps)
 
+    def variables(self, kind: str, factory: type, space_ids: dict[int, int]
+                  ) -> tuple[list, dict[int, int]]:
+        """Scale or sign variables, numbered in graph order, and their ids by root."""
+        union, find_space = self.union[kind], self.union["space"].find
+        ids: dict[int, int] = {}
+        result: list = []
 
-def _assemble(spaces: _UnionFind, scales: _UnionFind, sizes: dict[int, int],
-              scale_home: dict[int, int], writers: dict, readers: dict,
-              fixed_spaces: set[int], fixed_scales: set[int],
-              group_constraints: list, batchnorm_scales: set[int], output_bias: str | None,
-              notes: list[str]) -> SymmetryStructure:
-    space_ids: dict[int, int] = {}
-    result_spaces: list[UnitSpace] = []
-    for raw in sorted(sizes):
-        root = spaces.find(raw)
-        if root not in space_ids:
-            space_ids[root] = len(result_spaces)
-            result_spaces.append(UnitSpace(sizes[root]))
-    for raw in fixed_spaces:
-        result_spaces[space_ids[spaces.find(raw)]].fixed = True
-    for raw, axis in writers["space"]:
-        _append_unique(result_spaces[space_ids[spaces.find(raw)]].writers, axis)
-    for raw, axis in readers["space"]:
-        _append_unique(result_spaces[space_ids[spaces.find(raw)]].readers, axis)
-    for raw, layer, side, groups in group_constraints:
-        result_spaces[space_ids[spaces.find(raw)]].group_constraints.append((layer, side, groups))
+        def variable(raw: int):
+            root = union.find(raw)
+            if root not in ids:  # a variable belongs to the space of its first tensor
+                ids[root] = len(result)
+                result.append(factory(space_ids[find_space(self.home[kind][raw])]))
+            return result[ids[root]]
 
-    # a scale variable belongs to the space of the tensors that write it
-    scale_ids: dict[int, int] = {}
-    result_scales: list[ScaleVariable] = []
+        for raw, axis in self.writers[kind]:
+            _append_unique(variable(raw).writers, axis)
+        for raw, axis in self.readers[kind]:
+            _append_unique(variable(raw).readers, axis)
+        fixed_roots = {union.find(raw) for raw in self.fixed[kind]}
+        for root, index in ids.items():
+            if root in fixed_roots or not result[index].writers:
+                result[index].fixed = True
+        return result, ids
 
-    def variable(raw: int) -> ScaleVariable:
-        root = scales.find(raw)
-        if root not in scale_ids:
-            scale_ids[root] = len(result_scales)
-            result_scales.append(ScaleVariable(space_ids[spaces.find(scale_home[raw])]))
-        return result_scales[scale_ids[root]]
-
-    for raw, axis in writers["scale"]:
-        _append_unique(variable(raw).writers, axis)
-    for raw, axis in readers["scale"]:
-        target = variable(raw)
-        _append_unique(target.readers, axis)
-        if scales.find(raw) in {scales.find(b) for b in batchnorm_scales}:
-            target.through_batchnorm = True
-    fixed_roots = {scales.find(raw) for raw in fixed_scales}
-    for root, index in scale_ids.items():
-        var = result_scales[index]
-        if root in fixed_roots or not var.writers:
-            var.fixed = True
-    return SymmetryStructure(result_spaces, result_scales, output_bias, notes)
+    def gap(self, name: str, raws: list[int], spaces: list[UnitSpace],
+            space_ids: dict[int, int]) -> tuple[str, bool]:
+        """The sentence for an unsupported operation reading the spaces ``raws``, and
+        whether it leaves units untouched that could otherwise move."""
+        find = self.union["space"].find
+        inputs = {find(raw) for raw in self.inputs}
+        owners: dict[str, None] = {}
+        for root in dict.fromkeys(find(raw) for raw in raws):
+            if root in inputs:
+                continue  # the network's input is fixed anyway
+            layers = [axis.key.rsplit(".", 1)[0] for axis in spaces[space_ids[root]].writers]
+            owners.update(dict.fromkeys(layers or [f"the output of {self.origin[root]}"]))
+        if not owners:
+            return (f"{name} is not supported; it reads only the network's input, "
+                    "which is fixed anyway"), False
+        return (f"{name} is not supported, so the units of {', '.join(owners)} are neither "
+                "permuted, scaled nor sign-flipped"), True
 
 
 def _append_unique(items: list[TensorAxis], axis: TensorAxis) -> None:

@@ -1,9 +1,11 @@
 """Applying elements of the symmetry group to checkpoints.
 
-An element is a permutation per unit space, a positive scale vector per scale variable
-and a softmax shift. Scalings are applied first, in the input's coordinates, then
-permutations: axis 0 (the writers) of every tensor, then axis 1 (the readers), because a
-grouped convolution's input axis is local to the output group its row belongs to.
+An element is a permutation per unit space, a positive scale vector per scale variable,
+a vector of signs (+1 or -1) per sign variable and a softmax shift. Scalings and sign
+flips are applied first (both are diagonal, so their order does not matter), in the
+input's coordinates, then permutations: axis 0 (the writers) of every tensor, then
+axis 1 (the readers), because a grouped convolution's input axis is local to the output
+group its row belongs to.
 
 Everything works on a *batch*: ``{key: tensor of shape (B, *shape)}`` with one group
 element per checkpoint, so a whole collection is transformed without a Python loop over
@@ -17,7 +19,13 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from posteriorzoo.symmetry.structure import SymmetryStructure, TensorAxis, UnitSpace
+from posteriorzoo.symmetry.structure import (
+    ScaleVariable,
+    SignVariable,
+    SymmetryStructure,
+    TensorAxis,
+    UnitSpace,
+)
 
 State = dict[str, torch.Tensor]
 
@@ -32,7 +40,7 @@ def _unit_multiplier(factors: torch.Tensor, shape: torch.Size, axis: TensorAxis
                      ) -> torch.Tensor:
     """Per-entry multipliers ``factors ** power`` broadcastable to ``(B, *shape)``.
 
-    ``factors``: (B, size) positive scales of the units indexing ``axis``.
+    ``factors``: (B, size) scales (or signs) of the units indexing ``axis``.
     """
     powered = factors ** axis.power
     trailing = len(shape) - 2
@@ -65,10 +73,23 @@ def _permute_axis(tensor: torch.Tensor, axis: TensorAxis, order: torch.Tensor
     return tensor.gather(axis.axis + 1, index.reshape(view).expand_as(tensor))
 
 
+def _multiply(result: State, variable: ScaleVariable | SignVariable,
+              factors: torch.Tensor | np.ndarray) -> None:
+    """Multiply every writer and reader of ``variable`` in ``result`` by its factors."""
+    for axis in (*variable.writers, *variable.readers):
+        tensor = result[axis.key]
+        multiplier = _unit_multiplier(torch.as_tensor(factors, dtype=tensor.dtype),
+                                      tensor.shape[1:], axis)
+        result[axis.key] = ((tensor + axis.epsilon) * multiplier - axis.epsilon
+                            if axis.epsilon else tensor * multiplier)
+
+
 def apply_symmetry_batch(states: Mapping[str, torch.Tensor], structure: SymmetryStructure,
                          permutations: Mapping[int, torch.Tensor | np.ndarray] | None = None,
                          scales: Mapping[int, torch.Tensor | np.ndarray] | None = None,
-                         softmax_shift: torch.Tensor | np.ndarray | None = None) -> State:
+                         softmax_shift: torch.Tensor | np.ndarray | None = None,
+                         signs: Mapping[int, torch.Tensor | np.ndarray] | None = None
+                         ) -> State:
     """Apply one group element per checkpoint to a batch of checkpoints.
 
     Parameters
@@ -79,6 +100,8 @@ def apply_symmetry_batch(states: Mapping[str, torch.Tensor], structure: Symmetry
     scales : mapping of scale-variable index to positive float array (B, size), optional
     softmax_shift : float array (B,), optional
         Added to every output bias of each checkpoint (the softmax is invariant to it).
+    signs : mapping of sign-variable index to array (B, size) of +1 and -1, optional
+        Multiply the units' writers and readers (only where an odd activation allows it).
 
     Returns
     -------
@@ -86,13 +109,9 @@ def apply_symmetry_batch(states: Mapping[str, torch.Tensor], structure: Symmetry
     """
     result = dict(states)
     for index, factors in (scales or {}).items():
-        variable = structure.scales[index]
-        for axis in (*variable.writers, *variable.readers):
-            tensor = result[axis.key]
-            factors = torch.as_tensor(factors, dtype=tensor.dtype)
-            multiplier = _unit_multiplier(factors, tensor.shape[1:], axis)
-            result[axis.key] = ((tensor + axis.epsilon) * multiplier - axis.epsilon
-                                if axis.epsilon else tensor * multiplier)
+        _multiply(result, structure.scales[index], factors)
+    for index, factors in (signs or {}).items():
+        _multiply(result, structure.signs[index], factors)
     permutations = {index: torch.as_tensor(np.asarray(order), dtype=torch.long)
                     for index, order in (permutations or {}).items()}
     for side in ("writers", "readers"):
@@ -116,7 +135,8 @@ def stack_states(states: list[Mapping[str, torch.Tensor]]) -> State:
 def apply_symmetry(state: Mapping[str, torch.Tensor], structure: SymmetryStructure,
                    permutations: Mapping[int, np.ndarray] | None = None,
                    scales: Mapping[int, np.ndarray] | None = None,
-                   softmax_shift: float = 0.0) -> State:
+                   softmax_shift: float = 0.0,
+                   signs: Mapping[int, np.ndarray] | None = None) -> State:
     """Apply a group element to one checkpoint; returns a new state (same keys and shapes).
 
     Parameters
@@ -126,14 +146,24 @@ def apply_symmetry(state: Mapping[str, torch.Tensor], structure: SymmetryStructu
     scales : mapping of scale-variable index to positive float array (size,), optional
     softmax_shift : float
         Added to every output bias (the softmax is invariant to it).
+    signs : mapping of sign-variable index to array (size,) of +1 and -1, optional
     """
     batch = apply_symmetry_batch(
         {key: value[None] for key, value in state.items()}, structure,
         {index: np.asarray(order)[None] for index, order in (permutations or {}).items()},
         {index: torch.as_tensor(np.asarray(factors, dtype=np.float64))[None]
          for index, factors in (scales or {}).items()},
-        np.array([softmax_shift]) if softmax_shift else None)
+        np.array([softmax_shift]) if softmax_shift else None,
+        {index: torch.as_tensor(np.asarray(values, dtype=np.float64))[None]
+         for index, values in (signs or {}).items()})
     return {key: value[0] for key, value in batch.items()}
+
+
+def sample_signs(structure: SymmetryStructure, rng: np.random.Generator
+                 ) -> dict[int, np.ndarray]:
+    """Independent uniformly random signs (+1.0 or -1.0) for every flippable unit."""
+    return {index: rng.choice([-1.0, 1.0], structure.spaces[structure.signs[index].space].size)
+            for index in structure.flippable()}
 
 
 def sample_permutations(structure: SymmetryStructure, rng: np.random.Generator
