@@ -10,7 +10,8 @@ Three measurements, side by side in one run:
    bandwidth rule. Same values are checked (largest relative difference). Also timed:
    the full MMDAgg test (``mmdagg``, B1 = B2 = 2000, B3 = 50: 4,001 resampled statistics per
    kernel).
-2. **The whole OptuNet table.** ``compare_collections`` of the bundled target (1000) with
+2. **The whole OptuNet table.** ``posteriorzoo.collection.compare`` of the bundled target
+   (1000) with
    10 method collections of 100 checkpoints each, every layer, MMD and NS-MMD (symmetries
    removed by the canonicalizer, timed separately). The 10 collections are derived from the
    bundled data (see ``build_methods``): the deep ensemble itself, its members moved by a
@@ -226,27 +227,25 @@ def build_methods(folder: Path, count: int) -> dict[str, dict[str, Any]]:
 
 
 def bench_table(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
-    from posteriorzoo.mmd import compare_collections
+    from posteriorzoo.collection import compare
     from posteriorzoo.reference import reference_path
 
     methods = build_methods(folder, 3 if args.quick else 10)
     paths = {name: item["path"] for name, item in methods.items()}
     # untimed warm-up: numba cache loading and the canonicalizer's first trace
-    compare_collections(reference_path("target"), dict(list(paths.items())[:1]),
-                        symmetries="both")
+    compare(reference_path("target"), dict(list(paths.items())[:1]), symmetries="both")
     start = time.perf_counter()
-    compare_collections(reference_path("target"), paths, symmetries="keep")
+    compare(reference_path("target"), paths, symmetries="keep")
     kept_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    both = compare_collections(reference_path("target"), paths, symmetries="both",
-                               workdir=folder)
+    both = compare(reference_path("target"), paths, symmetries="both", workdir=folder)
     both_seconds = time.perf_counter() - start
     start = time.perf_counter()
     written = both.write(folder / "report")
     write_seconds = time.perf_counter() - start
     rows = {}
     for name in paths:
-        mmd, ns = both.summary(name, "kept"), both.summary(name, "removed")
+        mmd, ns = both.summary(name, "keep"), both.summary(name, "remove")
         rows[name] = {"description": methods[name]["description"],
                       "mmd": [mmd.median, mmd.mean, mmd.max],
                       "ns_mmd": [ns.median, ns.mean, ns.max]}
@@ -278,8 +277,9 @@ def print_table(result: dict[str, Any]) -> None:
 _CHILD = r"""
 import json, sys, time
 start = time.perf_counter()
-from posteriorzoo.mmd.report import compare_sources
-from posteriorzoo.mmd.sources import Layer, ZooSource, features_per_block
+from posteriorzoo.collection.compare import ZooSource
+from posteriorzoo.mmd.comparison import compare_sources
+from posteriorzoo.mmd.sources import Layer, features_per_block
 from posteriorzoo.zoo import open_zoo
 imported = time.perf_counter()
 target_path, method_path, key, block_bytes = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])

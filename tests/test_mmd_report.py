@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 from zoo_helpers import assert_one_line_error, checkpoint, run
 
+from posteriorzoo.collection import ComparisonReport, CompatibilityWarning, compare
+from posteriorzoo.collection.compare import parameter_keys
 from posteriorzoo.errors import InvalidOptionError, SampleSizeError, ShapeMismatchError
 from posteriorzoo.hashing import sha256_file
-from posteriorzoo.mmd import compare_arrays, compare_collections, kernel_mmds
-from posteriorzoo.mmd.sources import block_plan, parameter_keys
+from posteriorzoo.mmd import compare_arrays, kernel_mmds
+from posteriorzoo.mmd.sources import block_plan
 from posteriorzoo.models import build
 from posteriorzoo.reference import reference_path
 from posteriorzoo.symmetry import random_symmetry
@@ -48,7 +50,7 @@ def layers_of(path):
 
 # ------------------------------------------------------------------------ the numbers
 def test_layer_values_and_weighted_means(zoos):
-    report = compare_collections(zoos["target"], {"near": zoos["near"]}, symmetries="keep")
+    report = compare(zoos["target"], {"near": zoos["near"]}, symmetries="keep")
     target, near = layers_of(zoos["target"]), layers_of(zoos["near"])
     assert [r.layer for r in report.results] == list(OPTUNET_LAYERS)
     for result in report.results:
@@ -58,7 +60,7 @@ def test_layer_values_and_weighted_means(zoos):
         assert result.parameters == OPTUNET_LAYERS[result.layer]
         assert (result.mmd.m, result.mmd.n) == (30, 12)
         assert result.median == pytest.approx(np.median(direct.values))
-    summary = report.summary("near", "kept")
+    summary = report.summary("near", "keep")
     sizes = np.array([r.parameters for r in report.results])
     for stat in ("median", "mean", "max"):
         values = np.array([getattr(r, stat) for r in report.results])
@@ -79,8 +81,8 @@ def test_block_plan_covers_every_value_in_order():
 
 
 def test_streaming_from_hdf5_equals_in_memory_exactly(zoos):
-    streamed = compare_collections(zoos["target"], [zoos["near"]], symmetries="keep",
-                                   block_bytes=8 * 42 * 3)       # 3 values per block
+    streamed = compare(zoos["target"], [zoos["near"]], symmetries="keep",
+                       block_bytes=8 * 42 * 3)       # 3 values per block
     target, near = layers_of(zoos["target"]), layers_of(zoos["near"])
     in_memory = compare_arrays(target, {"near": near})
     for a, b in zip(streamed.results, in_memory.results, strict=True):
@@ -89,8 +91,7 @@ def test_streaming_from_hdf5_equals_in_memory_exactly(zoos):
 
 
 def test_module_grouping_concatenates_weight_and_bias(zoos):
-    report = compare_collections(zoos["target"], [zoos["near"]], symmetries="keep",
-                                 group="module")
+    report = compare(zoos["target"], [zoos["near"]], symmetries="keep", group="module")
     assert [(r.layer, r.parameters) for r in report.results] == [
         ("conv1", 32), ("conv2", 250), ("fc", 110)]
     target, near = layers_of(zoos["target"]), layers_of(zoos["near"])
@@ -104,11 +105,11 @@ def test_module_grouping_concatenates_weight_and_bias(zoos):
 
 
 def test_ns_mmd_removes_symmetries(zoos):
-    report = compare_collections(zoos["target"], {"near": zoos["near"], "moved": zoos["moved"]},
-                                 symmetries="both")
-    kept = {(r.method, r.layer): r.mmd.values for r in report.results if r.symmetries == "kept"}
+    report = compare(zoos["target"], {"near": zoos["near"], "moved": zoos["moved"]},
+                     symmetries="both")
+    kept = {(r.method, r.layer): r.mmd.values for r in report.results if r.symmetries == "keep"}
     removed = {(r.method, r.layer): r.mmd.values for r in report.results
-               if r.symmetries == "removed"}
+               if r.symmetries == "remove"}
     assert len(kept) == len(removed) == 8
     differ = 0
     for layer in OPTUNET_LAYERS:
@@ -123,16 +124,52 @@ def test_ns_mmd_removes_symmetries(zoos):
     assert canonical["softmax"] is True
 
 
-def test_canonical_copies_are_kept_and_reused(zoos, tmp_path):
-    first = compare_collections(zoos["target"], [zoos["near"]], symmetries="remove",
-                                canonical_dir=tmp_path / "canonical")
-    copies = sorted(p.name for p in (tmp_path / "canonical").iterdir())
-    assert len(copies) == 2 and all("first-norm-softmax" in name for name in copies)
-    second = compare_collections(zoos["target"], [zoos["near"]], symmetries="remove",
-                                 canonical_dir=tmp_path / "canonical")
-    assert all(c["reused"] for c in second.provenance["canonicalizer"]["copies"])
-    for a, b in zip(first.results, second.results, strict=True):
+def test_canonical_copies_are_kept_with_their_options(zoos, tmp_path):
+    folder = tmp_path / "canonical"
+    folder.mkdir()
+    report = compare(zoos["target"], [zoos["near"]], symmetries="remove", scaling="std",
+                     canonical_dir=folder)
+    copies = sorted(p.name for p in folder.iterdir())
+    assert copies == ["near-canonical.h5", "target-canonical.h5"]
+    with open_zoo(folder / "near-canonical.h5") as zoo:
+        assert (zoo.annotations["scaling"], zoo.annotations["permutation"]) == ("std", "first")
+    assert report.provenance["canonicalizer"]["scaling"] == "std"
+    assert report.to_dict()["options"]["computed"] == ["remove"]
+
+
+def test_already_canonical_inputs_are_not_canonicalized_again(zoos, tmp_path):
+    """Canonical copies compare as they are (NS-MMD only); mixing raw and canonical is an
+    error, and so are canonicalizer options other than the copies'."""
+    folder = tmp_path / "canonical"
+    folder.mkdir()
+    made = compare(zoos["target"], [zoos["near"]], symmetries="remove", canonical_dir=folder)
+    target, near = folder / "target-canonical.h5", folder / "near-canonical.h5"
+    again = compare(target, {"near": near})  # "both" means "remove" here
+    assert {r.symmetries for r in again.results} == {"remove"}
+    assert again.provenance["canonicalizer"]["inputs_already_canonical"] is True
+    for a, b in zip(made.results, again.results, strict=True):
         assert np.array_equal(a.mmd.values, b.mmd.values)
+    with pytest.raises(InvalidOptionError, match="raw collections"):
+        compare(target, [near], symmetries="keep")
+    with pytest.raises(InvalidOptionError, match="already canonical"):
+        compare(zoos["target"], [near])
+    with pytest.raises(InvalidOptionError, match="canonicalized with"):
+        compare(target, [near], scaling="std")
+
+
+def test_layouts_compare_whatever_the_model_options(zoos, tmp_path):
+    """An OptuNet stored with dropout options has the same weights: it compares, and a
+    dataset or recipe that differs is a warning, recorded in the provenance."""
+    states = [checkpoint(seed) for seed in range(200, 205)]
+    with create_zoo(tmp_path / "dropout.h5", architecture="optunet", dataset="mnist",
+                    method="mc-dropout", num_classes=10, model_options={"dropout": 0.2},
+                    template=states[0], recipe={"epochs": 3}) as zoo:
+        zoo.append_many(states, [{"seed": i} for i in range(5)])
+    with pytest.warns(CompatibilityWarning, match="trained on mnist"):
+        report = compare(zoos["target"], [tmp_path / "dropout.h5"], symmetries="keep")
+    assert report.summary("dropout").n == 5 and report.summary("dropout").m == 30
+    assert any("mnist" in note for note in report.provenance["warnings"])
+    assert "| dropout | 5 |" in report.to_markdown()
 
 
 def test_parameters_only_by_default(tmp_path):
@@ -157,14 +194,14 @@ def test_arrays_api_with_the_test(tmp_path):
     target = {"a": rng.normal(size=(40, 3, 2)), "b": rng.normal(size=(40, 5))}
     methods = {"same": {"a": rng.normal(size=(20, 3, 2)), "b": rng.normal(size=(20, 5))},
                "shifted": {"a": rng.normal(size=(20, 3, 2)) + 2, "b": rng.normal(size=(20, 5))}}
-    report = compare_arrays(target, methods, test=True, B1=300, B2=300, B3=20, seed=3)
-    assert report.summary("shifted").median > report.summary("same").median
-    tests = {(r.method, r.layer): r.test for r in report.results}
+    comparison = compare_arrays(target, methods, test=True, B1=300, B2=300, B3=20, seed=3)
+    assert comparison.summary("shifted").median > comparison.summary("same").median
+    tests = {(r.method, r.layer): r.test for r in comparison.results}
     assert tests[("shifted", "a")].reject and tests[("shifted", "a")].seed == 3
-    assert report.summary("shifted").rejected_layers >= 1
-    paths = report.write(tmp_path / "out")
-    data = json.loads(paths["json"].read_text())
-    assert data["provenance"]["seeds"]["mmdagg"] == 3
+    assert comparison.summary("shifted").rejected_layers >= 1
+    paths = ComparisonReport(comparison).write(tmp_path / "out")
+    data = json.loads(paths["mmd_report.json"].read_text())
+    assert data["options"]["mmdagg_test"]["seed"] == 3
     assert data["layers"][0]["mmdagg"]["kernels"][0]["kernel"] == "laplace"
     only_b = compare_arrays(target, methods, layers=["b"])
     assert [r.layer for r in only_b.results] == ["b", "b"]
@@ -178,31 +215,31 @@ def test_arrays_api_with_the_test(tmp_path):
 
 # ------------------------------------------------------------------------ outputs
 def test_outputs_record_provenance(zoos, tmp_path):
-    report = compare_collections(zoos["target"], {"near": zoos["near"]}, symmetries="both",
-                                 command="posteriorzoo mmd (test)")
-    paths = report.write(tmp_path / "report", scale=100)
-    data = json.loads(paths["json"].read_text())
+    report = compare(zoos["target"], {"near": zoos["near"]}, symmetries="both",
+                     command="posteriorzoo mmd (test)")
+    report.scale = 100
+    paths = report.write(tmp_path / "report")
+    data = json.loads(paths["mmd_report.json"].read_text())
     provenance = data["provenance"]
     assert provenance["command"] == "posteriorzoo mmd (test)"
-    assert {"posteriorzoo", "numpy", "h5py", "numba", "torch"} <= set(provenance["versions"])
-    assert provenance["target"]["sha256"] == sha256_file(zoos["target"])
-    assert provenance["methods"][0]["sha256"] == sha256_file(zoos["near"])
+    assert {"posteriorzoo", "numpy", "h5py", "torch"} <= set(provenance["versions"])
+    assert "git_commit" in provenance
+    assert provenance["inputs"]["target"]["sha256"] == sha256_file(zoos["target"])
+    assert provenance["inputs"]["method near"]["sha256"] == sha256_file(zoos["near"])
     assert provenance["seeds"]["mmdagg"] is None
     assert len(data["layers"]) == 8 and len(data["layers"][0]["mmd2"]) == 20
-    assert [s["symmetries"] for s in data["summary"]] == ["kept", "removed"]
-    for name in ("layers_csv", "summary_csv"):
+    assert [s["symmetries"] for s in data["summary"]] == ["keep", "remove"]
+    for name, count in (("mmd_layers.csv", 8), ("mmd_summary.csv", 2)):
         text = paths[name].read_text()
-        comments = [line for line in text.splitlines() if line.startswith("#")]
-        assert any(sha256_file(zoos["target"]) in line for line in comments)
-        assert any(line.startswith("# command: posteriorzoo mmd (test)") for line in comments)
-        rows = list(csv.DictReader(line for line in text.splitlines()
-                                   if not line.startswith("#")))
-        assert len(rows) == (8 if name == "layers_csv" else 2)
-    rows = list(csv.DictReader(line for line in paths["layers_csv"].read_text().splitlines()
-                               if not line.startswith("#")))
+        assert not any(line.startswith("#") for line in text.splitlines())  # plain tables
+        rows = list(csv.DictReader(text.splitlines()))
+        assert len(rows) == count
+    rows = list(csv.DictReader(paths["mmd_layers.csv"].read_text().splitlines()))
     assert float(rows[0]["mmd2_laplace_1"]) == report.results[0].mmd.values[0]
-    markdown = paths["markdown"].read_text()
-    assert ("| Method | MMD median | MMD mean | MMD max | NS-MMD median | NS-MMD mean | "
+    summary_rows = list(csv.DictReader(paths["mmd_summary.csv"].read_text().splitlines()))
+    assert (summary_rows[0]["m"], summary_rows[0]["n"]) == ("30", "12")
+    markdown = paths["mmd_report.md"].read_text()
+    assert ("| Method | n | MMD median | MMD mean | MMD max | NS-MMD median | NS-MMD mean | "
             "NS-MMD max |") in markdown
     row = next(line for line in markdown.splitlines() if line.startswith("| near |"))
     assert f"{report.summary('near').median * 100:.4f}" in row
@@ -214,8 +251,8 @@ def test_reports_are_deterministic(zoos):
         data = report.to_dict()
         return data["layers"], data["summary"]
 
-    first = compare_collections(zoos["target"], [zoos["near"]], symmetries="keep")
-    second = compare_collections(zoos["target"], [zoos["near"]], symmetries="keep")
+    first = compare(zoos["target"], [zoos["near"]], symmetries="keep")
+    second = compare(zoos["target"], [zoos["near"]], symmetries="keep")
     assert numbers(first) == numbers(second)
 
 
@@ -230,12 +267,12 @@ def test_cli_on_the_bundled_reference_zoo(capsys, tmp_path):
     assert "| DE |" in out and "NS-MMD median" in out
     data = json.loads((out_dir / "mmd_report.json").read_text())
     assert data["provenance"]["command"].startswith("posteriorzoo mmd ")
-    assert data["provenance"]["target"]["checkpoints"] == 1000
-    assert data["provenance"]["methods"][0]["checkpoints"] == 100
+    assert data["provenance"]["inputs"]["target"]["checkpoints"] == 1000
+    assert data["provenance"]["inputs"]["method DE"]["checkpoints"] == 100
     assert {r["layer"] for r in data["layers"]} == set(OPTUNET_LAYERS)
     summary = {s["symmetries"]: s for s in data["summary"]}
     # independent checkpoints against the target: MMD^2 tiny (the paper's DE row is 0.0)
-    for treatment in ("kept", "removed"):
+    for treatment in ("keep", "remove"):
         assert abs(summary[treatment]["median"]) < 1e-3
     for name in ("mmd_layers.csv", "mmd_summary.csv", "mmd_report.md"):
         assert (out_dir / name).is_file()
@@ -250,7 +287,7 @@ def test_cli_bad_input(capsys, zoos, tmp_path):
                    [checkpoint(s, "mlp") for s in range(3)], architecture="mlp",
                    num_classes=1)
     code, _, err = run(capsys, "mmd", target, mlp, *out)
-    assert_one_line_error(code, err, "architecture")
+    assert_one_line_error(code, err, "laid out differently")
     single = make_zoo(tmp_path / "single.h5", [checkpoint(0)])
     code, _, err = run(capsys, "mmd", target, single, *out)
     assert_one_line_error(code, err, "at least 2")

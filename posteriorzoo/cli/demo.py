@@ -137,16 +137,16 @@ def symmetry_step(out: Path, command: str) -> dict[str, Any]:
 
 def mmd_step(out: Path, command: str, progress: bool) -> dict[str, Any]:
     """[6] MMD and NS-MMD of the reference Deep Ensemble to the target, per layer."""
-    from posteriorzoo.mmd import compare_collections
+    from posteriorzoo.collection import compare
     from posteriorzoo.reference import reference_path
 
     # The canonical copies go inside the demo's (temporary) output folder, not the
     # system's temporary folder, so a killed demo leaves nothing behind elsewhere.
-    report = compare_collections(reference_path("target"), {"DE": reference_path("de")},
-                                 symmetries="both", workdir=out, progress=progress,
-                                 command=command)
-    written = report.write(out / "mmd-report", scale=100)
-    kept, removed = report.summary("DE", "kept"), report.summary("DE", "removed")
+    report = compare(reference_path("target"), {"DE": reference_path("de")},
+                     symmetries="both", workdir=out, progress=progress, command=command)
+    report.scale = 100
+    written = report.write(out / "mmd-report")
+    kept, removed = report.summary("DE", "keep"), report.summary("DE", "remove")
     result = {"mmd_median": kept.median, "ns_mmd_median": removed.median,
               "files": sorted(path.name for path in written.values())}
     print(f"[6] Deep Ensemble vs target, MMD^2 x 100 weighted over layers: MMD median "

@@ -21,15 +21,21 @@ independently trained checkpoints), layer by layer, with the unbiased MMD^2 unde
 rule). Per layer: the median, mean and max over the kernels. Per method: the mean of each
 over layers, weighted by the layers' parameter counts (the figures of the paper's Table 2),
 for MMD (symmetries kept) and NS-MMD (symmetries removed: the target and every method are
-first canonicalized with the canonicalizer's defaults, permutation 'first', scaling
-'norm', softmax shift removed). A layer is one parameter tensor (BatchNorm running
-statistics and counters are buffers and are left out) unless --group module.
+first canonicalized with --permutation, --scaling and the softmax shift removed). A layer
+is one parameter tensor (BatchNorm running statistics and counters are buffers and are
+left out) unless --group module.
+
+Collections compare when their weight layouts (keys and shapes) agree, whatever their
+model options; different datasets or recipes give a warning on stderr. Collections that
+are already canonical (from 'posteriorzoo canonicalize') are not canonicalized again:
+only NS-MMD is computed for them, and a raw target with a canonical method is refused.
 
 Writes into --out: mmd_layers.csv (one row per method, treatment and layer with all 20
-values and bandwidths), mmd_summary.csv (one row per method and treatment), mmd_report.json
-(every number) and mmd_report.md (a table laid out like the paper's Table 2, the per-layer
-figures, provenance). Every file records the command, library versions, seeds and the input
-files with their SHA-256. The Markdown table is also printed.
+values and bandwidths), mmd_summary.csv (one row per method and treatment, with m and n),
+mmd_report.json (every number, and the provenance: command, versions, git commit, seeds,
+the input files with their SHA-256) and mmd_report.md (a table laid out like the paper's
+Table 2, the per-layer figures, provenance). The Markdown table is also printed (--json:
+the JSON instead).
 """
 
 _EPILOG = """\
@@ -53,6 +59,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--symmetries", choices=["keep", "remove", "both"], default="both",
                         help="MMD on the stored weights (keep), NS-MMD on canonical forms "
                              "(remove), or both (default: %(default)s)")
+    parser.add_argument("--permutation", choices=["first", "max", "none"], default="first",
+                        help="NS-MMD: the canonicalizer's permutation key "
+                             "(default: %(default)s)")
+    parser.add_argument("--scaling", choices=["norm", "std", "minmass", "none"],
+                        default="norm", help="NS-MMD: the canonicalizer's scaling "
+                                             "(default: %(default)s)")
     parser.add_argument("--layers", nargs="+", metavar="NAME",
                         help="layers to compare: names or shell patterns such as 'layer4.*' "
                              "(default: every parameter); a pattern matching nothing is an "
@@ -99,13 +111,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--keep-canonical", action="store_true",
                         help="keep the canonical copies in OUT/canonical (default: they are "
                              "built inside the temporary output and deleted)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the report's JSON instead of the Markdown table")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     parser.set_defaults(func=run_mmd)
 
 
 def _methods(arguments: list[str]) -> dict[str, Path]:
+    from posteriorzoo.collection.compare import display_name
     from posteriorzoo.errors import InvalidOptionError
-    from posteriorzoo.mmd.sources import display_name
 
     named: dict[str, Path] = {}
     taken: set[str] = set()
@@ -124,27 +138,42 @@ def _methods(arguments: list[str]) -> dict[str, Path]:
 
 
 def run_mmd(args: argparse.Namespace) -> int:
-    from posteriorzoo.mmd.report import FILE_NAMES, compare_collections
+    import sys
+    import warnings
+
+    from posteriorzoo.collection import compare
     from posteriorzoo.outputs import atomic_directory
 
     methods = _methods(args.methods)
     inputs = [args.target, *methods.values()]
     # Everything, canonical copies included, is built inside the temporary output folder:
     # a killed run leaves nothing behind but that folder, which the next run reclaims.
-    with atomic_directory(args.out, overwrite=args.overwrite, inputs=inputs) as partial:
-        report = compare_collections(
+    with atomic_directory(args.out, overwrite=args.overwrite, inputs=inputs) as partial, \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        canonical = partial / "canonical"
+        if args.keep_canonical:
+            canonical.mkdir()
+        report = compare(
             args.target, methods, symmetries=args.symmetries, layers=args.layers,
             group=args.group, include_buffers=args.include_buffers,
+            permutation=args.permutation, scaling=args.scaling,
             number_bandwidths=args.bandwidths, test=args.test, alpha=args.alpha, B1=args.b1,
             B2=args.b2, B3=args.b3, seed=args.seed,
             block_bytes=int(args.block_mb * (1 << 20)),
-            canonical_dir=partial / "canonical" if args.keep_canonical else None,
+            canonical_dir=canonical if args.keep_canonical else None,
             workdir=partial, verify=not args.no_verify, progress=not args.no_progress,
             command=args.command_line)
-        report.write_into(partial, scale=args.scale)
-    table = report.to_markdown(scale=args.scale).split("\n## Per layer")[0]
+        report.scale = args.scale
+        names = list(report.write_into(partial))
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
+    if args.json:
+        print(report.to_json(), end="")
+        return 0
+    table = report.to_markdown().split("\n## Per layer")[0]
     print(table.rstrip())
     print()
-    for name in FILE_NAMES.values():
+    for name in names:
         print(f"wrote {args.out / name}")
     return 0

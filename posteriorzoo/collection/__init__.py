@@ -11,7 +11,10 @@ which never open files; the CLI only parses arguments, calls these and prints.
 >>> info.checkpoints, info.attributes["method"]
 """
 
+from posteriorzoo.collection.compare import CompatibilityWarning, compare
+from posteriorzoo.collection.comparison_report import ComparisonReport
 from posteriorzoo.collection.describe import Description, describe
 from posteriorzoo.collection.results import CollectionResult
 
-__all__ = ["CollectionResult", "Description", "describe"]
+__all__ = ["CollectionResult", "CompatibilityWarning", "ComparisonReport", "Description",
+           "compare", "describe"]

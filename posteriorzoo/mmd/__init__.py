@@ -9,30 +9,33 @@ layer of the target's checkpoints (X, m x d) is compared with the method's sampl
 >>> result = kernel_mmds(X, Y)           # 20 MMD^2 values and bandwidths
 >>> result.median, result.values, result.bandwidths
 >>> test = mmdagg(X, Y, seed=0)          # the aggregated test: decision, p-values
->>> from posteriorzoo.mmd import compare_collections
->>> report = compare_collections("target.h5", ["swag.h5", "laplace.h5"])
->>> report.write("mmd-report")           # CSV, JSON and a Markdown table like Table 2
+>>> from posteriorzoo.mmd import compare_arrays
+>>> comparison = compare_arrays({"w": X}, {"swag": {"w": Y}})   # layer by layer
+>>> comparison.summary("swag").median
+
+The pure core works on arrays only; :func:`posteriorzoo.collection.compare` compares
+collection files and writes CSV, JSON and a Markdown table like Table 2.
 
 Modules: :mod:`~posteriorzoo.mmd.distances` (numba distance kernels, blocked over
 features), :mod:`~posteriorzoo.mmd.kernels` (kernel sums and matrices),
 :mod:`~posteriorzoo.mmd.statistics` (bandwidths, :func:`kernel_mmds`),
 :mod:`~posteriorzoo.mmd.aggregated` (:func:`mmdagg`), :mod:`~posteriorzoo.mmd.sources`
-(layers of zoos and arrays), :mod:`~posteriorzoo.mmd.report` (comparisons and writers).
+(layers of arrays, read in blocks), :mod:`~posteriorzoo.mmd.comparison` (layer-by-layer
+comparisons and their summaries).
 """
 
 from posteriorzoo.mmd.aggregated import MMDAggResult, mmdagg, mmdagg_from_distances
+from posteriorzoo.mmd.comparison import (
+    Comparison,
+    LayerResult,
+    MethodSummary,
+    compare_arrays,
+)
 from posteriorzoo.mmd.distances import (
     Distances,
     SharedTargetDistances,
     pooled_distances,
     stream_pooled_distances,
-)
-from posteriorzoo.mmd.report import (
-    ComparisonReport,
-    LayerResult,
-    MethodSummary,
-    compare_arrays,
-    compare_collections,
 )
 from posteriorzoo.mmd.statistics import (
     KernelMMDs,
@@ -44,7 +47,7 @@ from posteriorzoo.mmd.statistics import (
 )
 
 __all__ = [
-    "ComparisonReport",
+    "Comparison",
     "Distances",
     "KernelMMDs",
     "LayerResult",
@@ -54,7 +57,6 @@ __all__ = [
     "bandwidth_collection",
     "bandwidths_from_distances",
     "compare_arrays",
-    "compare_collections",
     "kernel_mmds",
     "kernel_mmds_from_distances",
     "kernel_names",

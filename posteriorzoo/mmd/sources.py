@@ -1,4 +1,5 @@
-"""Where the samples come from: layers of zoo files or in-memory arrays, read in blocks.
+"""Where the samples come from: layers of in-memory arrays (or of any source with the same
+``read`` interface, such as a collection's), read in blocks.
 
 A *layer* is what one MMD compares: by default one parameter tensor (``conv2.weight``,
 ``fc.bias``), flattened; with ``group="module"`` the parameters of one module
@@ -21,9 +22,7 @@ import fnmatch
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-import h5py
 import numpy as np
 
 from posteriorzoo.errors import (
@@ -36,7 +35,6 @@ from posteriorzoo.errors import (
 
 #: Default budget of one block, summed over all collections compared at once (bytes).
 DEFAULT_BLOCK_BYTES = 128 << 20
-_EXCLUDED_BUFFERS = ("num_batches_tracked",)
 
 Index = tuple  # a tuple of slices and ints over a tensor's trailing axes
 
@@ -114,49 +112,6 @@ class ArraySource:
         pass
 
 
-class ZooSource:
-    """Samples read from a zoo file (all its committed checkpoints).
-
-    Parameters
-    ----------
-    name : str
-        Shown in reports.
-    zoo : posteriorzoo.zoo.Zoo
-        An open collection.
-    """
-
-    def __init__(self, name: str, zoo, sha256: str | None = None) -> None:
-        self.name = name
-        self.zoo = zoo
-        self.label = str(zoo.path)
-        self.rows = len(zoo)
-        self.shapes = zoo.shapes
-        self._direct: dict[str, h5py.Dataset] = {}
-        self.provenance = {
-            "name": name, "kind": "zoo", "path": str(zoo.path), "sha256": sha256,
-            "checkpoints": self.rows, "architecture": zoo.architecture,
-            "dataset": zoo.dataset, "method": zoo.method, "annotations": zoo.annotations}
-
-    def _uncached(self, key: str) -> h5py.Dataset:
-        """The dataset opened with the chunk cache off: partial chunks are read directly."""
-        if key not in self._direct:
-            dataset = self.zoo.dataset_handle(key)
-            access = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
-            access.set_chunk_cache(0, 0, 1.0)
-            identifier = h5py.h5d.open(dataset.file.id, dataset.name.encode(), access)
-            self._direct[key] = h5py.Dataset(identifier)
-        return self._direct[key]
-
-    def read(self, key: str, index: Index) -> np.ndarray:
-        whole = all(isinstance(i, slice) and i == slice(None) for i in index)
-        dataset = self.zoo.dataset_handle(key) if whole else self._uncached(key)
-        block = dataset[(slice(0, self.rows), *index)]
-        return np.asarray(block).reshape(self.rows, -1)
-
-    def close(self) -> None:
-        self._direct.clear()
-
-
 def layer_blocks(source, layer: Layer, features: int) -> Iterator[np.ndarray]:
     """The blocks (N, b) of ``layer`` from ``source``, in feature order, finite-checked."""
     for key in layer.keys:
@@ -169,31 +124,6 @@ def layer_blocks(source, layer: Layer, features: int) -> Iterator[np.ndarray]:
 
 
 # ------------------------------------------------------------------------ layer choice
-def parameter_keys(zoo, include_buffers: bool = False) -> list[str]:
-    """The state keys of a zoo that are compared, in state_dict order.
-
-    Parameters are the keys of ``named_parameters()`` of the collection's architecture,
-    built with its ``num_classes`` and model options. For an architecture the registry
-    does not know (a collection created with ``validate=False``), every floating-point key
-    that is not a BatchNorm running statistic counts as a parameter. ``include_buffers``
-    adds the floating-point buffers (running mean and variance); integer buffers such as
-    ``num_batches_tracked`` are never compared.
-    """
-    floating = [key for key, dtype in zoo.dtypes.items()
-                if np.issubdtype(dtype, np.floating) and not key.endswith(_EXCLUDED_BUFFERS)]
-    if include_buffers:
-        return floating
-    try:
-        from posteriorzoo.models import build
-
-        model = build(zoo.architecture, num_classes=zoo.num_classes, **zoo.model_options)
-        names = {name for name, _ in model.named_parameters()}
-    except UnknownNameError:
-        names = {key for key in floating
-                 if not key.endswith(("running_mean", "running_var"))}
-    return [key for key in floating if key in names]
-
-
 def group_layers(keys: Sequence[str], shapes: Mapping[str, tuple[int, ...]],
                  group: str = "tensor") -> list[Layer]:
     """Layers from keys: one per tensor, or one per module (keys sharing a prefix)."""
@@ -261,14 +191,3 @@ def features_per_block(rows: int, block_bytes: int) -> int:
     if block_bytes < 1:
         raise InvalidOptionError(f"the block size must be positive, not {block_bytes}")
     return max(1, int(block_bytes) // (8 * max(rows, 1)))
-
-
-def display_name(path: Path, taken: set[str]) -> str:
-    """A unique report name for a collection file (its stem, numbered if repeated)."""
-    name = path.stem
-    candidate, counter = name, 2
-    while candidate in taken:
-        candidate = f"{name}-{counter}"
-        counter += 1
-    taken.add(candidate)
-    return candidate
