@@ -9,7 +9,7 @@ Side by side in one run, on the bundled Fashion-MNIST OptuNets
 
    * ``canonicalize_batch``: the whole batch in one vectorised call (structure traced
      once, outside the timing; the tensors are already float64 in memory);
-   * ``canonicalize_collection``: file to file, HDF5 in and out, including tracing,
+   * ``posteriorzoo.collection.canonicalize``: file to file, HDF5 in and out, including tracing,
      reading, float32 storage, digests and metadata;
    * baseline: one checkpoint at a time through the same code (``canonicalize_state``
      with B = 1, structure traced once), and the public per-checkpoint
@@ -50,13 +50,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from posteriorzoo.collection import canonicalize as canonicalize_file
 from posteriorzoo.models import build, input_shape
 from posteriorzoo.provenance import library_versions
 from posteriorzoo.reference import open_reference
 from posteriorzoo.symmetry import (
     apply_symmetry_batch,
     canonicalize,
-    canonicalize_collection,
     sample_permutations,
 )
 from posteriorzoo.symmetry.canonical import canonicalize_batch, canonicalize_state
@@ -116,7 +116,7 @@ def bench_canonicalize(count: int, baseline: int, seed: int, workdir: Path) -> d
                     ) as zoo:
         zoo.append_many([{k: v[i].float() for k, v in batch.items()} for i in range(count)],
                         [{"seed": i} for i in range(count)])
-    file_time, summary = timed(lambda: canonicalize_collection(path, workdir / "canon.h5"))
+    file_time, summary = timed(lambda: canonicalize_file(path, workdir / "canon.h5"))
     assert summary.checkpoints == count
     per = len(rows)
     return {"checkpoints": count, "batched_s": batched_time, "file_to_file_s": file_time,

@@ -277,7 +277,7 @@ def print_table(result: dict[str, Any]) -> None:
 _CHILD = r"""
 import json, sys, time
 start = time.perf_counter()
-from posteriorzoo.collection.compare import ZooSource
+from posteriorzoo.collection.comparison import ZooSource
 from posteriorzoo.mmd.comparison import compare_sources
 from posteriorzoo.mmd.sources import Layer, features_per_block
 from posteriorzoo.zoo import open_zoo

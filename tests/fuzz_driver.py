@@ -73,7 +73,7 @@ def commands(case: Path, out: Path, fixtures: dict[str, Path]) -> dict[str, list
         "verify": ["verify", case, quiet],
         "export": ["export", case, "0", out / "one.safetensors"],
         "export-all": ["export", case, "--all", out / "all"],
-        "canonicalize": ["canonicalize", case, out / "canonical.h5", quiet],
+        "canonicalize": ["canonicalize", case, "--out", out / "canonical.h5", quiet],
         "min-mass": ["min-mass", case, "--out", out / "mass", quiet],
         "mmd-target": ["mmd", case, fixtures["good"], "--symmetries", "keep", "--out",
                        out / "mmd-target", quiet],

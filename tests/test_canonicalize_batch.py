@@ -8,15 +8,15 @@ import torch
 from zoo_helpers import assert_one_line_error, run
 
 from posteriorzoo.cli import main
+from posteriorzoo.collection import canonicalize as canonicalize_file
+from posteriorzoo.collection import min_mass as min_mass_file
 from posteriorzoo.models import build
 from posteriorzoo.symmetry import (
     apply_symmetry,
     apply_symmetry_batch,
     canonicalize,
-    canonicalize_collection,
     canonicalize_many,
     min_mass,
-    min_mass_collection,
     random_symmetry,
     sample_permutations,
     stack_states,
@@ -99,11 +99,11 @@ def _collection(path, states, diverged=()):
             zoo.append(state, seed=seed, diverged=seed in diverged)
 
 
-def test_min_mass_collection_matches_each_checkpoint(tmp_path):
+def test_min_mass_file_matches_each_checkpoint(tmp_path):
     states = [{k: v.float() for k, v in s.items()} for s in _states("optunet", {}, 7)]
     _collection(tmp_path / "z.h5", states)
-    report = min_mass_collection(tmp_path / "z.h5", batch_size=3)
-    reference = min_mass_collection(tmp_path / "z.h5", solver="cvxpy", batch_size=7)
+    report = min_mass_file(tmp_path / "z.h5", batch_size=3)
+    reference = min_mass_file(tmp_path / "z.h5", solver="cvxpy", batch_size=7)
     np.testing.assert_allclose(report.mass_after, reference.mass_after, rtol=1e-6)
     for index, state in enumerate(states):
         single = min_mass("optunet", {k: v.double() for k, v in state.items()})
@@ -119,11 +119,11 @@ def test_minmass_collection_canonical_forms_agree_across_symmetric_copies(tmp_pa
     moved = [random_symmetry("optunet", s, seed=7 + i) for i, s in enumerate(states)]
     _collection(tmp_path / "a.h5", states)
     _collection(tmp_path / "b.h5", moved)
-    code = main(["canonicalize", str(tmp_path / "a.h5"), str(tmp_path / "ca.h5"),
+    code = main(["canonicalize", str(tmp_path / "a.h5"), "--out", str(tmp_path / "ca.h5"),
                  "--scaling", "minmass", "--n-verify", "3", "--batch-size", "2",
                  "--no-progress"])
     assert code == 0 and "3 verified" in capsys.readouterr().out
-    summary = canonicalize_collection(tmp_path / "b.h5", tmp_path / "cb.h5",
+    summary = canonicalize_file(tmp_path / "b.h5", tmp_path / "cb.h5",
                                       scaling="minmass", solver="cvxpy")
     assert summary.checkpoints == 3
     with open_zoo(tmp_path / "ca.h5") as a, open_zoo(tmp_path / "cb.h5") as b:
@@ -137,7 +137,7 @@ def test_diverged_checkpoints_are_copied_unchanged(tmp_path):
     states = [{k: v.float() for k, v in s.items()} for s in _states("optunet", {}, 4)]
     states[2]["conv2.weight"][0, 0, 0, 0] = float("nan")
     _collection(tmp_path / "z.h5", states, diverged={2})
-    summary = canonicalize_collection(tmp_path / "z.h5", tmp_path / "c.h5", n_verify=4)
+    summary = canonicalize_file(tmp_path / "z.h5", tmp_path / "c.h5", n_verify=4)
     assert summary.copied_unchanged == 1 and summary.verified == [0, 1, 3]
     with open_zoo(tmp_path / "c.h5") as zoo:
         assert list(zoo.metadata["diverged"]) == [False, False, True, False]
@@ -146,7 +146,7 @@ def test_diverged_checkpoints_are_copied_unchanged(tmp_path):
         single = canonicalize("optunet", {k: v.double() for k, v in states[3].items()})
         np.testing.assert_allclose(zoo.layer("conv2.weight")[3],
                                    single["conv2.weight"].float(), rtol=1e-6)
-    report = min_mass_collection(tmp_path / "z.h5")
+    report = min_mass_file(tmp_path / "z.h5")
     assert np.isnan(report.mass_after[2]) and np.isfinite(np.delete(report.mass_after, 2)).all()
 
 
@@ -156,7 +156,7 @@ def test_bad_options_fail_before_anything_is_written(tmp_path, capsys):
     for extra, fragment in ((["--batch-size", "0"], "--batch-size"),
                             (["--scaling", "magic"], "invalid choice"),
                             (["--solver", "gurobi"], "invalid choice")):
-        code, _, err = run(capsys, "canonicalize", tmp_path / "z.h5", tmp_path / "c.h5",
+        code, _, err = run(capsys, "canonicalize", tmp_path / "z.h5", "--out", tmp_path / "c.h5",
                            "--no-progress", *extra)
         assert_one_line_error(code, err, fragment)
         assert not (tmp_path / "c.h5").exists()
@@ -202,19 +202,21 @@ def test_cli_min_mass_report(tmp_path, capsys):
     assert main(["min-mass", str(tmp_path / "z.h5"), "--out", str(out), "--no-progress"]) == 0
     assert "3 of 3 checkpoints" in capsys.readouterr().out
     rows = list(csv.DictReader((out / "min_mass.csv").open()))
-    report = min_mass_collection(tmp_path / "z.h5")
+    report = min_mass_file(tmp_path / "z.h5")
     assert [int(r["seed"]) for r in rows] == [0, 1, 2]
     for row, before, after in zip(rows, report.mass_before, report.mass_after, strict=True):
         assert float(row["mass_before"]) == before and float(row["mass_after"]) == after
         assert float(row["max_abs_after:fc.weight"]) > 0
-    provenance = json.loads((out / "min_mass.json").read_text())
+    data = json.loads((out / "min_mass.json").read_text())
+    provenance = data["provenance"]
     assert provenance["command"].startswith("posteriorzoo min-mass")
-    assert len(provenance["input"]["sha256"]) == 64
+    assert len(provenance["inputs"]["source"]["sha256"]) == 64
+    assert data["summary"]["solved"] == 3
     # an existing report is never overwritten
     code, _, err = run(capsys, "min-mass", tmp_path / "z.h5", "--out", out, "--no-progress")
     assert_one_line_error(code, err, "already exists")
     table = (out / "min_mass.csv").read_bytes()
-    assert provenance["table_sha256"] == __import__("hashlib").sha256(table).hexdigest()
+    assert data["files"]["min_mass.csv"] == __import__("hashlib").sha256(table).hexdigest()
     # unless asked for: the same run gives the same table
     assert main(["min-mass", str(tmp_path / "z.h5"), "--out", str(out), "--no-progress",
                  "--overwrite"]) == 0

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from posteriorzoo.cli import main
+from posteriorzoo.collection import canonicalize as canonicalize_file
 from posteriorzoo.models import build
 from posteriorzoo.symmetry import random_symmetry
-from posteriorzoo.symmetry.collection import canonicalize_collection
 from posteriorzoo.zoo import create_zoo, open_zoo, verify_zoo
 
 
@@ -34,8 +34,8 @@ def twin_collections(tmp_path):
 
 def test_symmetric_collections_canonicalize_to_the_same_weights(twin_collections):
     folder = twin_collections
-    first = canonicalize_collection(folder / "a.h5", folder / "ca.h5", n_verify=4)
-    canonicalize_collection(folder / "b.h5", folder / "cb.h5")
+    first = canonicalize_file(folder / "a.h5", folder / "ca.h5", n_verify=4)
+    canonicalize_file(folder / "b.h5", folder / "cb.h5")
     assert first.checkpoints == 4 and first.verified == [0, 1, 2, 3]
     assert first.largest_change < 1e-5  # float32 storage of a float64 computation
     with open_zoo(folder / "ca.h5") as a, open_zoo(folder / "cb.h5") as b:
@@ -51,16 +51,17 @@ def test_symmetric_collections_canonicalize_to_the_same_weights(twin_collections
 
 def test_cli_canonicalize(twin_collections, capsys):
     folder = twin_collections
-    code = main(["canonicalize", str(folder / "a.h5"), str(folder / "c.h5"), "--n-verify", "2",
-                 "--scaling", "std", "--permutation", "max", "--no-progress"])
+    code = main(["canonicalize", str(folder / "a.h5"), "--out", str(folder / "c.h5"),
+                 "--n-verify", "2", "--scaling", "std", "--permutation", "max", "--no-progress"])
     out = capsys.readouterr().out
     assert code == 0 and "4 canonical checkpoints" in out and "2 verified" in out
     with open_zoo(folder / "c.h5") as zoo:
         assert zoo.annotations["scaling"] == "std"
         assert zoo.created_by["command"].startswith("posteriorzoo canonicalize")
-    for argv, fragment in ((["canonicalize", str(folder / "absent.h5"), str(folder / "x.h5")],
+    for argv, fragment in ((["canonicalize", str(folder / "absent.h5"), "--out",
+                             str(folder / "x.h5")],
                             "no such file"),
-                           (["canonicalize", str(folder / "a.h5"), str(folder / "c.h5")],
+                           (["canonicalize", str(folder / "a.h5"), "--out", str(folder / "c.h5")],
                             "already exists")):
         assert main(argv + ["--no-progress"]) == 2
         err = capsys.readouterr().err
@@ -68,7 +69,7 @@ def test_cli_canonicalize(twin_collections, capsys):
 
 
 def test_unsupported_operations_are_warned_about_and_annotated(twin_collections, monkeypatch):
-    import posteriorzoo.symmetry.collection as collection
+    import posteriorzoo.collection.canonicalization as collection
     from posteriorzoo.symmetry import SymmetryCoverageWarning
 
     gap = "norm (LayerNorm) is not supported, so the units of conv2 are neither permuted, " \
@@ -83,7 +84,7 @@ def test_unsupported_operations_are_warned_about_and_annotated(twin_collections,
 
     monkeypatch.setattr(collection, "trace_structure", with_gap)
     with pytest.warns(SymmetryCoverageWarning, match="units of conv2"):
-        canonicalize_collection(twin_collections / "a.h5", twin_collections / "c.h5")
+        canonicalize_file(twin_collections / "a.h5", twin_collections / "c.h5")
     with open_zoo(twin_collections / "c.h5") as zoo:
         assert zoo.annotations["not_removed"] == [gap]
         assert zoo.annotations["flipped_variables"] == 0 and zoo.annotations["sign_rule"] is None

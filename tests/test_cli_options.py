@@ -40,9 +40,9 @@ def _options(files: dict[str, Path]) -> list[tuple[list[str], str, str]]:
     """(command words before the option, option, kind) for every numeric option."""
     zoo, out = str(files["zoo"]), str(files["out"])
     return [
-        (["canonicalize", zoo, out + "/c.h5"], "--batch-size", "positive_int"),
-        (["canonicalize", zoo, out + "/c.h5"], "--n-verify", "nonnegative_int"),
-        (["canonicalize", zoo, out + "/c.h5"], "--seed", "nonnegative_int"),
+        (["canonicalize", zoo, "--out", out + "/c.h5"], "--batch-size", "positive_int"),
+        (["canonicalize", zoo, "--out", out + "/c.h5"], "--n-verify", "nonnegative_int"),
+        (["canonicalize", zoo, "--out", out + "/c.h5"], "--seed", "nonnegative_int"),
         (["min-mass", zoo, "--out", out + "/m"], "--batch-size", "positive_int"),
         (["mmd", zoo, zoo, "--out", out + "/r"], "--bandwidths", "positive_int"),
         (["mmd", zoo, zoo, "--out", out + "/r"], "--scale", "positive_float"),

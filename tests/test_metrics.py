@@ -6,13 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from posteriorzoo.collection import evaluate
+from posteriorzoo.collection.evaluation import member_probabilities, normalized_images
 from posteriorzoo.data import load_dataset
-from posteriorzoo.metrics import (
-    accuracy,
-    member_probabilities,
-    negative_log_likelihood,
-    normalized_images,
-)
+from posteriorzoo.metrics import accuracy, negative_log_likelihood
 from posteriorzoo.models import build
 from posteriorzoo.zoo import create_zoo
 
@@ -44,3 +41,26 @@ def test_accuracy_and_nll_closed_form():
     assert accuracy(probabilities, labels) == pytest.approx(2 / 3)
     expected = -(np.log(0.7) + np.log(0.8) + np.log(0.4)) / 3
     assert negative_log_likelihood(probabilities, labels) == pytest.approx(expected)
+
+
+def test_evaluate_a_collection_against_each_model(tmp_path):
+    test = load_dataset("digits", "test")
+    images = normalized_images(test)
+    models = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        models.append(build("optunet").eval())
+    with create_zoo(tmp_path / "z.h5", architecture="optunet", dataset="digits", method="de",
+                    num_classes=10, template=models[0].state_dict()) as zoo:
+        for model in models:
+            zoo.append(model.state_dict())
+    result = evaluate(tmp_path / "z.h5")
+    with torch.no_grad():
+        members = [torch.softmax(model(images), dim=1).numpy() for model in models]
+    expected = [accuracy(p, test.labels) for p in members]
+    np.testing.assert_allclose(result.member_accuracy, expected)
+    ensemble = np.mean(members, axis=0)
+    assert result.ensemble_nll == pytest.approx(negative_log_likelihood(ensemble, test.labels),
+                                                rel=1e-5)
+    paths = result.write(tmp_path / "out")
+    assert sorted(paths) == ["evaluate.json", "members.csv"]

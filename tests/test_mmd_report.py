@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from zoo_helpers import assert_one_line_error, checkpoint, run
 
-from posteriorzoo.collection import ComparisonReport, CompatibilityWarning, compare
-from posteriorzoo.collection.compare import parameter_keys
+from posteriorzoo.collection import CompareResult, CompatibilityWarning, compare
+from posteriorzoo.collection.comparison import parameter_keys
 from posteriorzoo.errors import InvalidOptionError, SampleSizeError, ShapeMismatchError
 from posteriorzoo.hashing import sha256_file
 from posteriorzoo.mmd import compare_arrays, kernel_mmds
@@ -199,7 +199,7 @@ def test_arrays_api_with_the_test(tmp_path):
     tests = {(r.method, r.layer): r.test for r in comparison.results}
     assert tests[("shifted", "a")].reject and tests[("shifted", "a")].seed == 3
     assert comparison.summary("shifted").rejected_layers >= 1
-    paths = ComparisonReport(comparison).write(tmp_path / "out")
+    paths = CompareResult(comparison).write(tmp_path / "out")
     data = json.loads(paths["mmd_report.json"].read_text())
     assert data["options"]["mmdagg_test"]["seed"] == 3
     assert data["layers"][0]["mmdagg"]["kernels"][0]["kernel"] == "laplace"

@@ -81,14 +81,10 @@ def reference_step(progress: bool) -> dict[str, Any]:
 
 def ensemble_step() -> dict[str, Any] | None:
     """The Deep Ensemble's members and their average on the Fashion-MNIST test set."""
+    from posteriorzoo.collection.evaluation import member_probabilities, normalized_images
     from posteriorzoo.data import load_dataset
     from posteriorzoo.errors import PosteriorZooError
-    from posteriorzoo.metrics import (
-        accuracy,
-        member_probabilities,
-        negative_log_likelihood,
-        normalized_images,
-    )
+    from posteriorzoo.metrics import accuracy, negative_log_likelihood
     from posteriorzoo.reference import open_reference
 
     try:
@@ -116,14 +112,13 @@ def ensemble_step() -> dict[str, Any] | None:
 
 def symmetry_step(out: Path, command: str) -> dict[str, Any]:
     """[5] Canonicalize the reference Deep Ensemble; min-mass report of its members."""
+    from posteriorzoo.collection import canonicalize, min_mass
     from posteriorzoo.reference import reference_path
-    from posteriorzoo.symmetry import canonicalize_collection, min_mass_collection
 
     source = reference_path("de")
     target = out / "de-canonical.h5"
-    summary = canonicalize_collection(source, target, scaling="minmass", n_verify=10,
-                                      command=command)
-    masses = min_mass_collection(source)
+    summary = canonicalize(source, target, scaling="minmass", n_verify=10, command=command)
+    masses = min_mass(source)
     result = {"checkpoints": summary.checkpoints, "verified": len(summary.verified),
               "largest_logit_change": summary.largest_change,
               "mass_before_median": float(np.median(masses.mass_before)),

@@ -118,7 +118,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _methods(arguments: list[str]) -> dict[str, Path]:
-    from posteriorzoo.collection.compare import display_name
+    from posteriorzoo.collection.comparison import display_name
     from posteriorzoo.errors import InvalidOptionError
 
     named: dict[str, Path] = {}

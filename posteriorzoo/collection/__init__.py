@@ -11,10 +11,18 @@ which never open files; the CLI only parses arguments, calls these and prints.
 >>> info.checkpoints, info.attributes["method"]
 """
 
-from posteriorzoo.collection.compare import CompatibilityWarning, compare
-from posteriorzoo.collection.comparison_report import ComparisonReport
-from posteriorzoo.collection.describe import Description, describe
+from posteriorzoo.collection.canonicalization import (
+    CanonicalizeResult,
+    MinMassResult,
+    canonicalize,
+    min_mass,
+)
+from posteriorzoo.collection.comparison import CompatibilityWarning, compare
+from posteriorzoo.collection.comparison_result import CompareResult
+from posteriorzoo.collection.description import DescribeResult, describe
+from posteriorzoo.collection.evaluation import EvaluateResult, evaluate
 from posteriorzoo.collection.results import CollectionResult
 
-__all__ = ["CollectionResult", "CompatibilityWarning", "ComparisonReport", "Description",
-           "compare", "describe"]
+__all__ = ["CanonicalizeResult", "CollectionResult", "CompareResult", "CompatibilityWarning",
+           "DescribeResult", "EvaluateResult", "MinMassResult", "canonicalize", "compare",
+           "describe", "evaluate", "min_mass"]

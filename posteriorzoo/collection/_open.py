@@ -8,6 +8,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+
 from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.zoo import Zoo, open_zoo
 
@@ -44,3 +46,12 @@ def content_digest(zoo: Zoo) -> str:
     for row in zoo.metadata["sha256"]:
         digest.update(bytes(row))
     return digest.hexdigest()
+
+
+def model_of(zoo: Zoo) -> tuple[torch.nn.Module, tuple[int, ...]]:
+    """The collection's architecture (registered in :mod:`posteriorzoo.models`), built
+    with its number of classes and model options, in eval mode, and its input shape."""
+    from posteriorzoo.models import build, input_shape
+
+    model = build(zoo.architecture, num_classes=zoo.num_classes, **zoo.model_options)
+    return model.eval(), input_shape(zoo.architecture, **zoo.model_options)

@@ -15,6 +15,7 @@ import, export, evaluate) returns a :class:`CollectionResult`:
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import os
@@ -62,9 +63,18 @@ class CollectionResult:
         return json.dumps(self.to_dict(), indent=1, default=str) + "\n"
 
     def write_into(self, folder: str | os.PathLike) -> dict[str, Path]:
-        """Write the JSON and the tables into an existing folder; returns name -> path."""
+        """Write the JSON and the tables into an existing folder; returns name -> path.
+
+        The JSON also lists every table with its SHA-256 (``files``), so a table that was
+        changed afterwards can be told from the one this result wrote.
+        """
         folder = Path(folder)
-        files = {f"{self.kind}.json": self.to_json(), **self.tables()}
+        tables = dict(self.tables())
+        data = {**self.to_dict(), "files": {
+            name: hashlib.sha256(text.encode("utf-8")).hexdigest()
+            for name, text in tables.items()}}
+        files = {f"{self.kind}.json": json.dumps(data, indent=1, default=str) + "\n",
+                 **tables}
         paths = {}
         for name, text in files.items():
             paths[name] = folder / name

@@ -1,14 +1,11 @@
-"""Predictive metrics of collections of checkpoints.
+"""Predictive metrics on probability arrays (a pure core: no files, no models).
 
-For now: member and ensemble probabilities, accuracy and negative log-likelihood.
-Calibration (ECE, Brier) and OOD detection come with the posterior comparison work.
+``accuracy`` and ``negative_log_likelihood`` take probabilities ``(n, K)`` and labels
+``(n,)``. Running a collection's checkpoints to get the probabilities is the collection
+layer's job (:func:`posteriorzoo.collection.evaluate`,
+:func:`posteriorzoo.collection.evaluation.member_probabilities`).
 """
 
-from posteriorzoo.metrics.predictive import (
-    accuracy,
-    member_probabilities,
-    negative_log_likelihood,
-    normalized_images,
-)
+from posteriorzoo.metrics.predictive import accuracy, negative_log_likelihood
 
-__all__ = ["accuracy", "member_probabilities", "negative_log_likelihood", "normalized_images"]
+__all__ = ["accuracy", "negative_log_likelihood"]

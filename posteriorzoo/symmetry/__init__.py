@@ -6,10 +6,11 @@ which symmetries through is one table (:mod:`posteriorzoo.symmetry.operations`).
 :func:`random_symmetry` applies a random group element, for tests and for users checking
 their own models. The canonicalizer (scaling normalisation or min-mass, signs, sorting)
 builds on these pieces: :func:`canonicalize` and :func:`min_mass` for one checkpoint,
-:func:`canonicalize_many` for a batch in memory, and :func:`canonicalize_collection` /
-:func:`min_mass_collection` for a whole collection file, all vectorised over the
-checkpoint axis. Where an operation the tracer does not support leaves units untouched,
-the canonicalizers say so with a :class:`SymmetryCoverageWarning`.
+:func:`canonicalize_many` for a batch in memory, all vectorised over the checkpoint
+axis. This package works on state dicts and arrays only; whole collection files are
+canonicalized by :func:`posteriorzoo.collection.canonicalize` and measured by
+:func:`posteriorzoo.collection.min_mass`. Where an operation the tracer does not support
+leaves units untouched, the canonicalizers say so with a :class:`SymmetryCoverageWarning`.
 """
 
 from __future__ import annotations
@@ -23,12 +24,6 @@ from torch import nn
 
 from posteriorzoo.errors import NonFiniteWeightsError
 from posteriorzoo.symmetry.canonical import CanonicalReport, canonicalize_batch, canonicalize_state
-from posteriorzoo.symmetry.collection import (
-    CanonicalizeSummary,
-    MinMassReport,
-    canonicalize_collection,
-    min_mass_collection,
-)
 from posteriorzoo.symmetry.minmass import (
     MinMassBatch,
     MinMassResult,
@@ -57,9 +52,7 @@ from posteriorzoo.symmetry.transform import (
 
 __all__ = [
     "CanonicalReport",
-    "CanonicalizeSummary",
     "MinMassBatch",
-    "MinMassReport",
     "MinMassResult",
     "OperationProperties",
     "ScaleVariable",
@@ -72,12 +65,10 @@ __all__ = [
     "apply_symmetry_batch",
     "canonicalize",
     "canonicalize_batch",
-    "canonicalize_collection",
     "canonicalize_many",
     "canonicalize_state",
     "mass_problem",
     "min_mass",
-    "min_mass_collection",
     "operation_properties",
     "solve_min_mass",
     "solve_min_mass_batch",

@@ -26,9 +26,11 @@ import torch
 from safetensors.torch import save as save_safetensors_bytes
 
 from posteriorzoo._faults import fault_point
+from posteriorzoo.dtypes import as_numpy
 from posteriorzoo.errors import ChecksumError, InvalidOptionError, ZooFormatError, ZooSchemaError
 from posteriorzoo.outputs import atomic_directory, atomic_file, check_output, same_file
 from posteriorzoo.zoo import schema
+from posteriorzoo.zoo.architecture import check_architecture
 from posteriorzoo.zoo.archives import release_task
 from posteriorzoo.zoo.formats import CHECKPOINT_FORMAT, ReadLimits, require_file
 from posteriorzoo.zoo.import_checks import (
@@ -41,13 +43,8 @@ from posteriorzoo.zoo.import_checks import (
     row_for_input,
 )
 from posteriorzoo.zoo.keymap import KeyMap
-from posteriorzoo.zoo.lifecycle import (
-    check_architecture,
-    create_zoo,
-    normalise_template,
-    open_zoo,
-)
-from posteriorzoo.zoo.store import Zoo, as_numpy
+from posteriorzoo.zoo.lifecycle import create_zoo, normalise_template, open_zoo
+from posteriorzoo.zoo.store import Zoo
 
 
 # ---------------------------------------------------------------------- export

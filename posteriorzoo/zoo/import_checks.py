@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from posteriorzoo.dtypes import as_numpy
 from posteriorzoo.errors import (
     NonFiniteWeightsError,
     PosteriorZooError,
@@ -30,7 +31,6 @@ from posteriorzoo.zoo.formats import (
     read_checkpoint,
     sniff_format,
 )
-from posteriorzoo.zoo.store import as_numpy
 
 Spec = Mapping[str, tuple[tuple[int, ...], np.dtype]]
 

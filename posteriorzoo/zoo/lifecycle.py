@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from posteriorzoo import outputs
+from posteriorzoo.dtypes import as_numpy, numpy_dtype
 from posteriorzoo.errors import (
     InvalidOptionError,
     OutputExistsError,
@@ -43,6 +44,7 @@ from posteriorzoo.errors import (
     ZooSchemaError,
 )
 from posteriorzoo.provenance import library_versions
+from posteriorzoo.zoo.architecture import check_architecture
 from posteriorzoo.zoo.layout import ROW_DIGEST_DTYPE, ROW_DIGESTS
 from posteriorzoo.zoo.schema import (
     FORMAT_NAME,
@@ -57,7 +59,6 @@ from posteriorzoo.zoo.store import (
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_ROWS,
     Zoo,
-    as_numpy,
     open_h5,
 )
 
@@ -86,36 +87,12 @@ def normalise_template(template: Mapping[str, Any]
             spec[key] = (tuple(int(s) for s in shape), np.dtype(dtype))
         else:
             array = as_numpy(value) if not isinstance(value, torch.Tensor) or \
-                value.device.type != "meta" else np.empty(0, _torch_to_numpy_dtype(value.dtype))
+                value.device.type != "meta" else np.empty(0, numpy_dtype(value.dtype))
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else array.shape
             spec[key] = (tuple(int(s) for s in shape), array.dtype)
     if not spec:
         raise ZooSchemaError("the template state_dict is empty")
     return spec
-
-
-def _torch_to_numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    if dtype == torch.bfloat16:
-        raise ZooSchemaError("bfloat16 tensors are not supported; convert to float32")
-    return torch.empty(0, dtype=dtype).numpy().dtype
-
-
-def _numpy_to_torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype)).dtype
-
-
-def check_architecture(
-    architecture: str,
-    spec: Mapping[str, tuple[tuple[int, ...], np.dtype]],
-    num_classes: int | None,
-    model_options: Mapping[str, Any],
-) -> None:
-    """Raise unless ``spec`` (key -> (shape, dtype)) fits the registered architecture."""
-    from posteriorzoo import models
-
-    meta = {key: torch.empty(shape, dtype=_numpy_to_torch_dtype(dtype), device="meta")
-            for key, (shape, dtype) in spec.items()}
-    models.check_state_dict(architecture, meta, num_classes=num_classes, **model_options)
 
 
 def create_zoo(

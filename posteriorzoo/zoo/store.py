@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from posteriorzoo._faults import fault_point
+from posteriorzoo.dtypes import ArrayLike, as_numpy
 from posteriorzoo.errors import (
     ChecksumError,
     NonFiniteWeightsError,
@@ -34,6 +35,7 @@ from posteriorzoo.errors import (
 )
 from posteriorzoo.provenance import library_versions
 from posteriorzoo.zoo import schema
+from posteriorzoo.zoo.architecture import check_architecture
 from posteriorzoo.zoo.layout import COMMITTED, METADATA, ROW_DIGESTS, STATE_GROUP, read_layout
 from posteriorzoo.zoo.schema import (
     METADATA_DTYPE,
@@ -53,18 +55,6 @@ _STATE_GROUP = STATE_GROUP
 #: Bytes of whole checkpoints read at once while verifying digests.
 _VERIFY_BLOCK_BYTES = 1 << 28
 _CRASHED_WRITER_MARKERS = ("already open for write", "consistency flags")
-
-ArrayLike = torch.Tensor | np.ndarray
-
-
-def as_numpy(value: ArrayLike) -> np.ndarray:
-    """A tensor or array as a numpy array (tensors are detached and moved to the CPU)."""
-    if isinstance(value, torch.Tensor):
-        if value.dtype == torch.bfloat16:
-            raise ZooSchemaError("bfloat16 tensors are not supported; convert to float32")
-        return value.detach().cpu().numpy()
-    return np.asarray(value)
-
 
 def open_h5(path: Path, mode: str) -> h5py.File:
     """Open an HDF5 file, turning library errors into :class:`ZooFormatError`."""
@@ -140,8 +130,6 @@ class Zoo:
         group = handle[STATE_GROUP]
         self._datasets = {key: group[key] for key in self._keys}
         if layout.validated:
-            from posteriorzoo.zoo.lifecycle import check_architecture
-
             try:
                 check_architecture(self.architecture, self.spec, self.num_classes,
                                    self.model_options)

@@ -11,7 +11,7 @@ from posteriorzoo.collection._open import Source, content_digest, opened, source
 from posteriorzoo.collection.results import CollectionResult, csv_text
 from posteriorzoo.provenance import record
 
-__all__ = ["Description", "describe"]
+__all__ = ["DescribeResult", "describe"]
 
 
 def _summary(values: np.ndarray) -> dict[str, float] | None:
@@ -23,7 +23,7 @@ def _summary(values: np.ndarray) -> dict[str, float] | None:
 
 
 @dataclass
-class Description(CollectionResult):
+class DescribeResult(CollectionResult):
     """What a collection holds.
 
     Attributes
@@ -65,7 +65,7 @@ class Description(CollectionResult):
 
 
 def describe(source: Source, *, verify: bool = True, command: str | None = None
-             ) -> Description:
+             ) -> DescribeResult:
     """Describe a collection.
 
     Parameters
@@ -101,7 +101,7 @@ def describe(source: Source, *, verify: bool = True, command: str | None = None
             "wall_time_seconds": _summary(metadata["wall_time"]),
         }
         path = source_path(source)
-        return Description(
+        return DescribeResult(
             str(path), attributes, len(zoo), tensors, summary,
             provenance=record("posteriorzoo info", command=command,
                               inputs={"collection": {"path": str(path),

@@ -10,15 +10,15 @@ from typing import Any
 from posteriorzoo.collection.results import CollectionResult, csv_text
 from posteriorzoo.mmd.comparison import TREATMENTS, Comparison, LayerResult, MethodSummary
 
-__all__ = ["FILE_NAMES", "ComparisonReport"]
+__all__ = ["FILE_NAMES", "CompareResult"]
 
-#: The files :meth:`ComparisonReport.write` puts in its folder.
+#: The files :meth:`CompareResult.write` puts in its folder.
 FILE_NAMES = ("mmd_report.json", "mmd_layers.csv", "mmd_summary.csv", "mmd_report.md")
 _TABLE_NAMES = {"keep": "MMD", "remove": "NS-MMD"}
 
 
 @dataclass
-class ComparisonReport(CollectionResult):
+class CompareResult(CollectionResult):
     """A :class:`~posteriorzoo.mmd.comparison.Comparison` with its provenance and writers.
 
     Files (:meth:`write`): ``mmd_report.json`` (every number and the provenance),

@@ -1,8 +1,10 @@
-"""Whole collections: canonical copies and min-mass reports, vectorised over checkpoints.
+"""Canonicalize a collection, or measure its minimum mass: vectorised over checkpoints.
 
-The symmetry structure is traced once per collection; checkpoints are then read, solved
-and written in batches (``{key: (B, *shape)}``), each batch one call of the batched
-canonicalizer or Newton solver.
+The symmetry structure is traced once per collection (the pure core
+:mod:`posteriorzoo.symmetry`); checkpoints are then read, solved and written in batches
+(``{key: (B, *shape)}``), each batch one call of the batched canonicalizer or Newton
+solver. :func:`canonicalize` returns a :class:`CanonicalizeResult`, :func:`min_mass` a
+:class:`MinMassResult` (whose ``write`` gives ``min_mass.csv``, one row per checkpoint).
 """
 
 from __future__ import annotations
@@ -16,14 +18,19 @@ import numpy as np
 import torch
 
 from posteriorzoo._faults import fault_point
+from posteriorzoo.collection._open import Source, model_of, opened, source_path
+from posteriorzoo.collection.results import CollectionResult, csv_text
+from posteriorzoo.dtypes import torch_dtype
 from posteriorzoo.errors import ChecksumError, InvalidOptionError
-from posteriorzoo.models import build, input_shape
 from posteriorzoo.outputs import check_output
+from posteriorzoo.provenance import describe_input, record
 from posteriorzoo.symmetry.canonical import canonicalize_batch, check_options
 from posteriorzoo.symmetry.minmass import MinMassBatch, mass_problem, solve_min_mass_batch
 from posteriorzoo.symmetry.structure import SymmetryStructure, trace_structure, warn_coverage
-from posteriorzoo.zoo import Zoo, create_zoo, open_zoo
+from posteriorzoo.zoo import Zoo, create_zoo
 from posteriorzoo.zoo.schema import decode
+
+__all__ = ["CanonicalizeResult", "MinMassResult", "canonicalize", "min_mass"]
 
 #: Largest relative change of the logits that ``verify`` accepts: the canonical form is
 #: exact in float64, and storing it in float32 rounds each weight by about 6e-8.
@@ -33,28 +40,56 @@ BATCH_BYTES = 256 * 2**20
 
 
 @dataclass
-class CanonicalizeSummary:
-    """What :func:`canonicalize_collection` did."""
+class CanonicalizeResult(CollectionResult):
+    """What :func:`canonicalize` did.
 
+    Attributes
+    ----------
+    path : Path
+        The canonical collection written.
+    checkpoints : int
+    dead_units : int
+        Units without incoming weights, left at scale 1.
+    verified : list of int
+        Checkpoints checked to compute the same function before and after.
+    largest_change : float
+        Largest relative change of their logits.
+    copied_unchanged : int
+        Checkpoints with non-finite weights (flagged diverged), copied unchanged.
+    annotations : dict
+        What the canonical collection records about the symmetries removed.
+    """
+
+    kind = "canonicalize"
     path: Path
     checkpoints: int
     dead_units: int
     verified: list[int]
     largest_change: float
-    #: checkpoints with non-finite weights (flagged diverged), copied unchanged
     copied_unchanged: int = 0
+    annotations: dict = field(default_factory=dict)
+
+    def payload(self) -> dict:
+        return {"path": str(self.path), "checkpoints": self.checkpoints,
+                "dead_units": self.dead_units, "verified": self.verified,
+                "largest_change": self.largest_change,
+                "copied_unchanged": self.copied_unchanged, "annotations": self.annotations}
 
 
 @dataclass
-class MinMassReport:
-    """:func:`min_mass_collection`'s result: arrays over the N checkpoints.
+class MinMassResult(CollectionResult):
+    """:func:`min_mass`'s result: arrays over the N checkpoints.
 
     ``mass_before``/``mass_after``: (N,) sums of squared weights; ``max_abs_before``/
     ``max_abs_after``: weight key -> (N,) largest |w| (paper Fig. 2); ``scales``: scale
     variable -> (N, size); ``dead_units``: ``(checkpoint, variable, unit)``;
-    ``iterations``: (N,) Newton iterations (0 for cvxpy).
+    ``iterations``: (N,) Newton iterations (0 for cvxpy); ``seeds``: (N,) the
+    checkpoints' seeds. NaN marks checkpoints with non-finite weights.
+    ``write(out)`` gives ``min_mass.json`` (summary, provenance) and ``min_mass.csv``
+    (one row per checkpoint).
     """
 
+    kind = "min_mass"
     mass_before: np.ndarray
     mass_after: np.ndarray
     max_abs_before: dict[str, np.ndarray]
@@ -62,11 +97,43 @@ class MinMassReport:
     scales: dict[int, np.ndarray]
     iterations: np.ndarray
     dead_units: list[tuple[int, int, int]] = field(default_factory=list)
+    seeds: np.ndarray | None = None
+
+    def summary(self) -> dict:
+        """Counts and medians over the solved checkpoints."""
+        finite = np.isfinite(self.mass_after)
+        ratio = self.mass_after[finite] / self.mass_before[finite]
+        return {"checkpoints": len(self.mass_before), "solved": int(finite.sum()),
+                "dead_units": len(self.dead_units),
+                "mass_before_median": float(np.median(self.mass_before[finite])),
+                "mass_after_median": float(np.median(self.mass_after[finite])),
+                "mass_ratio_median": float(np.median(ratio))}
+
+    def payload(self) -> dict:
+        return {"summary": self.summary(), "table": "min_mass.csv"}
+
+    def tables(self) -> dict[str, str]:
+        count = len(self.mass_before)
+        dead = np.bincount([unit[0] for unit in self.dead_units], minlength=count)
+        seeds = self.seeds if self.seeds is not None else np.full(count, -1)
+        keys = list(self.max_abs_before)
+        rows = []
+        for i in range(count):
+            values = [self.mass_before[i], self.mass_after[i],
+                      *[self.max_abs_before[k][i] for k in keys],
+                      *[self.max_abs_after[k][i] for k in keys]]
+            cells = ["" if not np.isfinite(v) else float(v) for v in values]
+            rows.append([i, int(seeds[i]), *cells[:2], int(self.iterations[i]), int(dead[i]),
+                         *cells[2:]])
+        return {"min_mass.csv": csv_text(
+            ["checkpoint", "seed", "mass_before", "mass_after", "iterations", "dead_units",
+             *[f"max_abs_before:{k}" for k in keys], *[f"max_abs_after:{k}" for k in keys]],
+            rows)}
 
 
 def _model(zoo: Zoo) -> tuple[torch.nn.Module, tuple[int, ...]]:
-    model = build(zoo.architecture, num_classes=zoo.num_classes, **zoo.model_options)
-    return model.double().eval(), input_shape(zoo.architecture, **zoo.model_options)
+    model, shape = model_of(zoo)
+    return model.double(), shape
 
 
 def default_batch_size(zoo: Zoo, structure: SymmetryStructure | None = None,
@@ -122,14 +189,14 @@ def logit_change(model: torch.nn.Module, shape: tuple[int, ...], before: dict,
     return float((outputs[0] - outputs[1]).abs().max() / outputs[0].abs().max())
 
 
-def canonicalize_collection(source: str | os.PathLike, target: str | os.PathLike, *,
+def canonicalize(source: Source, target: str | os.PathLike, *,
                             permutation: str = "first", scaling: str = "norm",
                             softmax: bool = True, solver: str = "fast", signs: bool = True,
                             n_verify: int = 0,
                             seed: int = 0, batch_size: int | None = None,
                             verify: bool = True, overwrite: bool = False,
                             progress: bool = False, command: str | None = None
-                            ) -> CanonicalizeSummary:
+                            ) -> CanonicalizeResult:
     """Write the canonical form of every checkpoint of ``source`` to a new collection.
 
     The structure is traced once; checkpoints are canonicalized ``batch_size`` at a time
@@ -140,7 +207,7 @@ def canonicalize_collection(source: str | os.PathLike, target: str | os.PathLike
     (random float64 inputs; :class:`ChecksumError` if the logits move by more than
     :data:`VERIFY_TOLERANCE` relative). Checkpoints with NaN or infinite weights, which a
     collection holds only flagged as diverged, have no canonical form: they are copied
-    unchanged, still flagged, and counted in :attr:`CanonicalizeSummary.copied_unchanged`.
+    unchanged, still flagged, and counted in :attr:`CanonicalizeResult.copied_unchanged`.
     ``signs`` removes the sign flips odd activations allow (see
     :mod:`posteriorzoo.symmetry.canonical`); a :class:`SymmetryCoverageWarning` names the
     units an unsupported operation leaves untouched (also in the ``not_removed``
@@ -156,13 +223,14 @@ def canonicalize_collection(source: str | os.PathLike, target: str | os.PathLike
     for name, value in (("n_verify", n_verify), ("seed", seed)):
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
             raise InvalidOptionError(f"{name} must be a non-negative integer, not {value!r}")
-    source, target = Path(source), check_output(target, inputs=[source], overwrite=overwrite)
-    with open_zoo(source, verify=verify) as zoo:
+    path = source_path(source)
+    target = check_output(target, inputs=[path], overwrite=overwrite)
+    with opened(source, verify=verify) as zoo:
         model, shape = _model(zoo)
         structure = trace_structure(model, shape)
         warn_coverage(structure)
         flips = signs and bool(structure.flippable())
-        annotations = {"canonicalized_from": source.name, "permutation": permutation,
+        annotations = {"canonicalized_from": path.name, "permutation": permutation,
                        "scaling": scaling, "solver": solver if scaling == "minmass" else None,
                        "softmax": softmax,
                        "softmax_rule": "output biases sum to zero" if softmax else None,
@@ -180,8 +248,7 @@ def canonicalize_collection(source: str | os.PathLike, target: str | os.PathLike
                                                          replace=False).tolist())
         batch_size = default_batch_size(zoo, structure, batch_size)
         rows = zoo.metadata
-        dtypes = {key: torch.from_numpy(np.zeros(0, dtype)).dtype
-                  for key, dtype in zoo.dtypes.items()}
+        dtypes = {key: torch_dtype(dtype) for key, dtype in zoo.dtypes.items()}
         dead, copied, largest, verified = 0, 0, 0.0, []
         # Unpublished until the block ends: a failure or a kill leaves no target.
         with create_zoo(target, architecture=zoo.architecture, dataset=zoo.dataset,
@@ -211,11 +278,18 @@ def canonicalize_collection(source: str | os.PathLike, target: str | os.PathLike
                         raise ChecksumError(
                             f"checkpoint {start + b}: the canonical network's logits "
                             f"differ by {change:.3g} (relative)")
-                out.append_many(stored, [_copied_row(rows[start + b], source.name,
+                out.append_many(stored, [_copied_row(rows[start + b], path.name,
                                                      start + b) for b in range(size)])
                 fault_point("canonicalize-batch")
                 bar.update(size)
-    return CanonicalizeSummary(target, count, dead, verified, largest, copied)
+    return CanonicalizeResult(
+        target, count, dead, verified, largest, copied, annotations,
+        provenance=record("posteriorzoo canonicalize", command=command,
+                          inputs={"source": describe_input(path)},
+                          seeds={"n_verify": seed if n_verify else None},
+                          options={"permutation": permutation, "scaling": scaling,
+                                   "softmax": softmax, "solver": solver, "signs": signs,
+                                   "n_verify": n_verify, "verify": verify}))
 
 
 def _copied_row(row: np.void, source: str, index: int) -> dict:
@@ -232,9 +306,9 @@ def _blank(result: MinMassBatch, rows: np.ndarray) -> None:
         values[rows] = np.nan
 
 
-def min_mass_collection(source: str | os.PathLike, *, solver: str = "fast",
-                        batch_size: int | None = None, verify: bool = True,
-                        progress: bool = False) -> MinMassReport:
+def min_mass(source: Source, *, solver: str = "fast", batch_size: int | None = None,
+             verify: bool = True, progress: bool = False, command: str | None = None
+             ) -> MinMassResult:
     """Minimum mass of every checkpoint of a collection (nothing is written).
 
     Returns the masses before and after, each weight tensor's largest |w| before and
@@ -245,7 +319,13 @@ def min_mass_collection(source: str | os.PathLike, *, solver: str = "fast",
     """
     from tqdm.auto import tqdm
 
-    with open_zoo(source, verify=verify) as zoo:
+    from posteriorzoo.symmetry.minmass import SOLVERS
+
+    if solver not in SOLVERS:
+        raise InvalidOptionError(f"solver must be one of {', '.join(SOLVERS)}, not {solver!r}")
+    path = source_path(source)
+    with opened(source, verify=verify) as zoo:
+        seeds = np.asarray(zoo.metadata["seed"])
         model, shape = _model(zoo)
         structure = trace_structure(model, shape)
         problem = mass_problem(structure, {k: torch.from_numpy(np.zeros(s, zoo.dtypes[k]))
@@ -269,7 +349,10 @@ def min_mass_collection(source: str | os.PathLike, *, solver: str = "fast",
         return {key: np.concatenate([getattr(p, name)[key] for p in parts])
                 for key in getattr(parts[0], name)}
 
-    return MinMassReport(np.concatenate([p.mass_before for p in parts]),
+    return MinMassResult(np.concatenate([p.mass_before for p in parts]),
                          np.concatenate([p.mass_after for p in parts]),
                          joined("max_abs_before"), joined("max_abs_after"), joined("scales"),
-                         np.concatenate([p.iterations for p in parts]), dead)
+                         np.concatenate([p.iterations for p in parts]), dead, seeds,
+                         provenance=record("posteriorzoo min-mass", command=command,
+                                           inputs={"source": describe_input(path)},
+                                           options={"solver": solver, "verify": verify}))

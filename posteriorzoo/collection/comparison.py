@@ -2,7 +2,7 @@
 
 :func:`compare` reads each layer of every collection in blocks (the numbers come from the
 pure core :mod:`posteriorzoo.mmd.comparison`) and returns a
-:class:`~posteriorzoo.collection.comparison_report.ComparisonReport`.
+:class:`~posteriorzoo.collection.comparison_result.CompareResult`.
 
 What may be compared: collections whose weight layouts (state keys and shapes) agree,
 whatever their model options (an MC Dropout collection and a Deep Ensemble of the same
@@ -33,7 +33,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from posteriorzoo.collection.comparison_report import ComparisonReport
+from posteriorzoo.collection._open import model_of
+from posteriorzoo.collection.comparison_result import CompareResult
 from posteriorzoo.errors import InvalidOptionError, ShapeMismatchError, UnknownNameError
 from posteriorzoo.hashing import sha256_file
 from posteriorzoo.mmd.comparison import (
@@ -117,9 +118,7 @@ def parameter_keys(zoo: Zoo, include_buffers: bool = False) -> list[str]:
     if include_buffers:
         return floating
     try:
-        from posteriorzoo.models import build
-
-        model = build(zoo.architecture, num_classes=zoo.num_classes, **zoo.model_options)
+        model, _ = model_of(zoo)
         names = {name for name, _ in model.named_parameters()}
     except UnknownNameError:
         names = {key for key in floating if not key.endswith(("running_mean", "running_var"))}
@@ -194,11 +193,10 @@ def _canonical_state(inputs: list[tuple[str, Path]], zoos: list[Zoo],
 
 def _canonical_copy(source: Path, directory: Path, options: Mapping[str, Any],
                     command: str | None, progress: bool, verify: bool) -> Path:
-    from posteriorzoo.symmetry.collection import canonicalize_collection
+    from posteriorzoo.collection.canonicalization import canonicalize
 
     path = directory / f"{source.stem}-canonical.h5"
-    canonicalize_collection(source, path, progress=progress, command=command, verify=verify,
-                            **options)
+    canonicalize(source, path, progress=progress, command=command, verify=verify, **options)
     return path
 
 
@@ -211,7 +209,7 @@ def compare(target: str | os.PathLike,
             B1: int = 2000, B2: int = 2000, B3: int = 50, seed: int = 0,
             block_bytes: int = DEFAULT_BLOCK_BYTES, workdir: str | os.PathLike | None = None,
             canonical_dir: str | os.PathLike | None = None, verify: bool = True,
-            progress: bool = False, command: str | None = None) -> ComparisonReport:
+            progress: bool = False, command: str | None = None) -> CompareResult:
     """Compare method collections with the target collection, layer by layer.
 
     Parameters
@@ -231,7 +229,7 @@ def compare(target: str | os.PathLike,
         Also compare floating-point buffers (BatchNorm running statistics).
     permutation, scaling, softmax
         The canonicalizer's options for NS-MMD
-        (:func:`posteriorzoo.symmetry.collection.canonicalize_collection`).
+        (:func:`posteriorzoo.collection.canonicalize`).
     number_bandwidths : int
         Bandwidths per kernel family (10: MMDAgg's 20 kernels).
     test, alpha, B1, B2, B3, seed
@@ -297,8 +295,8 @@ def compare(target: str | os.PathLike,
                 ZooSource(name, stack.enter_context(open_zoo(_canonical_copy(
                     path, directory, canonical_options, command, progress, verify))))
                 for name, path in inputs]
-            canonicalizer = {"function": "posteriorzoo.symmetry.collection."
-                                         "canonicalize_collection", **canonical_options,
+            canonicalizer = {"function": "posteriorzoo.collection.canonicalize",
+                             **canonical_options,
                              "seconds": round(time.perf_counter() - clock, 3),
                              "kept_in": None if canonical_dir is None else str(canonical_dir)}
         elif already:
@@ -333,4 +331,4 @@ def compare(target: str | os.PathLike,
         options=options, canonicalizer=canonicalizer, warnings=notes,
         seconds={"statistics": round(time.perf_counter() - clock, 3),
                  "total": round(time.perf_counter() - started, 3)})
-    return ComparisonReport(comparison, provenance=provenance)
+    return CompareResult(comparison, provenance=provenance)
