@@ -23,9 +23,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from posteriorzoo.cli._types import add_overwrite_option, nonnegative_int, positive_int
 
 
@@ -81,6 +78,8 @@ def reference_step(progress: bool) -> dict[str, Any]:
 
 def ensemble_step() -> dict[str, Any] | None:
     """The Deep Ensemble's members and their average on the Fashion-MNIST test set."""
+    import numpy as np
+
     from posteriorzoo.collection.evaluation import member_probabilities, normalized_images
     from posteriorzoo.data import load_dataset
     from posteriorzoo.errors import PosteriorZooError
@@ -112,6 +111,8 @@ def ensemble_step() -> dict[str, Any] | None:
 
 def symmetry_step(out: Path, command: str) -> dict[str, Any]:
     """[5] Canonicalize the reference Deep Ensemble; min-mass report of its members."""
+    import numpy as np
+
     from posteriorzoo.collection import canonicalize, min_mass
     from posteriorzoo.reference import reference_path
 
@@ -162,6 +163,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_steps(args: argparse.Namespace, out: Path) -> int:
+    import torch
+
     from posteriorzoo.collection import describe
     from posteriorzoo.provenance import library_versions
     from posteriorzoo.zoo import (

@@ -29,7 +29,10 @@ import numba
 import numpy as np
 from numba import prange, uint64
 
+from posteriorzoo._numba import announce_compilation
 from posteriorzoo.errors import NonFiniteWeightsError, SampleSizeError, ShapeMismatchError
+
+announce_compilation()
 
 #: Default number of features per block when an in-memory array is cut into blocks.
 DEFAULT_BLOCK_FEATURES = 16384

@@ -19,6 +19,10 @@ import numba
 import numpy as np
 from numba import prange, uint64
 
+from posteriorzoo._numba import announce_compilation
+
+announce_compilation()
+
 _LOG2E = 1.4426950408889634
 # ln 2 split in two: _LN2_HI has trailing zero bits, so k * _LN2_HI is exact for |k| < 2^11.
 _LN2_HI = 6.93147180369123816490e-01

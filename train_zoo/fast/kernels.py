@@ -37,6 +37,10 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from posteriorzoo._numba import announce_compilation
+
+announce_compilation()
+
 __all__ = ["fma32", "loss_and_grad", "prepare_batch", "sgd_update", "train_step"]
 
 # Indices into ``dims`` (train_zoo.fast.layout.DIM_NAMES).
