@@ -1,4 +1,5 @@
-"""The Laplace approximation (train_zoo.methods.laplace): known answers and an oracle.
+"""The Laplace approximation (train_zoo.methods.laplace and its laplace_curvature): known
+answers and an oracle.
 
 Known answers: for a linear softmax model the GGN *is* the Hessian of the summed
 cross-entropy, so at the MAP of ``loss + delta/2 ||theta||^2`` the Laplace precision must
@@ -9,17 +10,18 @@ it next to the package; see the Makefile's oracle step).
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.func import functional_call, hessian
+from torch.func import functional_call, hessian, jacrev, vjp, vmap
 
 from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.models import build
-from train_zoo.methods import laplace
+from train_zoo.methods import laplace, laplace_curvature, laplace_optunet
 from train_zoo.methods.common import flatten, parameters_of, unflatten
 
 # Statistical checks run in whitened coordinates w = L^T (theta - mean) ~ N(0, I_D): with S
@@ -105,7 +107,7 @@ def _varying(draws: list[dict], names: tuple[str, ...]) -> torch.Tensor:
 def test_softmax_factor_reproduces_the_cross_entropy_hessian(scale):
     z = torch.randn(7, 10, generator=torch.Generator().manual_seed(0),
                     dtype=torch.float64) * scale
-    factor = laplace.softmax_hessian_factor(z)
+    factor = laplace_curvature.softmax_hessian_factor(z)
     assert factor.shape == (7, 9, 10)
     assert torch.isfinite(factor).all()
     p = torch.softmax(z, dim=1)
@@ -123,7 +125,7 @@ def test_ggn_equals_the_hessian_for_a_linear_softmax_model():
     model, x, y = _linear_problem()
     params, buffers = parameters_of(model)
     batches = [(x[:13], y[:13]), (x[13:], y[13:])]       # chunks cross batch borders
-    ggn, nll, count = laplace.full_ggn(model, params, buffers, batches, chunk_size=6)
+    ggn, nll, count = laplace_curvature.full_ggn(model, params, buffers, batches, chunk_size=6)
     exact = hessian(_neg_log_joint(model, params, buffers, x, y, 0.0))(flatten(params))
     assert count == len(y)
     torch.testing.assert_close(ggn, exact, rtol=1e-12, atol=1e-12)
@@ -200,9 +202,106 @@ def test_training_prior_and_rescaling_to_the_data_set_size():
     assert half.prior_source == "training" and half.weight_decay == 5e-4
     assert half.prior_precision == pytest.approx(40 * 5e-4)
     assert half.num_seen == 20 and half.num_data == 40
-    ggn, nll, _ = laplace.full_ggn(model, params, buffers, [(x[:20], y[:20])])
+    ggn, nll, _ = laplace_curvature.full_ggn(model, params, buffers, [(x[:20], y[:20])])
     torch.testing.assert_close(half.curvature.ggn, 2 * ggn)
     assert half.nll == pytest.approx(2 * nll)
+
+
+# --- full GGN of OptuNet-shaped networks: the layer-formula rows and the float32 sum --------
+
+def _exact_ggn(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """sum_n J_n^T H_n J_n in float64 from whole per-example Jacobians (torch.func.jacrev),
+    independent of the module's rows and of its float32 block sums."""
+    model = copy.deepcopy(model).double().eval()
+    params, buffers = parameters_of(model)
+
+    def f(p: dict, image: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, (p, buffers), (image.unsqueeze(0),)).squeeze(0)
+
+    jac = vmap(jacrev(f), in_dims=(None, 0))(params, x.double())
+    j = torch.cat([v.reshape(len(x), v.shape[1], -1) for v in jac.values()], dim=2)
+    p = torch.softmax(functional_call(model, (params, buffers), (x.double(),)), dim=1)
+    h = torch.diag_embed(p) - p.unsqueeze(2) * p.unsqueeze(1)
+    return torch.einsum("bkd,bkl,ble->de", j, h, j)
+
+
+def _odd_optunet() -> nn.Module:
+    """An OptuNet with every size changed: 2 input channels, grouped conv1 (2 groups),
+    conv2 with 2 input channels per group, an overlapping max pool (3, stride 2), 5
+    classes; the numba path's describe_model accepts it (input 2 x 17 x 19)."""
+    torch.manual_seed(4)
+    model = build("optunet", num_classes=5)
+    model.conv1 = nn.Conv2d(2, 4, kernel_size=(3, 2), groups=2, bias=False)
+    model.pool1 = nn.MaxPool2d(kernel_size=3, stride=2)
+    model.conv2 = nn.Conv2d(4, 6, kernel_size=(3, 4), groups=2, bias=False)
+    model.fc = nn.Linear(6, 5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch", ["optunet", "optunet-v1", "odd", "optunet-dropout"])
+def test_full_ggn_of_optunet_shaped_networks_is_the_exact_ggn(arch):
+    if arch == "odd":
+        model, shape = _odd_optunet(), (2, 17, 19)
+    else:
+        torch.manual_seed(1)
+        options = {"dropout": 0.2} if arch == "optunet-dropout" else {}
+        model, shape = build(arch.removesuffix("-dropout"), **options).eval(), (1, 28, 28)
+    x = torch.randn(70, *shape, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        classes = model(x).shape[1]
+    y = torch.randint(0, classes, (70,), generator=torch.Generator().manual_seed(3))
+    params, buffers = parameters_of(model)
+    layout = laplace_optunet.layout_for(model, params, buffers, shape)
+    # the layer-formula path takes every OptuNet-shaped network, the generic one the rest
+    assert (layout is None) == (arch == "optunet-dropout")
+    ggn, nll, count = laplace_curvature.full_ggn(model, params, buffers, [(x[:33], y[:33]),
+                                                                        (x[33:], y[33:])],
+                                                 chunk_size=16)
+    exact = _exact_ggn(model, x)
+    assert count == 70
+    # float32 rows (relative rounding ~1e-7) summed in float32 blocks: measured <= 2e-7
+    assert float((ggn - exact).abs().max() / exact.abs().max()) < 1e-6
+    torch.testing.assert_close(ggn, ggn.T, rtol=0, atol=0)
+    generic, generic_nll, _ = laplace_curvature.full_ggn(model, params, buffers, [(x, y)],
+                                                         generic=True)
+    assert float((generic - ggn).abs().max() / ggn.abs().max()) < 1e-6
+    assert generic_nll == pytest.approx(nll, rel=1e-12)
+    with torch.no_grad():
+        expected_nll = nn.functional.cross_entropy(model(x).double(), y, reduction="sum")
+    assert nll == pytest.approx(float(expected_nll), rel=1e-6)
+
+
+def test_optunet_rows_equal_the_generic_rows_per_example():
+    torch.manual_seed(0)
+    model = _odd_optunet()
+    params, buffers = parameters_of(model)
+    x = torch.randn(12, 2, 17, 19, generator=torch.Generator().manual_seed(5))
+    layout = laplace_optunet.layout_for(model, params, buffers, (2, 17, 19))
+    out, tape = laplace_optunet.forward(layout, params, x)
+    factor = laplace_curvature.softmax_hessian_factor(out).float()
+    rows = laplace_optunet.factor_rows(layout, params, tape, factor)        # (B, K - 1, D)
+    torch.testing.assert_close(out, model(x).detach(), rtol=0, atol=0)
+    reference = []
+    for image, cotangents in zip(x, factor, strict=True):
+        _, pullback = vjp(lambda p, image=image: functional_call(model, (p, buffers),
+                                                                 (image.unsqueeze(0),)), params)
+        grads = [flatten(pullback(v.unsqueeze(0))[0]) for v in cotangents]
+        reference.append(torch.stack(grads))
+    torch.testing.assert_close(rows, torch.stack(reference), rtol=1e-5, atol=1e-6)
+
+
+def test_layer_formula_path_refuses_what_it_does_not_implement():
+    torch.manual_seed(0)
+    model = build("optunet")
+    params, buffers = parameters_of(model)
+    assert laplace_optunet.layout_for(model, params, buffers, (1, 28, 28)) is not None
+    doubled = {name: value.double() for name, value in params.items()}
+    assert laplace_optunet.layout_for(model, doubled, buffers, (1, 28, 28)) is None
+    assert laplace_optunet.layout_for(model, params, buffers, (28, 28)) is None
+    assert laplace_optunet.layout_for(model, dict(reversed(params.items())), buffers,
+                                      (1, 28, 28)) is None
+    mlp = build("mlp", widths=(4, 3))
+    assert laplace_optunet.layout_for(mlp, *parameters_of(mlp), (1, 2, 2)) is None
 
 
 # --- last-layer KFAC ----------------------------------------------------------------------
@@ -444,7 +543,7 @@ def test_oracle_full_ggn_and_posterior_precision(digits_optunet, backend, count)
     la.fit(_loader(x, y, 64))
     theirs = la.posterior_precision.double()
     ours = laplace.posterior_precision(state)
-    # both use float32 Jacobians: measured 1e-7 (BackPack), 4e-7 (Curvlinops)
+    # both use float32 Jacobians and float32 sums: measured 2e-7 (BackPack), 5e-7 (Curvlinops)
     assert float((theirs - ours).abs().max() / ours.abs().max()) < 1e-5
     assert state.nll == pytest.approx(float(la.loss), rel=1e-5)
 

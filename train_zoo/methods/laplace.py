@@ -12,13 +12,10 @@ Two structures (option ``structure``):
 ``"full"``
     All ``D`` parameters vary; ``G = sum_n J_n^T H_n J_n`` with ``J_n`` ``(K, D)`` the
     Jacobian of example ``n``'s logits and ``H_n = diag(p_n) - p_n p_n^T`` the Hessian of the
-    softmax cross-entropy in logit space. ``H_n`` has rank ``K - 1`` and a closed-form
-    factor ``H_n = V_n^T V_n``, ``V_n`` ``(K - 1, K)`` (:func:`softmax_hessian_factor`), so
-    ``J_n^T H_n J_n = M_n^T M_n`` with ``M_n = V_n J_n``: the ``K - 1`` rows of ``M_n`` are
-    vector-Jacobian products of the logits with the rows of ``V_n`` (``vmap`` over examples
-    of ``vmap`` over cotangents of ``torch.func.vjp``, in chunks of ``chunk_size`` examples;
-    ``J_n`` itself is never formed), and each chunk adds ``M^T M`` as one float64 matrix
-    product. Samples are ``theta* + L^-T z`` with ``P = L L^T`` and ``z ~ N(0, I)``.
+    softmax cross-entropy in logit space, computed by
+    :func:`~train_zoo.methods.laplace_curvature.full_ggn` as ``sum_n M_n^T M_n`` with
+    ``M_n = V_n J_n`` ``(K - 1, D)`` and ``H_n = V_n^T V_n`` (``J_n`` is never formed).
+    Samples are ``theta* + L^-T z`` with ``P = L L^T`` and ``z ~ N(0, I)``.
 
 ``"last-layer-kfac"``
     Only the network's final ``Linear`` layer (weight ``W`` ``(K, F)``, bias ``b`` ``(K,)``)
@@ -96,27 +93,29 @@ import numpy as np
 import torch
 from scipy.optimize import brentq
 from torch import nn
-from torch.func import vjp, vmap
 
 from posteriorzoo.errors import InvalidOptionError
-from train_zoo.methods.common import Params, flatten, logits, state_dict_of, unflatten
+from train_zoo.methods.common import Params, flatten, state_dict_of, unflatten
+from train_zoo.methods.laplace_curvature import (
+    Batch,
+    FullCurvature,
+    KronCurvature,
+    clipped_eigh,
+    full_ggn,
+    kron_last_layer,
+    positive_int,
+)
 
 __all__ = [
     "MAX_FULL_PARAMETERS",
     "STRUCTURES",
-    "FullCurvature",
-    "KronCurvature",
     "LaplaceState",
     "draw",
-    "full_ggn",
     "init",
-    "kron_last_layer",
-    "last_layer_features",
     "log_evidence",
     "optimal_prior_precision",
     "posterior_precision",
     "sample",
-    "softmax_hessian_factor",
 ]
 
 #: The values of the ``structure`` option.
@@ -125,62 +124,6 @@ STRUCTURES = ("full", "last-layer-kfac")
 MAX_FULL_PARAMETERS = 20_000
 # Brent's method stops when log(delta) is known to this absolute accuracy.
 _LOG_DELTA_TOL = 1e-10
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class FullCurvature:
-    """The dense GGN over all parameters.
-
-    Attributes
-    ----------
-    ggn : torch.Tensor
-        ``G`` ``(D, D)`` float64, symmetric positive semi-definite (scaled to ``num_data``).
-    eigenvalues : torch.Tensor
-        ``(D,)`` float64, eigenvalues of ``G``, ascending, clipped at 0.
-    cholesky : torch.Tensor
-        ``L`` ``(D, D)`` float64, lower-triangular with ``G + delta I = L L^T``.
-    """
-
-    ggn: torch.Tensor
-    eigenvalues: torch.Tensor
-    cholesky: torch.Tensor
-
-
-@dataclass(frozen=True)
-class KronCurvature:
-    """Kronecker factors of the last layer's GGN and their eigendecompositions.
-
-    Attributes
-    ----------
-    layer : str
-        Name of the last ``Linear`` module (``"fc"`` for OptuNet and ResNet-18).
-    out_factor : torch.Tensor
-        ``B = sum_n Lambda_n`` ``(K, K)`` float64 (scaled to ``num_data``).
-    in_factor : torch.Tensor
-        ``A = sum_n a_n a_n^T / n`` ``(F, F)`` float64.
-    out_eigen, in_eigen : tuple of torch.Tensor
-        ``(values, vectors)`` of ``B`` and ``A``: ``(K,), (K, K)`` and ``(F,), (F, F)``,
-        values clipped at 0.
-    bias_eigen : tuple of torch.Tensor or None
-        ``(values, vectors)`` of the bias block ``C = B``, or None without a bias.
-    """
-
-    layer: str
-    out_factor: torch.Tensor
-    in_factor: torch.Tensor
-    out_eigen: tuple[torch.Tensor, torch.Tensor]
-    in_eigen: tuple[torch.Tensor, torch.Tensor]
-    bias_eigen: tuple[torch.Tensor, torch.Tensor] | None
-
-    def eigenvalues(self) -> torch.Tensor:
-        """Eigenvalues of the (block-diagonal) GGN approximation, ``(D,)`` float64:
-        ``beta_k alpha_f`` in the weight's row-major order, then the bias block's."""
-        values = [torch.outer(self.out_eigen[0], self.in_eigen[0]).reshape(-1)]
-        if self.bias_eigen is not None:
-            values.append(self.bias_eigen[0])
-        return torch.cat(values)
 
 
 @dataclass(frozen=True)
@@ -238,13 +181,6 @@ class LaplaceState:
 
 # ----------------------------------------------------------------------------- validation
 
-def _positive_int(value: object, option: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise InvalidOptionError(f"laplace option '{option}' must be an integer >= 1, "
-                                 f"not {value!r}")
-    return int(value)
-
-
 def _positive_real(value: object, option: str) -> float:
     ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
           and math.isfinite(float(value)) and float(value) > 0)
@@ -278,258 +214,6 @@ def _check_prior(prior_precision: object, weight_decay: object
         raise InvalidOptionError(f"laplace option 'prior_precision' must be 'marglik', "
                                  f"'training' or a number > 0, not {prior_precision!r}")
     return "fixed", _positive_real(prior_precision, "prior_precision"), None
-
-
-# ----------------------------------------------------------------------------- curvature
-
-class _EvalMode:
-    """Put ``model`` in eval mode (BatchNorm running statistics, no dropout) for a block,
-    then give every submodule back its own mode."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.modes = [(module, module.training) for module in model.modules()]
-
-    def __enter__(self) -> None:
-        self.model.eval()
-
-    def __exit__(self, *exc: object) -> None:
-        for module, training in self.modes:
-            module.training = training
-
-
-def _batches(batches: Iterable[Batch]) -> Iterable[Batch]:
-    """The batches, refusing an iterable without any example."""
-    count = 0
-    for images, labels in batches:
-        if len(labels):
-            count += len(labels)
-            yield images, labels
-    if count == 0:
-        raise InvalidOptionError("laplace option 'batches' holds no example")
-
-
-def _chunks(batches: Iterable[Batch], size: int) -> Iterable[Batch]:
-    """The examples of ``batches`` regrouped into chunks of ``size`` (the last one shorter)."""
-    pending: list[Batch] = []
-    held = 0
-    for images, labels in _batches(batches):
-        pending.append((images, labels))
-        held += len(labels)
-        if held >= size:
-            images = torch.cat([x for x, _ in pending])
-            labels = torch.cat([y for _, y in pending])
-            stop = held - held % size
-            for start in range(0, stop, size):
-                yield images[start:start + size], labels[start:start + size]
-            pending = [(images[stop:], labels[stop:])] if stop < held else []
-            held -= stop
-    if held:
-        yield torch.cat([x for x, _ in pending]), torch.cat([y for _, y in pending])
-
-
-def _check_classes(out: torch.Tensor) -> None:
-    if out.shape[-1] < 2:
-        raise InvalidOptionError("laplace option 'model' must output K >= 2 logits (softmax "
-                                 f"cross-entropy), not {out.shape[-1]}")
-
-
-def _nll(out: torch.Tensor, labels: torch.Tensor) -> float:
-    """Summed cross-entropy of logits ``out`` ``(B, K)``, in float64."""
-    if labels.numel() and (labels.min() < 0 or labels.max() >= out.shape[1]):
-        raise InvalidOptionError(f"laplace option 'batches' has labels outside "
-                                 f"[0, {out.shape[1]})")
-    log_p = torch.log_softmax(out.detach().double(), dim=1)
-    return float(-log_p.gather(1, labels.reshape(-1, 1)).sum())
-
-
-def softmax_hessian_factor(out: torch.Tensor) -> torch.Tensor:
-    """A ``(K - 1)``-row factor of the softmax cross-entropy Hessian in logit space.
-
-    Parameters
-    ----------
-    out : torch.Tensor
-        Logits ``(..., K)``.
-
-    Returns
-    -------
-    torch.Tensor
-        ``V`` ``(..., K - 1, K)`` float64 with ``V^T V = diag(p) - p p^T``, ``p =
-        softmax(out)``: the Cholesky factor of the multinomial covariance. With the tail
-        masses ``q_k = sum_{j >= k} p_j``, row ``k`` is
-        ``sqrt(p_k q_{k+1} / q_k) (e_k - sum_{j > k} p_j e_j / q_{k+1})``; every entry is
-        bounded by 1 in size and exact zeros (saturated softmax) give zero rows.
-    """
-    p = torch.log_softmax(out.double(), dim=-1).exp()
-    classes = p.shape[-1]
-    tiny = torch.finfo(torch.float64).tiny
-    q = p.flip(-1).cumsum(-1).flip(-1)
-    q_next = q[..., 1:].clamp_min(tiny)
-    lead = (p[..., :-1] * q[..., 1:] / q[..., :-1].clamp_min(tiny)).sqrt()
-    row = torch.arange(classes - 1, device=out.device).unsqueeze(1)
-    col = torch.arange(classes, device=out.device).unsqueeze(0)
-    tail = torch.where(col > row, -p.unsqueeze(-2) / q_next.unsqueeze(-1), 0.0)
-    return lead.unsqueeze(-1) * (tail + (col == row).double())
-
-
-def full_ggn(model: nn.Module, params: Mapping[str, torch.Tensor],
-             buffers: Mapping[str, torch.Tensor], batches: Iterable[Batch], *,
-             chunk_size: int = 256) -> tuple[torch.Tensor, float, int]:
-    """The GGN of the summed softmax cross-entropy over all parameters, unscaled.
-
-    ``G = sum_n J_n^T H_n J_n = sum_n M_n^T M_n`` with ``M_n = V_n J_n`` ``(K - 1, D)`` and
-    ``V_n`` from :func:`softmax_hessian_factor`. The rows of ``M_n`` are vector-Jacobian
-    products of example ``n``'s logits with the cotangents ``V_n``: ``K - 1`` backward
-    passes per example (``vmap`` over examples of ``vmap`` over cotangents of ``vjp``), no
-    ``(K, D)`` Jacobian is formed. Each chunk's ``M^T M`` is a float64 matrix product.
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-        The architecture (its own weights unused); evaluated in eval mode.
-    params, buffers : Mapping[str, torch.Tensor]
-        Where to evaluate; the GGN's rows follow ``params``' order (as :func:`flatten`).
-    batches : iterable of (images, labels)
-        Images ``(B, ...)`` and int64 labels ``(B,)``.
-    chunk_size : int, default 256
-        Examples per vectorised call; memory is about ``chunk_size * K * D`` floats plus
-        ``K`` copies of the network's activations per example.
-
-    Returns
-    -------
-    ggn : torch.Tensor
-        ``sum_n J_n^T H_n J_n`` ``(D, D)`` float64, symmetric.
-    nll : float
-        Summed cross-entropy of the examples, in nats.
-    count : int
-        Number of examples ``n``.
-    """
-    chunk_size = _positive_int(chunk_size, "chunk_size")
-    params = {name: value.detach() for name, value in params.items()}
-    buffers = dict(buffers)
-
-    def rows_of(p: Params, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out, pullback = vjp(lambda q: logits(model, q, buffers, image.unsqueeze(0)), p)
-        _check_classes(out)
-        factor = softmax_hessian_factor(out).to(out.dtype)          # (1, K - 1, K)
-        (grads,) = vmap(pullback, in_dims=1)(factor)
-        rows = torch.cat([g.reshape(g.shape[0], -1) for g in grads.values()], dim=1)
-        return rows, out.squeeze(0)
-
-    per_example = vmap(rows_of, in_dims=(None, 0))
-    dim = sum(value.numel() for value in params.values())
-    ggn = torch.zeros(dim, dim, dtype=torch.float64)
-    nll, count = 0.0, 0
-    with _EvalMode(model):
-        for x, y in _chunks(batches, chunk_size):
-            rows, out = per_example(params, x)                      # (B, K - 1, D), (B, K)
-            rows = rows.reshape(-1, dim).double()
-            ggn.addmm_(rows.T, rows)
-            nll += _nll(out, y)
-            count += len(y)
-    return (ggn + ggn.T) / 2, nll, count
-
-
-def last_layer_features(model: nn.Module, params: Mapping[str, torch.Tensor],
-                        buffers: Mapping[str, torch.Tensor], images: torch.Tensor
-                        ) -> tuple[str, torch.Tensor, torch.Tensor]:
-    """The final ``Linear`` layer, its inputs and the logits, from one forward pass.
-
-    The last leaf module the forward pass executes must be an ``nn.Linear`` whose output
-    is the network's output (found with forward hooks, as laplace-torch does).
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-        The architecture, evaluated as it is (call under eval mode for BatchNorm).
-    params, buffers : Mapping[str, torch.Tensor]
-        Where to evaluate.
-    images : torch.Tensor
-        ``(B, ...)`` inputs.
-
-    Returns
-    -------
-    layer : str
-        The module's name.
-    features : torch.Tensor
-        ``a`` ``(B, F)``, the layer's input.
-    out : torch.Tensor
-        Logits ``(B, K)``.
-
-    Raises
-    ------
-    InvalidOptionError
-        If the network's output is not produced by its last-executed ``Linear`` module.
-    """
-    calls: list[tuple[str, nn.Module, torch.Tensor, torch.Tensor]] = []
-    handles = []
-    for name, module in model.named_modules():
-        if not list(module.children()):
-            def hook(module: nn.Module, inputs: tuple, output: torch.Tensor,
-                     name: str = name) -> None:
-                calls.append((name, module, inputs[0] if inputs else None, output))
-            handles.append(module.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            out = logits(model, params, buffers, images)
-    finally:
-        for handle in handles:
-            handle.remove()
-    if calls:
-        name, module, features, output = calls[-1]
-        if (isinstance(module, nn.Linear) and isinstance(output, torch.Tensor)
-                and output.shape == out.shape and torch.equal(output, out)):
-            return name, features.reshape(len(out), -1), out
-    raise InvalidOptionError("laplace option 'structure'='last-layer-kfac' needs a network "
-                             "whose output is produced by its last Linear module")
-
-
-def kron_last_layer(model: nn.Module, params: Mapping[str, torch.Tensor],
-                    buffers: Mapping[str, torch.Tensor], batches: Iterable[Batch]
-                    ) -> tuple[str, torch.Tensor, torch.Tensor, float, int]:
-    """The unscaled Kronecker factors of the last layer's GGN.
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-        The architecture (its own weights unused); evaluated in eval mode.
-    params, buffers : Mapping[str, torch.Tensor]
-        Where to evaluate.
-    batches : iterable of (images, labels)
-        Images ``(B, ...)`` and int64 labels ``(B,)``.
-
-    Returns
-    -------
-    layer : str
-        Name of the last ``Linear`` module.
-    lambda_sum : torch.Tensor
-        ``sum_n Lambda_n`` ``(K, K)`` float64, ``Lambda_n = diag(p_n) - p_n p_n^T``.
-    activation_sum : torch.Tensor
-        ``sum_n a_n a_n^T`` ``(F, F)`` float64 (not yet divided by ``n``).
-    nll : float
-        Summed cross-entropy, in nats.
-    count : int
-        Number of examples ``n``.
-    """
-    layer, lambda_sum, activation_sum = "", None, None
-    nll, count = 0.0, 0
-    with _EvalMode(model):
-        for images, labels in _batches(batches):
-            layer, features, out = last_layer_features(model, params, buffers, images)
-            _check_classes(out)
-            probs = torch.softmax(out.double(), dim=1)
-            lam = torch.diag(probs.sum(0)) - probs.T @ probs
-            act = features.double().T @ features.double()
-            lambda_sum = lam if lambda_sum is None else lambda_sum + lam
-            activation_sum = act if activation_sum is None else activation_sum + act
-            nll += _nll(out, labels)
-            count += len(labels)
-    return layer, lambda_sum, activation_sum, nll, count
-
-
-def _eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    values, vectors = torch.linalg.eigh((matrix + matrix.T) / 2)
-    return values.clamp_min(0.0), vectors
 
 
 # ----------------------------------------------------------------------------- evidence
@@ -643,8 +327,8 @@ def init(model: nn.Module, params: Mapping[str, torch.Tensor],
     """
     structure = _check_structure(structure)
     source, delta, decay = _check_prior(prior_precision, weight_decay)
-    num_data = _positive_int(num_data, "num_data")
-    chunk_size = _positive_int(chunk_size, "chunk_size")
+    num_data = positive_int(num_data, "num_data")
+    chunk_size = positive_int(chunk_size, "chunk_size")
     params = {name: value.detach().clone() for name, value in params.items()}
     buffers = {name: value.detach().clone() for name, value in buffers.items()}
     if source == "training":
@@ -668,8 +352,8 @@ def init(model: nn.Module, params: Mapping[str, torch.Tensor],
         out_factor, in_factor, nll = lambda_sum * scale, activation_sum / count, nll * scale
         has_bias = f"{layer}.bias" in params
         names = (f"{layer}.weight",) + ((f"{layer}.bias",) if has_bias else ())
-        out_eigen = _eigh(out_factor)
-        kron = KronCurvature(layer, out_factor, in_factor, out_eigen, _eigh(in_factor),
+        out_eigen = clipped_eigh(out_factor)
+        kron = KronCurvature(layer, out_factor, in_factor, out_eigen, clipped_eigh(in_factor),
                              out_eigen if has_bias else None)
         eigenvalues = kron.eigenvalues()
 
@@ -727,7 +411,7 @@ def draw(state: LaplaceState, generator: torch.Generator, count: int) -> torch.T
         ``W* + U (Z / sqrt(beta alpha^T + delta)) V^T``, bias ``b* + U_C z / sqrt(gamma +
         delta)`` (module docstring).
     """
-    count = _positive_int(count, "count")
+    count = positive_int(count, "count")
     if not isinstance(generator, torch.Generator):
         raise InvalidOptionError(f"laplace option 'generator' must be a torch.Generator, "
                                  f"not {type(generator).__name__}")

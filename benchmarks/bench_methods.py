@@ -1,0 +1,386 @@
+"""Benchmark the posterior methods' hot loops: the Laplace GGN and the BBB training step.
+
+Side by side in one run:
+
+(a) **Full GGN of OptuNet** (392 parameters, 10 classes) on the first ``--ggn-images``
+    Fashion-MNIST training images (default all 60,000; normalised, not augmented) at one
+    fixed set of weights (``--weights reference``: checkpoint 0 of the bundled, trained
+    target collection; ``random``: a seeded initialisation):
+
+    * this project: ``train_zoo.methods.laplace_curvature.full_ggn`` (OptuNet takes its
+      layer-formula path), and the same function forced onto its generic ``torch.func``
+      path (``generic=True``) for reference;
+    * laplace-torch 0.3: ``Laplace(model, "classification", subset_of_weights="all",
+      hessian_structure="full", backend=...)`` fitted on a ``DataLoader`` of a
+      ``TensorDataset``, with ``BackPackGGN`` and with ``CurvlinopsGGN``. Each backend
+      gets the batch size that is fastest for it: every size in ``--batch-sizes`` is timed
+      on the first ``--calibration-images`` images (Curvlinops: at most 512) and the
+      fastest is used. Curvlinops forms the GGN as ``G @ I`` (392 GGN-vector products per
+      batch) and needs about half an hour for 60,000 images here, so it is timed on
+      ``--curvlinops-images`` and its time extrapolated linearly to N (marked in the
+      table); its difference is measured against ours on the same images.
+
+    ``max rel diff`` is ``max |G_theirs - G_ours| / max |G_ours|`` (their ``la.H``). The
+    headline ratio is the faster baseline's time over ours.
+
+(b) **BBB training steps per second**, OptuNet, batch 64, 3 ELBO samples, SGD at the
+    optunet-mnist recipe's lr 0.04: ``train_zoo.methods.bbb.step`` (torch.func) vs
+    ``FastBBB.step`` (numba), cycling over 32 Fashion-MNIST batches prepared beforehand
+    (data preparation is not timed), same initial state and noise generator. Also: the
+    largest difference of the means after ``min(steps, 50)`` steps of each path.
+
+(c) **Collection times** (:func:`collection_times`): a hook, empty for now.
+
+Every contestant runs with the same ``--threads`` torch threads (default 1: on a shared
+2-core machine two threads per process slow everyone down; ``full_ggn`` gives its BLAS
+calls the same budget). Times are wall-clock; CPU seconds are printed too, since a busy
+machine stretches wall time. The best of ``--repeats`` runs is reported for ours and
+BackPack (Curvlinops and the generic path run once).
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/bench_methods.py                 # ~5 minutes
+    .venv/bin/python benchmarks/bench_methods.py --quick         # smoke run, ~30 s
+    .venv/bin/python benchmarks/bench_methods.py --json benchmarks/output/methods.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shlex
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DATASET = "fashion-mnist"
+BBB_BATCH = 64
+BBB_BATCHES = 32       # prepared batches the BBB loops cycle over
+BBB_LR = 0.04          # the optunet-mnist recipe's learning rate
+BBB_CHECK_STEPS = 50
+# Curvlinops' batch sizes are timed on at most this many images: each of its batches is
+# 392 GGN-vector products, so a calibration on thousands of images would take minutes
+# (and its memory grows with 392 x the batch's activations).
+CURVLINOPS_CALIBRATION = 512
+
+
+def timed(function: Callable[[], Any], repeats: int = 1) -> tuple[float, float, Any]:
+    """``(best wall s, CPU s of that run, result of the last run)`` over ``repeats``."""
+    best = (float("inf"), 0.0)
+    result = None
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = function()
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        best = min(best, (wall, cpu))
+    return best[0], best[1], result
+
+
+def training_images(count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``count`` Fashion-MNIST training images, normalised ``(count, 1, 28, 28)``
+    float32, and their int64 labels ``(count,)``."""
+    from train_zoo.data import eval_transform, load_training_data
+
+    train = load_training_data(DATASET).train
+    count = min(count, len(train))
+    images = eval_transform(train)(torch.from_numpy(train.images[:count]))
+    return images.float().contiguous(), torch.from_numpy(train.labels[:count]).long()
+
+
+def optunet(weights: str, seed: int) -> torch.nn.Module:
+    """OptuNet in eval mode: the bundled target's checkpoint 0, or a seeded init."""
+    from posteriorzoo.models import build
+
+    torch.manual_seed(seed)
+    model = build("optunet")
+    if weights == "reference":
+        from posteriorzoo.reference import open_reference
+
+        with open_reference("target") as zoo:
+            model.load_state_dict(zoo.state_dict(0))
+    return model.eval()
+
+
+# ------------------------------------------------------------------ (a) the full GGN
+def ours(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, generic: bool = False
+         ) -> torch.Tensor:
+    from train_zoo.methods.common import parameters_of
+    from train_zoo.methods.laplace_curvature import full_ggn
+
+    params, buffers = parameters_of(model)
+    return full_ggn(model, params, buffers, [(x, y)], generic=generic)[0]
+
+
+def laplace_torch(backend: str, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                  batch: int) -> torch.Tensor:
+    """laplace-torch's full GGN ``la.H`` ``(D, D)`` float64, fitted batch by batch."""
+    import laplace
+    import laplace.curvature
+    from torch.utils.data import DataLoader, TensorDataset
+
+    la = laplace.Laplace(model, "classification", subset_of_weights="all",
+                         hessian_structure="full",
+                         backend=getattr(laplace.curvature, backend))
+    la.fit(DataLoader(TensorDataset(x, y), batch_size=batch))
+    return la.H.detach().double()
+
+
+def relative_difference(theirs: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((theirs - reference).abs().max() / reference.abs().max())
+
+
+def bench_ggn(args: argparse.Namespace) -> dict[str, Any]:
+    x, y = training_images(args.ggn_images)
+    n = len(y)
+    model = optunet(args.weights, args.seed)
+    ours(model, x[:256], y[:256])                                     # warm-up
+    wall, cpu, ggn = timed(lambda: ours(model, x, y), args.repeats)
+    rows = [{"method": "this project: full_ggn", "setting": "chunk 256", "images": n,
+             "wall_s": wall, "cpu_s": cpu, "max_rel_diff": None}]
+    if not args.no_generic:
+        wall, cpu, generic = timed(lambda: ours(model, x, y, generic=True))
+        rows.append({"method": "this project: full_ggn(generic=True)", "setting": "chunk 256",
+                     "images": n, "wall_s": wall, "cpu_s": cpu,
+                     "max_rel_diff": relative_difference(generic, ggn)})
+    calibration: dict[str, dict[int, float]] = {}
+    calibration_images: dict[str, int] = {}
+    for backend in ("BackPackGGN", "CurvlinopsGGN"):
+        def fit(b: int, c: int, backend: str = backend) -> torch.Tensor:
+            # a fresh copy each time: BackPack extends the modules it is given
+            return laplace_torch(backend, copy.deepcopy(model), x[:c], y[:c], b)
+
+        fit(64, 64)                                                  # warm-up
+        limit = min(n, args.calibration_images)
+        if backend == "CurvlinopsGGN":
+            limit = min(limit, args.curvlinops_images, CURVLINOPS_CALIBRATION)
+        calibration_images[backend] = limit
+        calibration[backend] = {batch: timed(lambda b=batch, c=limit: fit(b, c))[0]
+                                for batch in args.batch_sizes if batch <= limit}
+        best = min(calibration[backend], key=calibration[backend].get)
+        count = n if backend == "BackPackGGN" else min(n, args.curvlinops_images)
+        repeats = args.repeats if backend == "BackPackGGN" else 1
+        wall, cpu, theirs = timed(lambda b=best, c=count: fit(b, c), repeats)
+        reference = ggn if count == n else ours(model, x[:count], y[:count])
+        rows.append({"method": f"laplace-torch {backend}", "setting": f"batch {best}",
+                     "images": count, "wall_s": wall * n / count, "cpu_s": cpu * n / count,
+                     "extrapolated_from": count if count < n else None,
+                     "max_rel_diff": relative_difference(theirs, reference)})
+    base = rows[0]
+    for row in rows:
+        row["x_ours"] = row["wall_s"] / base["wall_s"]
+    faster = min((row for row in rows if row["method"].startswith("laplace-torch")),
+                 key=lambda row: row["wall_s"])
+    return {"images": n, "weights": args.weights, "rows": rows, "calibration": calibration,
+            "calibration_images": calibration_images, "faster_baseline": faster["method"],
+            "ratio": faster["x_ours"]}
+
+
+# ------------------------------------------------------------------ (b) BBB steps
+def bench_bbb(args: argparse.Namespace) -> dict[str, Any]:
+    from posteriorzoo.models import build
+    from train_zoo.fast.layout import describe_model
+    from train_zoo.methods import bbb
+    from train_zoo.methods.bbb_fast import FastBBB
+
+    x, y = training_images(BBB_BATCH * BBB_BATCHES)
+    batches = [(x[i:i + BBB_BATCH], y[i:i + BBB_BATCH]) for i in range(0, len(y), BBB_BATCH)]
+    # the kernels' layout: (C, H, W, B) float32
+    fast_batches = [(xb.permute(1, 2, 3, 0).contiguous().numpy(), yb.numpy())
+                    for xb, yb in batches]
+    torch.manual_seed(args.seed)
+    model = build("optunet")
+    layout = describe_model(model, (1, 28, 28))
+    start = bbb.init(model, torch.Generator().manual_seed(args.seed))
+    num_data = 60_000
+
+    def torch_steps(steps: int) -> bbb.BBBState:
+        state, noise = start, torch.Generator().manual_seed(args.seed + 1)
+        for i in range(steps):
+            state, _ = bbb.step(state, model, {}, batches[i % len(batches)], noise, num_data,
+                                BBB_LR)
+        return state
+
+    def fast_steps(steps: int) -> bbb.BBBState:
+        fast, noise = FastBBB(layout, start), torch.Generator().manual_seed(args.seed + 1)
+        for i in range(steps):
+            xb, yb = fast_batches[i % len(fast_batches)]
+            fast.step(xb, yb, noise, num_data, BBB_LR)
+        return fast.state()
+
+    torch_steps(5)
+    fast_steps(5)                                           # loads / compiles the kernels
+    result: dict[str, Any] = {"batch": BBB_BATCH, "lr": BBB_LR,
+                              "elbo_samples": start.options.elbo_samples}
+    for name, run, steps in (("torch", torch_steps, args.bbb_steps),
+                             ("numba", fast_steps, args.bbb_fast_steps)):
+        wall, cpu, _ = timed(lambda r=run, s=steps: r(s), args.repeats)
+        result[name] = {"steps": steps, "wall_s": wall, "cpu_s": cpu,
+                        "steps_per_s": steps / wall}
+    result["ratio"] = result["numba"]["steps_per_s"] / result["torch"]["steps_per_s"]
+    check = min(args.bbb_steps, BBB_CHECK_STEPS)
+    a, b = torch_steps(check), fast_steps(check)
+    result["check_steps"] = check
+    result["max_rel_mu_diff"] = max(float((a.mu[k] - b.mu[k]).abs().max() / a.mu[k].abs().max())
+                                    for k in a.mu)
+    return result
+
+
+# ------------------------------------------------------------------ (c) collections
+def collection_times(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Time each method's 100-sample collection (to be filled in; returns [] for now).
+
+    It will run ``train_zoo.run.train_collection`` once per method (de, mc-dropout, swag,
+    laplace, sghmc, bbb) on a spec that asks for 100 samples of OptuNet on Fashion-MNIST,
+    into a temporary file, and return one row per method::
+
+        {"method": str, "samples": int, "wall_s": float, "cpu_s": float}
+
+    :func:`print_collections` prints whatever rows it returns (nothing but a note when
+    there are none).
+    """
+    del args
+    return []
+
+
+# ------------------------------------------------------------------ printing
+def print_ggn(result: dict[str, Any]) -> None:
+    n = result["images"]
+    print(f"(a) full GGN of OptuNet (392 parameters, 10 classes), {n:,} {DATASET} training "
+          f"images, weights: {result['weights']}")
+    print(f"    {'method':38} {'setting':10} {'images':>16} {'wall s':>8} {'cpu s':>8} "
+          f"{'x ours':>7} {'max rel diff':>13}")
+    for row in result["rows"]:
+        images = (f"{row['extrapolated_from']:,} -> {n:,}*" if row.get("extrapolated_from")
+                  else f"{row['images']:,}")
+        diff = "-" if row["max_rel_diff"] is None else f"{row['max_rel_diff']:.1e}"
+        print(f"    {row['method']:38} {row['setting']:10} {images:>16} {row['wall_s']:8.2f} "
+              f"{row['cpu_s']:8.2f} {row['x_ours']:7.1f} {diff:>13}")
+    if any(row.get("extrapolated_from") for row in result["rows"]):
+        print("    * timed on the first images and extrapolated linearly to all of them")
+    for backend, times in result["calibration"].items():
+        cal = result["calibration_images"][backend]
+        sizes = ", ".join(f"{b}: {t:.2f}" for b, t in times.items())
+        print(f"    batch-size calibration, {backend}, wall s on {cal:,} images: {sizes}")
+    print(f"    => ours is {result['ratio']:.1f}x faster than the faster baseline "
+          f"({result['faster_baseline']}; goal >= 5x)")
+
+
+def print_bbb(result: dict[str, Any]) -> None:
+    print(f"(b) BBB training steps/s, OptuNet, {DATASET}, batch {result['batch']}, "
+          f"{result['elbo_samples']} ELBO samples, lr {result['lr']}")
+    print(f"    {'path':38} {'steps':>8} {'wall s':>8} {'cpu s':>8} {'steps/s':>9}")
+    for name, label in (("torch", "train_zoo.methods.bbb.step (torch)"),
+                        ("numba", "FastBBB.step (numba)")):
+        row = result[name]
+        print(f"    {label:38} {row['steps']:8d} {row['wall_s']:8.2f} {row['cpu_s']:8.2f} "
+              f"{row['steps_per_s']:9.0f}")
+    print(f"    => numba / torch: {result['ratio']:.1f}x; means after "
+          f"{result['check_steps']} steps of each differ by {result['max_rel_mu_diff']:.1e} "
+          "(relative to the largest mean of each layer)")
+
+
+def print_collections(rows: list[dict[str, Any]]) -> None:
+    print("(c) 100-sample collection per method (train_zoo.run.train_collection)")
+    if not rows:
+        print("    not measured yet (collection_times returns no rows)")
+        return
+    print(f"    {'method':38} {'samples':>8} {'wall s':>8} {'cpu s':>8}")
+    for row in rows:
+        print(f"    {row['method']:38} {row['samples']:8d} {row['wall_s']:8.1f} "
+              f"{row['cpu_s']:8.1f}")
+
+
+# ------------------------------------------------------------------ main
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ggn-images", type=int, default=60_000,
+                        help="training images for the GGN (default: %(default)s, all)")
+    parser.add_argument("--weights", choices=("reference", "random"), default="reference",
+                        help="OptuNet weights for the GGN: the bundled target's checkpoint 0 "
+                             "or a seeded init (default: %(default)s)")
+    parser.add_argument("--batch-sizes", type=lambda s: [int(v) for v in s.split(",")],
+                        default=None, help="laplace-torch batch sizes to calibrate "
+                                           "(default: 64,128,256,512,1024)")
+    parser.add_argument("--calibration-images", type=int, default=4096,
+                        help="images the batch sizes are timed on (default: %(default)s)")
+    parser.add_argument("--curvlinops-images", type=int, default=2000,
+                        help="images Curvlinops is timed on, then extrapolated "
+                             "(default: %(default)s)")
+    parser.add_argument("--no-generic", action="store_true",
+                        help="skip the full_ggn(generic=True) row")
+    parser.add_argument("--bbb-steps", type=int, default=300,
+                        help="timed BBB steps of the torch path (default: %(default)s)")
+    parser.add_argument("--bbb-fast-steps", type=int, default=None,
+                        help="timed BBB steps of the numba path (default: 5 x --bbb-steps)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="runs of ours, BackPack and the BBB loops; the best is "
+                             "reported (default: 2)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for every contestant (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of inits and noise")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: at most 2,000 images, batch sizes 64,256, "
+                             "calibration on 1,024 and Curvlinops on 256 images, 30 / 100 "
+                             "BBB steps, 1 repeat (explicit options still apply)")
+    parser.add_argument("--json", type=Path, default=None, metavar="OUT",
+                        help="also write every number, the command and versions as JSON")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.ggn_images = min(args.ggn_images, 2000)
+        args.batch_sizes = args.batch_sizes or [64, 256]
+        args.calibration_images = min(args.calibration_images, 1024)
+        args.curvlinops_images = min(args.curvlinops_images, 256)
+        args.bbb_steps = min(args.bbb_steps, 30)
+        args.bbb_fast_steps = min(args.bbb_fast_steps or 100, 100)
+        args.repeats = args.repeats or 1
+    args.batch_sizes = args.batch_sizes or [64, 128, 256, 512, 1024]
+    args.bbb_fast_steps = args.bbb_fast_steps or 5 * args.bbb_steps
+    args.repeats = args.repeats or 2
+    return args
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every part, printed as it finishes; returns the numbers."""
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), seed {args.seed}")
+    ggn = bench_ggn(args)
+    print_ggn(ggn)
+    print()
+    bbb = bench_bbb(args)
+    print_bbb(bbb)
+    print()
+    collections = collection_times(args)
+    print_collections(collections)
+    return {"ggn": ggn, "bbb": bbb, "collections": collections}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        with warnings.catch_warnings():
+            # laplace-torch and BackPack warn about hooks and link_approx on every fit
+            warnings.simplefilter("ignore", UserWarning)
+            results = run(args)
+    finally:
+        torch.set_num_threads(threads)       # main() may run inside another process
+    if args.json:
+        from posteriorzoo.provenance import library_versions
+
+        record = {"command": shlex.join([sys.executable, *sys.argv]),
+                  "versions": library_versions(), "threads": args.threads, "seed": args.seed,
+                  **results}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
