@@ -6,9 +6,12 @@ import gzip
 import hashlib
 import os
 
+from posteriorzoo._api import public
+
 _BLOCK = 1 << 20
 
 
+@public
 def sha256_file(path: str | os.PathLike[str], decompress: bool = False) -> str:
     """Hex SHA-256 digest of a file, read in 1 MiB blocks.
 

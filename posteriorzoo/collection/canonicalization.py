@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from posteriorzoo._api import public
 from posteriorzoo._faults import fault_point
 from posteriorzoo.collection._open import Source, model_of, opened, source_path
 from posteriorzoo.collection.results import CollectionResult, csv_text
@@ -189,6 +190,7 @@ def logit_change(model: torch.nn.Module, shape: tuple[int, ...], before: dict,
     return float((outputs[0] - outputs[1]).abs().max() / outputs[0].abs().max())
 
 
+@public
 def canonicalize(source: Source, target: str | os.PathLike, *,
                             permutation: str = "first", scaling: str = "norm",
                             softmax: bool = True, solver: str = "fast", signs: bool = True,
@@ -306,6 +308,7 @@ def _blank(result: MinMassBatch, rows: np.ndarray) -> None:
         values[rows] = np.nan
 
 
+@public
 def min_mass(source: Source, *, solver: str = "fast", batch_size: int | None = None,
              verify: bool = True, progress: bool = False, command: str | None = None
              ) -> MinMassResult:

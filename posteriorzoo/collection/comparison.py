@@ -33,6 +33,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from posteriorzoo._api import public
 from posteriorzoo.collection._open import model_of
 from posteriorzoo.collection.comparison_result import CompareResult
 from posteriorzoo.errors import InvalidOptionError, ShapeMismatchError, UnknownNameError
@@ -200,6 +201,7 @@ def _canonical_copy(source: Path, directory: Path, options: Mapping[str, Any],
     return path
 
 
+@public
 def compare(target: str | os.PathLike,
             methods: Sequence[str | os.PathLike] | Mapping[str, str | os.PathLike], *,
             symmetries: str = "both", layers: Sequence[str] | None = None,

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from posteriorzoo._api import public
 from posteriorzoo.collection._open import Source, content_digest, opened, source_path
 from posteriorzoo.collection.results import CollectionResult, csv_text
 from posteriorzoo.provenance import record
@@ -64,6 +65,7 @@ class DescribeResult(CollectionResult):
               t["chunk_rows"]] for t in self.tensors))}
 
 
+@public
 def describe(source: Source, *, verify: bool = True, command: str | None = None
              ) -> DescribeResult:
     """Describe a collection.

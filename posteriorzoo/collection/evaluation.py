@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from posteriorzoo._api import public
 from posteriorzoo.collection._open import Source, content_digest, model_of, opened, source_path
 from posteriorzoo.collection.results import CollectionResult, csv_text
 from posteriorzoo.data import ArrayDataset, Normalize, load_dataset
@@ -104,6 +105,7 @@ class EvaluateResult(CollectionResult):
              enumerate(zip(self.member_accuracy, self.member_nll, strict=True))))}
 
 
+@public
 def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
              data_dir: str | None = None, batch_size: int = 2000, verify: bool = True,
              command: str | None = None) -> EvaluateResult:

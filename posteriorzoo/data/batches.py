@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from posteriorzoo._api import public
 from posteriorzoo.data.datasets import ArrayDataset
 
 __all__ = ["epoch_generators", "iterate_batches"]
@@ -22,6 +23,7 @@ __all__ = ["epoch_generators", "iterate_batches"]
 BatchTransform = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 
 
+@public
 def epoch_generators(seed: int, epoch: int) -> tuple[torch.Generator, torch.Generator]:
     """The (order, augmentation) generators of ``epoch`` under ``seed``.
 
@@ -44,6 +46,7 @@ def epoch_generators(seed: int, epoch: int) -> tuple[torch.Generator, torch.Gene
     return order, augment
 
 
+@public
 def iterate_batches(
     dataset: ArrayDataset,
     batch_size: int,

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from posteriorzoo._api import public
 from posteriorzoo.data.download import dataset_files
 from posteriorzoo.data.idx import read_idx
 from posteriorzoo.data.readers import (
@@ -120,6 +121,7 @@ class ArrayDataset:
         return int(c), int(h), int(w)
 
 
+@public
 def channel_stats(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per-channel mean and std of uint8 ``(N, C, H, W)`` images, in [0, 1] units."""
     x = images.astype(np.float64) / 255.0
@@ -212,6 +214,7 @@ _LOADERS: dict[str, tuple[Loader, frozenset[str]]] = {
 }
 
 
+@public
 def load_dataset(
     name: str,
     split: str = "train",

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from posteriorzoo._api import public
 from posteriorzoo.data.sources import DatasetSource, FileSpec, dataset_source
 from posteriorzoo.errors import ChecksumError, DataNotFoundError
 from posteriorzoo.hashing import sha256_file as file_sha256
@@ -55,6 +56,7 @@ DEFAULT_TIMEOUT = 10.0
 _CHUNK = 1 << 20
 
 
+@public
 def cache_root() -> Path:
     """Root of the download cache (datasets go in ``<root>/<name>/``).
 
@@ -71,6 +73,7 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "posteriorzoo"
 
 
+@public
 def search_dirs(name: str, data_dir: str | os.PathLike[str] | None = None) -> list[Path]:
     """Folders searched for dataset ``name``'s files, in priority order.
 
@@ -117,6 +120,7 @@ def _verify_local(path: Path, spec: FileSpec) -> None:
     )
 
 
+@public
 def download_file(
     url: str,
     dest: str | os.PathLike[str],
@@ -236,6 +240,7 @@ def _download_into_cache(
     return None, reason
 
 
+@public
 def dataset_files(
     name: str,
     split: str | None = None,

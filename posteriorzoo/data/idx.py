@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from posteriorzoo._api import public
 from posteriorzoo.errors import DataFormatError
 
 __all__ = ["IDX_TYPES", "read_idx", "write_idx"]
@@ -46,6 +47,7 @@ def _read_bytes(path: Path) -> bytes:
         raise DataFormatError(f"{path}: corrupt or truncated gzip stream ({exc})") from exc
 
 
+@public
 def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
     """Read an IDX file, gzipped or plain.
 
@@ -105,6 +107,7 @@ def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
     return values.astype(dtype.newbyteorder("="))
 
 
+@public
 def write_idx(path: str | os.PathLike[str], array: np.ndarray, gzip: bool = False) -> Path:
     """Write ``array`` as an IDX file.
 

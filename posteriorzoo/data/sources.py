@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from posteriorzoo._api import public
 from posteriorzoo.errors import UnknownNameError
 
 __all__ = [
@@ -202,6 +203,7 @@ _SOURCES: dict[str, DatasetSource] = {
 }
 
 
+@public
 def available_datasets() -> list[str]:
     """Names accepted by :func:`posteriorzoo.data.load_dataset`, sorted.
 
@@ -212,6 +214,7 @@ def available_datasets() -> list[str]:
     return sorted(_SOURCES)
 
 
+@public
 def dataset_source(name: str) -> DatasetSource:
     """The :class:`DatasetSource` registered under ``name``.
 

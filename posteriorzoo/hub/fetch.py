@@ -13,6 +13,7 @@ from pathlib import Path
 
 from huggingface_hub import constants, snapshot_download
 
+from posteriorzoo._api import public
 from posteriorzoo.errors import HubError
 from posteriorzoo.hub._errors import handled_errors, is_offline, to_hub_error
 from posteriorzoo.hub.verify import (
@@ -39,6 +40,7 @@ def allow_patterns(include: str | Iterable[str] | None) -> list[str] | None:
     return patterns + [pattern for pattern in MANIFEST_PATTERNS if pattern not in patterns]
 
 
+@public
 def download(
     repo_id: str,
     revision: str | None = None,

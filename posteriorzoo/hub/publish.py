@@ -16,6 +16,7 @@ import h5py
 from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.utils import validate_repo_id
 
+from posteriorzoo._api import public
 from posteriorzoo.errors import HubError, ZooFormatError
 from posteriorzoo.hub._errors import handled_errors, is_offline, to_hub_error
 from posteriorzoo.zoo.manifest import MANIFEST_NAME, sha256_file
@@ -38,6 +39,7 @@ def _checked(path: Path, name: str) -> CollectionFile:
     return CollectionFile(local=path, name=name)
 
 
+@public
 def collect_collection_files(paths: Iterable[str | Path]) -> list[CollectionFile]:
     """Expand ``paths`` (files, or folders searched recursively for ``*.h5``).
 
@@ -85,6 +87,7 @@ def _folder_in_repo(path_in_repo: str) -> str:
     return "" if str(folder) == "." else f"{folder.as_posix()}/"
 
 
+@public
 def upload(
     repo_id: str,
     paths: str | Path | Iterable[str | Path],

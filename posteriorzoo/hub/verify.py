@@ -15,6 +15,7 @@ from pathlib import Path, PurePosixPath
 
 from huggingface_hub.utils import filter_repo_objects
 
+from posteriorzoo._api import public
 from posteriorzoo.errors import ChecksumError
 from posteriorzoo.zoo.manifest import MANIFEST_NAME, read_manifest, verify_manifest
 
@@ -67,6 +68,7 @@ def _is_safe(name: str) -> bool:
     return not path.is_absolute() and ".." not in path.parts
 
 
+@public
 def verify_snapshot(
     directory: str | Path, include: str | Iterable[str] | None = None
 ) -> VerificationReport:

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from posteriorzoo._api import public
 from posteriorzoo.errors import InvalidOptionError, SampleSizeError
 from posteriorzoo.mmd.distances import (
     DEFAULT_BLOCK_FEATURES,
@@ -243,6 +244,7 @@ def _corrected_level(sorted_first: np.ndarray, second: np.ndarray, weights: np.n
     return low, quantiles(low)
 
 
+@public
 def mmdagg_from_distances(distances: Distances, alpha: float = 0.05, *,
                           number_bandwidths: int = 10, B1: int = 2000,
                           B2: int = 2000, B3: int = 50, seed: int = 0,
@@ -282,6 +284,7 @@ def mmdagg_from_distances(distances: Distances, alpha: float = 0.05, *,
         B2=int(B2), B3=int(B3), seed=int(seed), m=m, n=n)
 
 
+@public
 def mmdagg(X: np.ndarray, Y: np.ndarray, alpha: float = 0.05, *,
            number_bandwidths: int = 10, B1: int = 2000, B2: int = 2000,
            B3: int = 50, seed: int = 0, permutations_same_sample_size: bool = False,

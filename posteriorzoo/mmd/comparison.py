@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from posteriorzoo._api import public
 from posteriorzoo._faults import fault_point
 from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.mmd.aggregated import MMDAggResult, check_test_options, mmdagg_from_distances
@@ -235,6 +236,7 @@ def compare_sources(target, methods: Sequence, layers: Sequence[Layer], *,
     return results
 
 
+@public
 def compare_arrays(target: Mapping[str, np.ndarray],
                    methods: Mapping[str, Mapping[str, np.ndarray]], *,
                    layers: Sequence[str] | None = None, number_bandwidths: int = 10,

@@ -29,6 +29,7 @@ import numba
 import numpy as np
 from numba import prange, uint64
 
+from posteriorzoo._api import public
 from posteriorzoo._numba import announce_compilation
 from posteriorzoo.errors import NonFiniteWeightsError, SampleSizeError, ShapeMismatchError
 
@@ -364,6 +365,7 @@ def column_blocks(array: np.ndarray, block_features: int) -> Iterable[np.ndarray
         yield array[:, start:start + block_features]
 
 
+@public
 def pooled_distances(X: np.ndarray, Y: np.ndarray, *,
                      block_features: int = DEFAULT_BLOCK_FEATURES) -> Distances:
     """L1 and squared-L2 distance matrices of the pooled sample Z = [X; Y].
@@ -390,6 +392,7 @@ def pooled_distances(X: np.ndarray, Y: np.ndarray, *,
             strict=True), X.shape[0], Y.shape[0])
 
 
+@public
 def stream_pooled_distances(blocks: Iterable[tuple[np.ndarray, np.ndarray]], m: int,
                             n: int) -> Distances:
     """Pooled distances from a stream of ``(x_block, y_block)`` column blocks.

@@ -36,6 +36,7 @@ from typing import Literal
 
 import numpy as np
 
+from posteriorzoo._api import public
 from posteriorzoo.errors import InvalidOptionError, SampleSizeError
 from posteriorzoo.mmd.distances import DEFAULT_BLOCK_FEATURES, Distances, pooled_distances
 from posteriorzoo.mmd.kernels import default_tasks, kernel_sums
@@ -46,11 +47,13 @@ BANDWIDTH_ROWS = 500
 Statistic = Literal["complete", "paired"]
 
 
+@public
 def kernel_names(number_bandwidths: int = 10) -> tuple[str, ...]:
     """``("laplace", ...) * number_bandwidths + ("gaussian", ...) * number_bandwidths``."""
     return ("laplace",) * number_bandwidths + ("gaussian",) * number_bandwidths
 
 
+@public
 def bandwidth_collection(distances: np.ndarray, number_bandwidths: int = 10) -> np.ndarray:
     """MMDAgg's geometric bandwidths from a set of distances.
 
@@ -82,6 +85,7 @@ def bandwidth_collection(distances: np.ndarray, number_bandwidths: int = 10) -> 
     return np.array([ratio ** i * lower for i in range(number_bandwidths)])
 
 
+@public
 def bandwidths_from_distances(distances: Distances, number_bandwidths: int = 10
                               ) -> tuple[np.ndarray, np.ndarray]:
     """The L1 and L2 bandwidths of MMDAgg's rule from pooled distance matrices.
@@ -154,6 +158,7 @@ def check_number_bandwidths(number_bandwidths: int) -> None:
             f"number_bandwidths must be an integer >= 2, not {number_bandwidths!r}")
 
 
+@public
 def kernel_mmds_from_distances(distances: Distances, number_bandwidths: int = 10,
                                statistic: Statistic = "complete") -> KernelMMDs:
     """The collection's MMD^2 statistics from precomputed pooled distances.
@@ -191,6 +196,7 @@ def kernel_mmds_from_distances(distances: Distances, number_bandwidths: int = 10
                       sums={"xx": xx, "xy": xy, "yy": yy, "paired_xy": diagonal})
 
 
+@public
 def kernel_mmds(X: np.ndarray, Y: np.ndarray, number_bandwidths: int = 10, *,
                 statistic: Statistic = "complete",
                 block_features: int = DEFAULT_BLOCK_FEATURES) -> KernelMMDs:

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from posteriorzoo._api import public
 from posteriorzoo.errors import UnknownNameError
 
 __all__ = [
@@ -76,6 +77,7 @@ _REGISTRY: dict[str, ModelSpec] = {}
 _ON_CHANGE: list[Callable[[], None]] = []
 
 
+@public
 def register(
     name: str,
     *,
@@ -128,11 +130,13 @@ def register(
     return decorator
 
 
+@public
 def available_models() -> list[str]:
     """Sorted list of registered model names."""
     return sorted(_REGISTRY)
 
 
+@public
 def model_spec(name: str) -> ModelSpec:
     """The :class:`ModelSpec` registered under ``name``.
 
@@ -177,6 +181,7 @@ def resolve(
     return spec, (spec.num_classes if num_classes is None else num_classes), merged
 
 
+@public
 def build(name: str, num_classes: int | None = None, **options: Any) -> nn.Module:
     """Instantiate a registered architecture with freshly initialised weights.
 
@@ -208,6 +213,7 @@ def build(name: str, num_classes: int | None = None, **options: Any) -> nn.Modul
     return spec.factory(num_classes=n_out, **merged)
 
 
+@public
 def input_shape(name: str, **options: Any) -> tuple[int, ...]:
     """Shape of one input example (no batch axis) for ``name`` built with ``options``.
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from posteriorzoo._api import public
 from posteriorzoo.errors import ZooSchemaError
 from posteriorzoo.models import registry
 
@@ -62,6 +63,7 @@ def _summary(
         return _meta_summary.__wrapped__(name, n_out, frozen, torch.get_default_dtype())
 
 
+@public
 def expected_state_shapes(name: str, num_classes: int | None = None, **options: Any) -> StateShapes:
     """Keys, shapes and dtypes of the state_dict of ``build(name, num_classes, **options)``.
 
@@ -93,6 +95,7 @@ def expected_state_shapes(name: str, num_classes: int | None = None, **options: 
     return {key: (shape, dtype) for key, shape, dtype in entries}
 
 
+@public
 def parameter_count(name: str, num_classes: int | None = None, **options: Any) -> int:
     """Number of trainable parameters (BatchNorm buffers excluded).
 
@@ -124,6 +127,7 @@ def _dtype_of(value: Any) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=np.dtype(value.dtype))).dtype
 
 
+@public
 def check_state_dict(
     name: str,
     state_dict: Mapping[str, Any],

@@ -16,6 +16,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
+from posteriorzoo._api import public
 from posteriorzoo.errors import UnknownNameError, ZooFormatError
 from posteriorzoo.zoo import Zoo, open_zoo
 
@@ -29,6 +30,7 @@ SPECS = {
 }
 
 
+@public
 def reference_path(name: str = "target") -> Path:
     """Path of a shipped reference collection (``"target"`` or ``"de"``)."""
     if name not in COLLECTIONS:
@@ -42,6 +44,7 @@ def reference_path(name: str = "target") -> Path:
     return path
 
 
+@public
 def open_reference(name: str = "target") -> Zoo:
     """Open a shipped reference collection read-only."""
     return open_zoo(reference_path(name))

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from posteriorzoo._api import public
 from posteriorzoo.errors import NonFiniteWeightsError
 from posteriorzoo.symmetry.canonical import CanonicalReport, canonicalize_batch, canonicalize_state
 from posteriorzoo.symmetry.minmass import (
@@ -82,6 +83,7 @@ __all__ = [
 ]
 
 
+@public
 def resolve_model(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.Tensor],
                   **options: Any) -> tuple[nn.Module, tuple[int, ...]]:
     """A module and its input shape from a module (needs ``input_shape=``) or a registry name.
@@ -101,6 +103,7 @@ def resolve_model(model_or_name: nn.Module | str, state_dict: Mapping[str, torch
     return model, models.input_shape(model_or_name, **model_options)
 
 
+@public
 def symmetry_structure(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.Tensor],
                        **options: Any) -> SymmetryStructure:
     """The symmetry structure of a model given by name (and options) or as a module."""
@@ -114,6 +117,7 @@ def _require_finite(state_dict: Mapping[str, torch.Tensor]) -> None:
             raise NonFiniteWeightsError(f"{key} has NaN or infinite values")
 
 
+@public
 def canonicalize(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.Tensor],
                  permutation: str = "first", scaling: str = "norm", softmax: bool = True,
                  solver: str = "fast", signs: bool = True, **options: Any
@@ -162,6 +166,7 @@ def canonicalize(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.
                               solver, signs)[0]
 
 
+@public
 def canonicalize_many(model_or_name: nn.Module | str,
                       states: Mapping[str, torch.Tensor | np.ndarray],
                       permutation: str = "first", scaling: str = "norm",
@@ -184,6 +189,7 @@ def canonicalize_many(model_or_name: nn.Module | str,
                               signs)[0]
 
 
+@public
 def min_mass(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.Tensor],
              solver: str = "fast", **options: Any) -> MinMassResult:
     """Rescale a checkpoint to its minimum weight mass (see :mod:`posteriorzoo.symmetry.minmass`).
@@ -197,6 +203,7 @@ def min_mass(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.Tens
     return solve_min_mass(state_dict, structure, solver)
 
 
+@public
 def random_symmetry(model_or_name: nn.Module | str, state_dict: Mapping[str, torch.Tensor],
                     seed: int, scale_range: tuple[float, float] = (0.1, 10.0),
                     batchnorm_prescale: bool = True, softmax: bool = True,

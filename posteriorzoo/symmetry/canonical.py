@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from posteriorzoo._api import public
 from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.symmetry.structure import ScaleVariable, SignVariable, SymmetryStructure
 from posteriorzoo.symmetry.transform import State, apply_symmetry_batch
@@ -180,6 +181,7 @@ def check_options(permutation: str, scaling: str, solver: str = "fast") -> None:
                                      f"not {value!r}")
 
 
+@public
 def canonicalize_batch(states: Mapping[str, torch.Tensor], structure: SymmetryStructure,
                        permutation: str = "first", scaling: str = "norm",
                        softmax: bool = True, solver: str = "fast", signs: bool = True
@@ -218,6 +220,7 @@ def canonicalize_batch(states: Mapping[str, torch.Tensor], structure: SymmetrySt
             for key, value in result.items()}, report
 
 
+@public
 def canonicalize_state(state: Mapping[str, torch.Tensor], structure: SymmetryStructure,
                        permutation: str = "first", scaling: str = "norm",
                        softmax: bool = True, solver: str = "fast", signs: bool = True

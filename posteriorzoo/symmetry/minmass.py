@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from posteriorzoo._api import public
 from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.symmetry.structure import SymmetryStructure
 from posteriorzoo.symmetry.transform import State, apply_symmetry_batch
@@ -137,6 +138,7 @@ class MassProblem:
         return self.values(mass, u).sum(dim=1)
 
 
+@public
 def mass_problem(structure: SymmetryStructure, template: Mapping[str, torch.Tensor]
                  ) -> MassProblem:
     """The min-mass objective for ``structure``; ``template`` gives the tensors' shapes
@@ -334,6 +336,7 @@ def _active(problem: MassProblem, mass: torch.Tensor) -> torch.Tensor:
     return ((incoming > 0) & (outgoing > 0))[:, :-1]
 
 
+@public
 def solve_min_mass_batch(states: Mapping[str, torch.Tensor], structure: SymmetryStructure,
                          solver: str = "fast", problem: MassProblem | None = None
                          ) -> MinMassBatch:
@@ -374,6 +377,7 @@ def solve_min_mass_batch(states: Mapping[str, torch.Tensor], structure: Symmetry
                         largest(states), largest(scaled), scaled, dead, iterations.numpy())
 
 
+@public
 def solve_min_mass(state: Mapping[str, torch.Tensor], structure: SymmetryStructure,
                    solver: str = "fast") -> MinMassResult:
     """Scale one checkpoint to its minimum mass; see the module docstring."""

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from posteriorzoo._api import public
+
 
 @dataclass(frozen=True)
 class OperationProperties:
@@ -125,6 +127,7 @@ def _resolve(rule: Rule, option: Option) -> OperationProperties:
     return rule if isinstance(rule, OperationProperties) else rule(option)
 
 
+@public
 def operation_properties(node: fx.Node, module: nn.Module | None = None
                          ) -> OperationProperties | None:
     """The properties of a traced call, or None if it is not a known per-channel operation.

@@ -8,6 +8,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+from posteriorzoo._api import public
+
 
 @dataclass(frozen=True)
 class TensorAxis:
@@ -112,6 +114,7 @@ class SymmetryCoverageWarning(UserWarning):
         super().__init__("symmetries not removed: " + "; ".join(self.gaps))
 
 
+@public
 def warn_coverage(structure: SymmetryStructure, stacklevel: int = 2) -> None:
     """Warn (:class:`SymmetryCoverageWarning`) if ``structure`` has gaps; else do nothing.
 

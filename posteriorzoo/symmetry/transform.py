@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from posteriorzoo._api import public
 from posteriorzoo.symmetry.structure import (
     ScaleVariable,
     SignVariable,
@@ -84,6 +85,7 @@ def _multiply(result: State, variable: ScaleVariable | SignVariable,
                             if axis.epsilon else tensor * multiplier)
 
 
+@public
 def apply_symmetry_batch(states: Mapping[str, torch.Tensor], structure: SymmetryStructure,
                          permutations: Mapping[int, torch.Tensor | np.ndarray] | None = None,
                          scales: Mapping[int, torch.Tensor | np.ndarray] | None = None,
@@ -127,11 +129,13 @@ def apply_symmetry_batch(states: Mapping[str, torch.Tensor], structure: Symmetry
             for key, value in result.items()}
 
 
+@public
 def stack_states(states: list[Mapping[str, torch.Tensor]]) -> State:
     """Checkpoints with the same keys as one batch ``{key: (B, *shape)}``."""
     return {key: torch.stack([state[key] for state in states]) for key in states[0]}
 
 
+@public
 def apply_symmetry(state: Mapping[str, torch.Tensor], structure: SymmetryStructure,
                    permutations: Mapping[int, np.ndarray] | None = None,
                    scales: Mapping[int, np.ndarray] | None = None,
@@ -159,6 +163,7 @@ def apply_symmetry(state: Mapping[str, torch.Tensor], structure: SymmetryStructu
     return {key: value[0] for key, value in batch.items()}
 
 
+@public
 def sample_signs(structure: SymmetryStructure, rng: np.random.Generator
                  ) -> dict[int, np.ndarray]:
     """Independent uniformly random signs (+1.0 or -1.0) for every flippable unit."""
@@ -166,6 +171,7 @@ def sample_signs(structure: SymmetryStructure, rng: np.random.Generator
             for index in structure.flippable()}
 
 
+@public
 def sample_permutations(structure: SymmetryStructure, rng: np.random.Generator
                         ) -> dict[int, np.ndarray]:
     """A uniformly random permutation of every permutable space.

@@ -20,6 +20,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from posteriorzoo._api import public
 from posteriorzoo.errors import ZooFormatError
 from posteriorzoo.zoo.formats import (
     TAR_BLOCK,
@@ -94,6 +95,7 @@ def _padded(size: int) -> int:
     return -(-size // TAR_BLOCK) * TAR_BLOCK
 
 
+@public
 def read_release_archive(path: str | os.PathLike, *, limits: ReadLimits | None = None
                          ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     """Yield ``(member name, state_dict)`` for each safetensors file of a release ``.tgz``.

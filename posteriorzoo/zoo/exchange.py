@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import save as save_safetensors_bytes
 
+from posteriorzoo._api import public
 from posteriorzoo._faults import fault_point
 from posteriorzoo.dtypes import as_numpy
 from posteriorzoo.errors import ChecksumError, InvalidOptionError, ZooFormatError, ZooSchemaError
@@ -111,6 +112,7 @@ def _verify_checkpoint(zoo: Zoo, index: int) -> None:
                             "'posteriorzoo verify' reports all damage")
 
 
+@public
 def export_checkpoint(zoo: Zoo | str | os.PathLike, index: int, path: str | os.PathLike,
                       *, overwrite: bool = False, verify: bool = True) -> Path:
     """Write checkpoint ``index`` of a collection to a safetensors file; returns its path.
@@ -145,6 +147,7 @@ def export_checkpoint(zoo: Zoo | str | os.PathLike, index: int, path: str | os.P
     return Path(path)
 
 
+@public
 def export_all(zoo: Zoo | str | os.PathLike, folder: str | os.PathLike, *,
                overwrite: bool = False, verify: bool = True, progress: bool = False) -> Path:
     """Write every checkpoint of a collection into a new folder as ``NNNNNN.safetensors``.
@@ -217,6 +220,7 @@ class _Prepared:
     digest: str
 
 
+@public
 def import_checkpoints(
     zoo_path: str | os.PathLike,
     files: Iterable[str | os.PathLike],

@@ -26,6 +26,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors_bytes
 
+from posteriorzoo._api import public
 from posteriorzoo.errors import ZooFormatError
 
 #: The ``format`` header value of checkpoints written by
@@ -144,6 +145,7 @@ def _safetensors_header_size(prefix: bytes, size: int, limits: ReadLimits) -> in
     return length
 
 
+@public
 def sniff_format(path: str | os.PathLike, limits: ReadLimits | None = None) -> str:
     """What an input file is, from its first bytes: ``"safetensors"``, ``"tar"``, ``"tar.gz"``.
 
@@ -253,6 +255,7 @@ def parse_safetensors(data: bytes, name: str, limits: ReadLimits
     return tensors, dict(metadata)
 
 
+@public
 def read_checkpoint(path: str | os.PathLike, *, limits: ReadLimits | None = None
                     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read a safetensors checkpoint: returns ``(state_dict, header metadata)``.

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from posteriorzoo import outputs
+from posteriorzoo._api import public
 from posteriorzoo.dtypes import as_numpy, numpy_dtype
 from posteriorzoo.errors import (
     InvalidOptionError,
@@ -95,6 +96,7 @@ def normalise_template(template: Mapping[str, Any]
     return spec
 
 
+@public
 def create_zoo(
     path: str | os.PathLike,
     *,
@@ -211,6 +213,7 @@ def _write_layout(handle: h5py.File, spec: Mapping[str, tuple[tuple[int, ...], n
     handle.create_dataset("committed", data=np.zeros(1, dtype=np.int64))
 
 
+@public
 def open_zoo(path: str | os.PathLike, mode: str = "r", *, verify: bool = False) -> Zoo:
     """Open a collection: ``mode="r"`` to read, ``"a"`` to append.
 

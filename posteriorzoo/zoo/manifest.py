@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+from posteriorzoo._api import public
 from posteriorzoo.errors import ChecksumError, ZooFormatError
 from posteriorzoo.hashing import sha256_file
 
@@ -35,6 +36,7 @@ def read_manifest(path: str | Path) -> dict[str, str]:
     return entries
 
 
+@public
 def write_manifest(
     directory: str | Path, names: Iterable[str] | None = None, pattern: str = "*.h5"
 ) -> Path:
@@ -54,6 +56,7 @@ def write_manifest(
     return target
 
 
+@public
 def verify_manifest(directory: str | Path, names: Iterable[str] | None = None) -> list[str]:
     """Check files of ``directory`` against its ``SHA256SUMS``.
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from posteriorzoo._api import public
 from posteriorzoo.errors import ZooSchemaError
 
 FORMAT_NAME = "posteriorzoo-collection"
@@ -78,11 +79,13 @@ def canonical_json(value: object) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
+@public
 def recipe_hash(recipe: Mapping[str, object]) -> str:
     """SHA-256 hex digest of a recipe's canonical JSON."""
     return hashlib.sha256(canonical_json(recipe).encode()).hexdigest()
 
 
+@public
 def checkpoint_digest(arrays: Mapping[str, np.ndarray], keys: list[str]) -> str:
     """SHA-256 over a checkpoint's tensors, in ``keys`` order.
 

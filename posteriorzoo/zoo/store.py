@@ -23,6 +23,7 @@ import h5py
 import numpy as np
 import torch
 
+from posteriorzoo._api import public
 from posteriorzoo._faults import fault_point
 from posteriorzoo.dtypes import ArrayLike, as_numpy
 from posteriorzoo.errors import (
@@ -582,6 +583,7 @@ class Zoo:
                 f"{len(self) if self._file.id.valid else '?'} checkpoints, {state}>")
 
 
+@public
 def iter_checkpoints(zoo: Zoo, indices: Iterable[int] | None = None
                      ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """Yield ``(index, state_dict)`` for the given (default: all) checkpoints."""

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import h5py
 
+from posteriorzoo._api import public
 from posteriorzoo.errors import ChecksumError, ZooFormatError
 from posteriorzoo.zoo.lifecycle import open_zoo
 from posteriorzoo.zoo.manifest import MANIFEST_NAME, read_manifest, sha256_file
@@ -38,6 +39,7 @@ class VerifyReport:
         return f"{self.path}: CORRUPT: " + "; ".join(self.problems)
 
 
+@public
 def verify_zoo(path: str | Path, progress: bool = False) -> VerifyReport:
     """Check a collection file end to end.
 
