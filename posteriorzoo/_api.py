@@ -11,6 +11,7 @@ are then validated by the function itself (ranges, choices).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import typing
@@ -19,9 +20,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 
 F = TypeVar("F", bound=Callable[..., Any])
+#: How many public calls are under way in this context (only the outermost explains).
+_DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar("posteriorzoo_api_depth",
+                                                             default=0)
 _SHOW = 60
 
 
@@ -56,8 +60,18 @@ def public(function: F) -> F:
             hints.pop("return", None)
         return hints
 
+    named = ", ".join(p.name for p in signature.parameters.values()
+                      if p.kind is not inspect.Parameter.VAR_KEYWORD)
+    takes_any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD
+                            for p in signature.parameters.values())
+
     @functools.wraps(function)
     def checked(*args: Any, **kwargs: Any) -> Any:
+        unknown = [] if takes_any_keyword else [k for k in kwargs
+                                                if k not in signature.parameters]
+        if unknown:  # a misspelled keyword is named before anything else is said
+            raise InvalidOptionError(f"{name}: unknown argument {unknown[0]!r}; its "
+                                     f"parameters: {parameters}")
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError as error:
@@ -72,7 +86,22 @@ def public(function: F) -> F:
             if not is_bearable(plain, hint, conf=conf):
                 raise InvalidOptionError(f"{name}: {parameter} must be {_hint_text(hint)}, "
                                          f"not {_show(value)}")
-        return function(*args, **kwargs)
+        if not takes_any_keyword:
+            return function(*args, **kwargs)
+        outermost = _DEPTH.get() == 0
+        token = _DEPTH.set(_DEPTH.get() + 1)
+        try:
+            return function(*args, **kwargs)
+        except UnknownNameError as error:
+            # Extra keywords are passed on (e.g. as model options); one refused there may
+            # be a misspelled argument of the function the user called: say which exist.
+            extra = [key for key in kwargs if key not in signature.parameters]
+            if outermost and any(repr(key) in str(error) for key in extra):
+                raise UnknownNameError(f"{error} (nor an argument of {name}: "
+                                       f"{named})") from None
+            raise
+        finally:
+            _DEPTH.reset(token)
 
     checked.__posteriorzoo_public__ = True  # type: ignore[attr-defined]
     return typing.cast(F, checked)

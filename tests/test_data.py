@@ -49,6 +49,7 @@ from posteriorzoo.errors import (
     ChecksumError,
     DataFormatError,
     DataNotFoundError,
+    InvalidOptionError,
     UnknownNameError,
 )
 
@@ -191,9 +192,9 @@ def test_registry_names_and_unknown_name():
     with pytest.raises(UnknownNameError, match="cifar10, cifar100, digits") as info:
         load_dataset("imagenet")
     assert isinstance(info.value, KeyError)
-    with pytest.raises(ValueError, match="no split 'valid'"):
+    with pytest.raises(InvalidOptionError, match="no split 'valid'"):
         load_dataset("digits", "valid")
-    with pytest.raises(TypeError, match="image_size"):
+    with pytest.raises(InvalidOptionError, match="image_size"):
         load_dataset("cifar10", image_size=32)
 
 

@@ -17,6 +17,7 @@ import torch
 
 from posteriorzoo._api import public
 from posteriorzoo.data.datasets import ArrayDataset
+from posteriorzoo.errors import InvalidOptionError
 
 __all__ = ["epoch_generators", "iterate_batches"]
 
@@ -38,7 +39,7 @@ def epoch_generators(seed: int, epoch: int) -> tuple[torch.Generator, torch.Gene
         CPU generators seeded from ``SeedSequence([seed, epoch])``.
     """
     if seed < 0 or epoch < 0:
-        raise ValueError(f"seed and epoch must be non-negative, got {seed}, {epoch}")
+        raise InvalidOptionError(f"seed and epoch must be non-negative, got {seed}, {epoch}")
     words = np.random.SeedSequence([int(seed), int(epoch)]).generate_state(2, np.uint64)
     order, augment = torch.Generator(), torch.Generator()
     order.manual_seed(int(words[0]))
@@ -86,7 +87,7 @@ def iterate_batches(
         int64, shape ``(B,)``.
     """
     if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, not {batch_size}")
+        raise InvalidOptionError(f"batch_size must be positive, not {batch_size}")
     order_gen, augment_gen = epoch_generators(seed, epoch)
     n = len(dataset)
     order = torch.randperm(n, generator=order_gen) if shuffle else torch.arange(n)

@@ -44,7 +44,7 @@ from posteriorzoo.data.readers import (
     read_tinyimagenet_zip,
 )
 from posteriorzoo.data.sources import dataset_source
-from posteriorzoo.errors import DataFormatError
+from posteriorzoo.errors import DataFormatError, InvalidOptionError
 
 __all__ = ["DIGITS_SEED", "DIGITS_TEST_FRACTION", "ArrayDataset", "channel_stats", "load_dataset"]
 
@@ -272,7 +272,7 @@ def load_dataset(
     """
     source = dataset_source(name)
     if split not in source.splits:
-        raise ValueError(f"dataset {name!r} has no split {split!r}; "
+        raise InvalidOptionError(f"dataset {name!r} has no split {split!r}; "
                          f"splits: {', '.join(source.splits)}")
     if name == "digits":
         loader, accepted = None, frozenset()
@@ -281,7 +281,7 @@ def load_dataset(
     unexpected = set(options) - accepted
     if unexpected:
         allowed = ", ".join(sorted(accepted)) or "none"
-        raise TypeError(f"dataset {name!r} got unexpected option(s) "
+        raise InvalidOptionError(f"dataset {name!r} got unexpected option(s) "
                         f"{', '.join(sorted(unexpected))}; accepted: {allowed}")
     if loader is None:
         return _load_digits(split)

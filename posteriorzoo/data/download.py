@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from posteriorzoo._api import public
 from posteriorzoo.data.sources import DatasetSource, FileSpec, dataset_source
-from posteriorzoo.errors import ChecksumError, DataNotFoundError
+from posteriorzoo.errors import ChecksumError, DataNotFoundError, InvalidOptionError
 from posteriorzoo.hashing import sha256_file as file_sha256
 
 __all__ = [
@@ -159,7 +159,7 @@ def download_file(
         The transfer failed (including timeouts); nothing is left on disk.
     """
     if sha256 is None:
-        raise ValueError(f"refusing to download {url} without a known SHA-256")
+        raise InvalidOptionError(f"refusing to download {url} without a known SHA-256")
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
@@ -297,7 +297,7 @@ def dataset_files(
     elif split in source.splits:
         specs = source.splits[split]
     else:
-        raise ValueError(f"dataset {name!r} has no split {split!r}; "
+        raise InvalidOptionError(f"dataset {name!r} has no split {split!r}; "
                          f"splits: {', '.join(source.splits)}")
     if url_base is None:
         url_base = os.environ.get("POSTERIORZOO_URL_BASE") or None

@@ -21,7 +21,7 @@ import numpy as np
 import scipy.io
 from PIL import Image, UnidentifiedImageError
 
-from posteriorzoo.errors import DataFormatError
+from posteriorzoo.errors import DataFormatError, InvalidOptionError
 
 __all__ = [
     "Arrays",
@@ -121,11 +121,11 @@ def read_cifar_binary(path: str | Path, split: str, variant: str = "cifar10",
     elif variant == "cifar100":
         batches = ["train.bin" if split == "train" else "test.bin"]
         if label_type not in ("fine", "coarse"):
-            raise ValueError(f"label_type must be 'fine' or 'coarse', not {label_type!r}")
+            raise InvalidOptionError(f"label_type must be 'fine' or 'coarse', not {label_type!r}")
         label_bytes, label_index = 2, (1 if label_type == "fine" else 0)
         names_file = f"{label_type}_label_names.txt"
     else:
-        raise ValueError(f"unknown CIFAR variant {variant!r}")
+        raise InvalidOptionError(f"unknown CIFAR variant {variant!r}")
 
     wanted = set(batches) | {names_file}
     with _format_errors(path, "CIFAR binary tar archive"):
@@ -302,9 +302,9 @@ def read_dtd_tar(path: str | Path, split: str, partition: int = 1,
     """
     path = Path(path)
     if not 1 <= int(partition) <= 10:
-        raise ValueError(f"DTD partition must be in 1..10, not {partition}")
+        raise InvalidOptionError(f"DTD partition must be in 1..10, not {partition}")
     if int(image_size) < 1:
-        raise ValueError(f"image_size must be positive, not {image_size}")
+        raise InvalidOptionError(f"image_size must be positive, not {image_size}")
     image_re = re.compile(r"(?:^|/)images/([^/]+/[^/]+\.jpe?g)$", re.I)
     list_name = f"labels/{split}{partition}.txt"
     decoded: dict[str, np.ndarray] = {}

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from posteriorzoo.errors import InvalidOptionError
+
 __all__ = ["Compose", "Normalize", "RandomCrop", "RandomHorizontalFlip", "Transform"]
 
 
@@ -31,13 +33,13 @@ class Transform:
 
 def _check_batch(images: torch.Tensor) -> None:
     if images.ndim != 4:
-        raise ValueError(f"expected a (B, C, H, W) batch, got shape {tuple(images.shape)}")
+        raise InvalidOptionError(f"expected a (B, C, H, W) batch, got shape {tuple(images.shape)}")
 
 
 def _need_generator(generator: torch.Generator | None, who: str) -> torch.Generator:
     if generator is None:
         # The global RNG would make runs depend on unrelated code that also draws from it.
-        raise ValueError(f"{who} needs an explicit torch.Generator")
+        raise InvalidOptionError(f"{who} needs an explicit torch.Generator")
     return generator
 
 
@@ -61,7 +63,7 @@ class Normalize(Transform):
         self.mean = torch.as_tensor(mean, dtype=torch.float32).reshape(1, -1, 1, 1)
         self.std = torch.as_tensor(std, dtype=torch.float32).reshape(1, -1, 1, 1)
         if torch.any(self.std <= 0):
-            raise ValueError("std must be positive")
+            raise InvalidOptionError("std must be positive")
 
     def __call__(self, images: torch.Tensor,
                  generator: torch.Generator | None = None) -> torch.Tensor:
@@ -95,7 +97,7 @@ class RandomCrop(Transform):
         self.size = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
         self.padding = int(padding)
         if min(self.size) < 1 or self.padding < 0:
-            raise ValueError(f"invalid size {size} or padding {padding}")
+            raise InvalidOptionError(f"invalid size {size} or padding {padding}")
 
     def sample(self, shape: torch.Size | Sequence[int],
                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +112,7 @@ class RandomCrop(Transform):
         max_top = h + 2 * self.padding - self.size[0]
         max_left = w + 2 * self.padding - self.size[1]
         if max_top < 0 or max_left < 0:
-            raise ValueError(f"crop {self.size} larger than padded image "
+            raise InvalidOptionError(f"crop {self.size} larger than padded image "
                              f"{(h + 2 * self.padding, w + 2 * self.padding)}")
         tops = torch.randint(0, max_top + 1, (b,), generator=generator)
         lefts = torch.randint(0, max_left + 1, (b,), generator=generator)
@@ -151,7 +153,7 @@ class RandomHorizontalFlip(Transform):
 
     def __init__(self, p: float = 0.5) -> None:
         if not 0.0 <= p <= 1.0:
-            raise ValueError(f"p must be in [0, 1], not {p}")
+            raise InvalidOptionError(f"p must be in [0, 1], not {p}")
         self.p = float(p)
 
     def sample(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:

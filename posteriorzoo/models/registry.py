@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from posteriorzoo._api import public
-from posteriorzoo.errors import UnknownNameError
+from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 
 __all__ = [
     "ModelSpec",
@@ -114,7 +114,7 @@ def register(
 
     def decorator(factory: Factory) -> Factory:
         if name in _REGISTRY and not replace:
-            raise ValueError(f"model {name!r} is already registered")
+            raise InvalidOptionError(f"model {name!r} is already registered")
         _REGISTRY[name] = ModelSpec(
             name=name,
             factory=factory,

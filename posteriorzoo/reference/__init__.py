@@ -24,6 +24,8 @@ COLLECTIONS = {
     "target": "optunet-fashion-mnist-target.h5",
     "de": "optunet-fashion-mnist-de.h5",
 }
+__all__ = ["COLLECTIONS", "SPECS", "open_reference", "reference_path"]
+
 SPECS = {
     "target": "specs/optunet-fashion-mnist-target.toml",
     "de": "specs/optunet-fashion-mnist-de.toml",

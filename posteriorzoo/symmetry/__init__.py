@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from posteriorzoo._api import public
-from posteriorzoo.errors import NonFiniteWeightsError
+from posteriorzoo.errors import InvalidOptionError, NonFiniteWeightsError
 from posteriorzoo.symmetry.canonical import CanonicalReport, canonicalize_batch, canonicalize_state
 from posteriorzoo.symmetry.minmass import (
     MinMassBatch,
@@ -95,7 +95,7 @@ def resolve_model(model_or_name: nn.Module | str, state_dict: Mapping[str, torch
 
     if isinstance(model_or_name, nn.Module):
         if "input_shape" not in options:
-            raise TypeError("pass input_shape=(C, H, W) with a module")
+            raise InvalidOptionError("pass input_shape=(C, H, W) with a module")
         return model_or_name, tuple(options["input_shape"])
     models.check_state_dict(model_or_name, state_dict, **options)
     model_options = {k: v for k, v in options.items() if k != "num_classes"}
@@ -219,6 +219,11 @@ def random_symmetry(model_or_name: nn.Module | str, state_dict: Mapping[str, tor
     """
     _require_finite(state_dict)
     structure = symmetry_structure(model_or_name, state_dict, **options)
+    if seed < 0:
+        raise InvalidOptionError(f"seed must be a non-negative integer, not {seed}")
+    if not 0 < scale_range[0] <= scale_range[1]:
+        raise InvalidOptionError(f"scale_range must be (low, high) with 0 < low <= high, "
+                                 f"not {scale_range}")
     rng = np.random.default_rng(seed)
     low, high = np.log(scale_range[0]), np.log(scale_range[1])
     scales = {index: np.exp(rng.uniform(low, high, structure.spaces[
