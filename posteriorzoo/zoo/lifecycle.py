@@ -44,7 +44,7 @@ from posteriorzoo.errors import (
     ZooFormatError,
     ZooSchemaError,
 )
-from posteriorzoo.provenance import library_versions
+from posteriorzoo.provenance import git_commit, library_versions
 from posteriorzoo.zoo.architecture import check_architecture
 from posteriorzoo.zoo.layout import ROW_DIGEST_DTYPE, ROW_DIGESTS
 from posteriorzoo.zoo.schema import (
@@ -166,6 +166,7 @@ def create_zoo(
         raise ZooSchemaError(f"collection attributes are not JSON-serialisable: {error}") \
             from None
     provenance = {"command": command, "versions": library_versions(),
+                  "git_commit": git_commit(),
                   "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     # The temporary file is locked from its first byte: see posteriorzoo.outputs.
     temporary, fd = outputs.new_partial(path)
