@@ -306,3 +306,15 @@ def test_cli_bad_input(capsys, zoos, tmp_path):
     assert_one_line_error(code, err, "checkpoint 1", "NaN", "conv2.weight")
     code, _, err = run(capsys, "mmd", target, "A=", *out)
     assert_one_line_error(code, err, "NAME=PATH")
+
+
+def test_cli_prints_compatibility_warnings_as_one_line(capsys, zoos, tmp_path):
+    states = [checkpoint(seed) for seed in range(300, 304)]
+    with create_zoo(tmp_path / "other.h5", architecture="optunet", dataset="mnist",
+                    method="de", num_classes=10, template=states[0]) as zoo:
+        zoo.append_many(states, [{"seed": i} for i in range(4)])
+    code, _, err = run(capsys, "mmd", zoos["target"], tmp_path / "other.h5", "--symmetries",
+                       "keep", "--out", tmp_path / "report", "--no-progress")
+    assert code == 0
+    assert err.strip().splitlines() == [
+        "posteriorzoo mmd: warning: other.h5 was trained on mnist, the target on digits"]

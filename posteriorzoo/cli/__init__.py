@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -67,8 +68,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command_line = command_line(argv)
+
+    def show_warning(message, category, *_: object, **__: object) -> None:
+        # Library warnings (symmetries a canonicalizer could not remove, collections
+        # compared across datasets, ...) as one plain line each.
+        print(f"posteriorzoo {args.command}: warning: {message}", file=sys.stderr)
+
     try:
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            warnings.showwarning = show_warning
+            return int(args.func(args) or 0)
     except PosteriorZooError as error:
         print(f"posteriorzoo {args.command}: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -138,9 +138,6 @@ def _methods(arguments: list[str]) -> dict[str, Path]:
 
 
 def run_mmd(args: argparse.Namespace) -> int:
-    import sys
-    import warnings
-
     from posteriorzoo.collection import compare
     from posteriorzoo.outputs import atomic_directory
 
@@ -148,9 +145,7 @@ def run_mmd(args: argparse.Namespace) -> int:
     inputs = [args.target, *methods.values()]
     # Everything, canonical copies included, is built inside the temporary output folder:
     # a killed run leaves nothing behind but that folder, which the next run reclaims.
-    with atomic_directory(args.out, overwrite=args.overwrite, inputs=inputs) as partial, \
-            warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with atomic_directory(args.out, overwrite=args.overwrite, inputs=inputs) as partial:
         canonical = partial / "canonical"
         if args.keep_canonical:
             canonical.mkdir()
@@ -166,8 +161,6 @@ def run_mmd(args: argparse.Namespace) -> int:
             command=args.command_line)
         report.scale = args.scale
         names = list(report.write_into(partial))
-    for warning in caught:
-        print(f"warning: {warning.message}", file=sys.stderr)
     if args.json:
         print(report.to_json(), end="")
         return 0
