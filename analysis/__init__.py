@@ -1,5 +1,7 @@
-"""Reports, tables and figures built on posteriorzoo (the paper's tables and plots).
+"""The report, figures and studies (the paper's Table 1 and figures): not written yet.
 
-Empty for now: the MMD report tables and the paper's figures arrive with the
-canonicalizer and the MMD engine.
+This package holds no code today. The Table-2 MMD reports already exist
+(:func:`posteriorzoo.collection.compare`, ``posteriorzoo mmd``); the benchmark report, the
+paper's figures and the seeds' studies will be built here on the collection layer
+(:mod:`posteriorzoo.collection`).
 """

@@ -64,7 +64,7 @@ def test_verify_checks_the_manifest(capsys, tmp_path, zoo_file):
     code, out, _ = run(capsys, "verify", "--no-progress", zoo_file)
     assert code == 0 and "manifest matches" in out
     # an edit that keeps every checkpoint intact but changes the file
-    with open_zoo(zoo_file, mode="a") as zoo:
+    with open_zoo(zoo_file, mode="r+") as zoo:
         zoo.append(checkpoint(9), seed=9)
     code, _, err = run(capsys, "verify", "--no-progress", zoo_file)
     assert_one_line_error(code, err, "SHA256SUMS")

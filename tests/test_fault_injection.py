@@ -105,7 +105,7 @@ def committed(path: Path) -> int:
 def collection_state(path: Path) -> tuple:
     """Digests, metadata (without write and training times) and tensors of a collection."""
     with open_zoo(path) as zoo:
-        digests = [bytes(d) for d in zoo.metadata["sha256"]]
+        digests = [str(d) for d in zoo.metadata["sha256"]]
         names = [n for n in zoo.metadata.dtype.names if n not in ("written_at", "wall_time")]
         rows = [[repr(row[n]) for n in names] for row in zoo.metadata]  # NaN == NaN
         tensors = [zoo.state_dict(i) for i in range(len(zoo))]

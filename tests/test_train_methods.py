@@ -158,7 +158,7 @@ def test_bbb_records_its_kl_weight(tmp_path, digits):
 def _digests(path):
     with open_zoo(path) as zoo:
         rows = zoo.metadata
-        return {(int(m), int(s)): bytes(d) for m, s, d in
+        return {(int(m), int(s)): str(d) for m, s, d in
                 zip(rows["mode_id"], rows["sample_id"], rows["sha256"], strict=True)}
 
 

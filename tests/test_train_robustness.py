@@ -63,7 +63,7 @@ def digests(path: Path) -> dict[int, bytes]:
     """Checkpoint index -> SHA-256 of its weights."""
     with open_zoo(path) as zoo:
         rows = zoo.metadata
-        return {int(i): bytes(d) for i, d in zip(rows["mode_id"], rows["sha256"], strict=True)}
+        return {int(i): str(d) for i, d in zip(rows["mode_id"], rows["sha256"], strict=True)}
 
 
 def one_error_line(err: str) -> str:
@@ -334,7 +334,7 @@ def test_second_train_is_busy_while_the_first_one_appends(tmp_path, capsys):
     out = tmp_path / "z.h5"
     train_collection(load_spec(spec_path), out, backend=SerialBackend(), engine="torch",
                      progress=False)
-    with open_zoo(out, mode="a"):  # the first train, appending to its published file
+    with open_zoo(out, mode="r+"):  # the first train, appending to its published file
         code = main(["train", str(spec_path), "--out", str(out), "--checkpoints", "2",
                      "--backend", "serial", "--engine", "torch", "--no-progress"])
         line = one_error_line(capsys.readouterr().err)

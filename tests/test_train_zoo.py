@@ -232,7 +232,7 @@ def test_train_collection_records_everything(tmp_path):
         assert rows["seed"][1] == checkpoint_seeds(7, 1).init
         assert rows["data_seed"][1] == checkpoint_seeds(7, 1).data
         assert (rows["epoch"] == 1).all() and (rows["wall_time"] > 0).all()
-        assert bytes(rows["recipe_hash"][0]).decode() == spec.recipe_hash
+        assert rows["recipe_hash"][0] == spec.recipe_hash
         assert np.isfinite(rows["test_accuracy"]).all()
         assert zoo.recipe == spec.collection_recipe()
         assert zoo.created_by["command"] == "test"

@@ -27,7 +27,7 @@ WRITER = textwrap.dedent(
 
     path = Path(sys.argv[1])
     if path.exists():
-        zoo = open_zoo(path, mode="a")
+        zoo = open_zoo(path, mode="r+")
     else:
         zoo = create_zoo(path, architecture="optunet", dataset="digits", method="de",
                          num_classes=10, template=checkpoint(0))
@@ -95,7 +95,7 @@ def test_sigkill_during_appends_keeps_exactly_the_committed_checkpoints(tmp_path
         assert count >= previous + 5
         previous = count
     # An in-process writer recovers the file and continues with the next seed.
-    with open_zoo(path, mode="a") as zoo:
+    with open_zoo(path, mode="r+") as zoo:
         assert len(zoo) == previous
         zoo.append(checkpoint(previous), seed=previous)
     assert _assert_exact(path) == previous + 1

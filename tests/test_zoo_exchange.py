@@ -43,7 +43,7 @@ def test_safetensors_round_trip(tmp_path, source_zoo):
     path, states = source_zoo
     with open_zoo(path) as zoo:
         files = [export_checkpoint(zoo, i, tmp_path / f"c{i}.safetensors") for i in range(4)]
-        original_digests = [bytes(d) for d in zoo.metadata["sha256"]]
+        original_digests = [str(d) for d in zoo.metadata["sha256"]]
     state, header = read_checkpoint(files[2])
     assert list(state) == list(states[2])  # key order restored from the header
     assert all(torch.equal(state[k], states[2][k]) for k in state)
@@ -54,7 +54,7 @@ def test_safetensors_round_trip(tmp_path, source_zoo):
     assert summary.created and summary.indices == range(4)
     with open_zoo(tmp_path / "copy.h5") as copy:
         assert (copy.architecture, copy.dataset, copy.method) == ("optunet", "digits", "swag")
-        assert [bytes(d) for d in copy.metadata["sha256"]] == original_digests
+        assert [str(d) for d in copy.metadata["sha256"]] == original_digests
         np.testing.assert_array_equal(copy.metadata["sample_id"], [0, 1, 0, 1])
         for i, state in enumerate(states):
             assert all(torch.equal(copy.state_dict(i)[k], state[k]) for k in state)

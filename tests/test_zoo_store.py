@@ -18,6 +18,7 @@ from posteriorzoo.errors import (
     ZooFormatError,
     ZooSchemaError,
 )
+from posteriorzoo.models import build
 from posteriorzoo.zoo import checkpoint_digest, create_zoo, open_zoo, verify_zoo
 
 
@@ -112,7 +113,7 @@ def test_metadata_table(optunet_zoo):
 
 def _content(path):
     with open_zoo(path) as zoo:
-        return len(zoo), [bytes(d) for d in zoo.metadata["sha256"]]
+        return len(zoo), [str(d) for d in zoo.metadata["sha256"]]
 
 
 def test_bad_checkpoints_are_rejected_and_leave_the_file_unchanged(optunet_zoo):
@@ -123,7 +124,7 @@ def test_bad_checkpoints_are_rejected_and_leave_the_file_unchanged(optunet_zoo):
     wrong_shape = {**good, "fc.bias": torch.zeros(11)}
     wrong_dtype = {**good, "fc.bias": good["fc.bias"].double()}
     nan = {**good, "fc.weight": good["fc.weight"].clone().fill_(float("nan"))}
-    with open_zoo(path, mode="a") as zoo:
+    with open_zoo(path, mode="r+") as zoo:
         with pytest.raises(ZooSchemaError, match="missing"):
             zoo.append(missing)
         with pytest.raises(ZooSchemaError, match="shape"):
@@ -146,7 +147,7 @@ def test_bad_checkpoints_are_rejected_and_leave_the_file_unchanged(optunet_zoo):
 def test_diverged_checkpoints_are_kept_and_flagged(optunet_zoo):
     path, states = optunet_zoo
     nan = {**states[0], "fc.weight": states[0]["fc.weight"].clone().fill_(float("nan"))}
-    with open_zoo(path, mode="a") as zoo:
+    with open_zoo(path, mode="r+") as zoo:
         index = zoo.append(nan, seed=99, diverged=True)
     with open_zoo(path) as zoo:
         assert bool(zoo.metadata["diverged"][index])
@@ -176,16 +177,16 @@ def test_read_only_and_single_writer(optunet_zoo):
     path, states = optunet_zoo
     with open_zoo(path) as reader, pytest.raises(ZooFormatError, match="read-only"):
         reader.append(states[0])
-    with open_zoo(path, mode="a") as writer:
+    with open_zoo(path, mode="r+") as writer:
         with pytest.raises(ZooBusyError):
-            open_zoo(path, mode="a")
+            open_zoo(path, mode="r+")
         # a reader opened while the writer appends sees each commit
         with open_zoo(path) as reader:
             count = len(reader)
             writer.append(states[1], seed=7)
             assert len(reader) == count + 1
             assert torch.equal(reader.state_dict(count)["fc.weight"], states[1]["fc.weight"])
-    with open_zoo(path, mode="a") as writer:  # the lock is released on close
+    with open_zoo(path, mode="r+") as writer:  # the lock is released on close
         assert len(writer) == len(states) + 1
 
 
@@ -209,6 +210,18 @@ def test_unreadable_files_raise_format_errors(tmp_path, optunet_zoo):
     with pytest.raises(ZooFormatError, match="not a posteriorzoo collection"):
         open_zoo(foreign)
     with pytest.raises(ZooFormatError, match="not an HDF5"):
-        open_zoo(text, mode="a")
+        open_zoo(text, mode="r+")
     with pytest.raises(ZooFormatError, match="not a file"):
         open_zoo(tmp_path)
+
+
+def test_string_metadata_columns_are_str(tmp_path):
+    model = build("optunet")
+    with create_zoo(tmp_path / "z.h5", architecture="optunet", dataset="digits", method="de",
+                    num_classes=10, template=model.state_dict()) as zoo:
+        zoo.append(model.state_dict(), source="né ici")
+    with open_zoo(tmp_path / "z.h5") as zoo:
+        rows = zoo.metadata
+        assert rows["source"][0] == "né ici" and isinstance(rows["method"][0], str)
+        assert rows["method"][0] == "de" and len(rows["sha256"][0]) == 64
+        assert zoo.stored_metadata()["source"][0] == "né ici".encode()

@@ -43,8 +43,8 @@ def content_digest(zoo: Zoo) -> str:
     same checkpoints in the same order have the same content digest.
     """
     digest = hashlib.sha256()
-    for row in zoo.metadata["sha256"]:
-        digest.update(bytes(row))
+    for row in zoo.digests:
+        digest.update(row.encode())
     return digest.hexdigest()
 
 

@@ -19,7 +19,7 @@ from huggingface_hub.utils import validate_repo_id
 from posteriorzoo._api import public
 from posteriorzoo.errors import HubError, ZooFormatError
 from posteriorzoo.hub._errors import handled_errors, is_offline, to_hub_error
-from posteriorzoo.zoo.manifest import MANIFEST_NAME, sha256_file
+from posteriorzoo.zoo.manifest import MANIFEST_NAME, manifest_text, sha256_file
 
 CARD_NAME = "README.md"
 COLLECTION_PATTERN = "*.h5"
@@ -71,13 +71,6 @@ def collect_collection_files(paths: Iterable[str | Path]) -> list[CollectionFile
             )
         names[item.name] = item.local
     return sorted({item.name: item for item in found}.values(), key=lambda item: item.name)
-
-
-def manifest_text(files: Iterable[CollectionFile]) -> str:
-    """``SHA256SUMS`` content (``sha256sum`` format) for ``files``, sorted by name."""
-    return "".join(
-        f"{sha256_file(f.local)}  {f.name}\n" for f in sorted(files, key=lambda f: f.name)
-    )
 
 
 def _folder_in_repo(path_in_repo: str) -> str:
@@ -154,7 +147,8 @@ def upload(
     operations.append(
         CommitOperationAdd(
             path_in_repo=folder + MANIFEST_NAME,
-            path_or_fileobj=manifest_text(files).encode("utf-8"),
+            path_or_fileobj=manifest_text(
+                {f.name: sha256_file(f.local) for f in files}).encode("utf-8"),
         )
     )
     if card_path is not None:

@@ -344,7 +344,7 @@ def import_checkpoints(
 
     # Pass 2: append in batches; each batch is committed atomically.
     if exists:
-        zoo = open_zoo(zoo_path, mode="a")
+        zoo = open_zoo(zoo_path, mode="r+")
     else:
         assert template is not None
         zoo = create_zoo(zoo_path, template=template, command=command, validate=True,

@@ -157,7 +157,7 @@ def create_zoo(
     if not path.parent.is_dir():
         raise InvalidOptionError(f"{path}: the folder {path.parent} does not exist")
     if path.exists() and not overwrite:
-        raise OutputExistsError(f"{path}: already exists (open it with mode='a' to append)")
+        raise OutputExistsError(f"{path}: already exists (open it with mode='r+' to append)")
     try:
         json_attributes = {"model_options": canonical_json(model_options),
                            "recipe": canonical_json(dict(recipe or {})),
@@ -216,15 +216,24 @@ def _write_layout(handle: h5py.File, spec: Mapping[str, tuple[tuple[int, ...], n
 
 @public
 def open_zoo(path: str | os.PathLike, mode: str = "r", *, verify: bool = False) -> Zoo:
-    """Open a collection: ``mode="r"`` to read, ``"a"`` to append.
+    """Open an existing collection; the modes mean what they mean in h5py.
+
+    ``"r"``: read only. ``"r+"``: read and append. ``"a"``: the same as ``"r+"`` for an
+    existing file (h5py's ``"a"`` would also create a missing one, but a new collection
+    needs its architecture and layout: use :func:`create_zoo`). ``"w"``, ``"w-"`` and
+    ``"x"`` create files: use :func:`create_zoo` too.
 
     Reading never modifies the file and works while a writer appends. Appending takes an
     exclusive lock; if the previous writer was killed, the file is first rebuilt from its
     committed checkpoints (nothing committed is lost). With ``verify=True`` every
     checkpoint's digests are checked as it is read (see :class:`Zoo`).
     """
-    if mode not in ("r", "a"):
-        raise InvalidOptionError(f"mode must be 'r' or 'a', not {mode!r}")
+    if mode in ("w", "w-", "x"):
+        raise InvalidOptionError(f"mode {mode!r} creates a file; create a collection with "
+                                 "create_zoo(path, architecture=..., template=...)")
+    if mode not in ("r", "r+", "a"):
+        raise InvalidOptionError(f"mode must be 'r' (read) or 'r+' (read and append; 'a' "
+                                 f"is the same for an existing file), not {mode!r}")
     path = Path(path)
     _require_file(path)
     if mode == "r":
@@ -318,7 +327,7 @@ def _rebuild_from_committed(path: Path) -> int:
         attrs = dict(old._file.attrs)
         spec = old.spec
         count = len(old)
-        rows = old.metadata
+        rows = old.stored_metadata()
         if old.has_row_digests:
             digests = old._file[ROW_DIGESTS][:count]
         else:

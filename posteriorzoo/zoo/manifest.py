@@ -8,7 +8,7 @@ too. Inside each collection, every checkpoint also carries its own digest (see
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from posteriorzoo._api import public
@@ -36,6 +36,12 @@ def read_manifest(path: str | Path) -> dict[str, str]:
     return entries
 
 
+def manifest_text(entries: Mapping[str, str]) -> str:
+    """``SHA256SUMS`` content for ``{file name: hex digest}``: one ``<digest>  <name>``
+    line per file, sorted by name (what ``sha256sum -c`` reads)."""
+    return "".join(f"{entries[name]}  {name}\n" for name in sorted(entries))
+
+
 @public
 def write_manifest(
     directory: str | Path, names: Iterable[str] | None = None, pattern: str = "*.h5"
@@ -48,10 +54,10 @@ def write_manifest(
     if names is None:
         names = [p.relative_to(directory).as_posix() for p in directory.rglob(pattern)]
     names = sorted(set(names) - {MANIFEST_NAME})
-    lines = [f"{sha256_file(directory / name)}  {name}\n" for name in names]
+    text = manifest_text({name: sha256_file(directory / name) for name in names})
     target = directory / MANIFEST_NAME
     temporary = target.with_name(target.name + ".tmp")
-    temporary.write_text("".join(lines), encoding="utf-8")
+    temporary.write_text(text, encoding="utf-8")
     temporary.replace(target)
     return target
 

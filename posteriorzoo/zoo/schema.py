@@ -168,3 +168,15 @@ def decode(value: object) -> object:
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+def decode_table(rows: np.ndarray) -> np.ndarray:
+    """A metadata table with its byte-string columns decoded to numpy ``str`` (UTF-8)."""
+    fields = [(name, f"U{rows.dtype[name].itemsize}" if rows.dtype[name].kind == "S"
+               else rows.dtype[name]) for name in rows.dtype.names]
+    decoded = np.empty(rows.shape, dtype=fields)
+    for name in rows.dtype.names:
+        column = rows[name]
+        decoded[name] = (np.char.decode(column, "utf-8", errors="replace")
+                         if column.dtype.kind == "S" else column)
+    return decoded

@@ -42,6 +42,7 @@ from posteriorzoo.zoo.schema import (
     METADATA_DTYPE,
     canonical_json,
     checkpoint_digest,
+    decode_table,
     metadata_row,
     row_digest,
 )
@@ -81,7 +82,7 @@ class Zoo:
     """A collection of checkpoints of one architecture, dataset and method in one HDF5 file.
 
     Use :func:`open_zoo` or :func:`create_zoo` rather than the constructor. A zoo is a
-    context manager; opened with ``mode="a"`` it accepts :meth:`append`.
+    context manager; opened with ``mode="r+"`` it accepts :meth:`append`.
 
     The file's layout is checked when it opens (:mod:`posteriorzoo.zoo.layout`). Opened
     with ``verify=True``, a zoo also never returns checkpoint data it has not checked:
@@ -382,7 +383,13 @@ class Zoo:
 
     @property
     def metadata(self) -> np.ndarray:
-        """Metadata table: a structured array of shape (N,), columns in ``schema.COLUMN_NAMES``."""
+        """Metadata table: a structured array of shape (N,), columns in
+        ``schema.COLUMN_NAMES``; string columns are numpy ``str`` (decoded UTF-8)."""
+        return decode_table(self.stored_metadata())
+
+    def stored_metadata(self) -> np.ndarray:
+        """The metadata table as stored (string columns as UTF-8 bytes): what the row
+        digests cover."""
         self._verify_rows()
         with self._reading("the metadata table"):
             dataset = self._file[METADATA]
@@ -393,7 +400,8 @@ class Zoo:
     @property
     def digests(self) -> list[str]:
         """Every committed checkpoint's tensor SHA-256 (hex), in order."""
-        return [bytes(value).decode(errors="replace") for value in self.metadata["sha256"]]
+        return [bytes(value).decode(errors="replace")
+                for value in self.stored_metadata()["sha256"]]
 
     def metadata_dict(self, index: int) -> dict[str, Any]:
         """Metadata row ``index`` as a plain dict (strings decoded)."""
@@ -428,7 +436,7 @@ class Zoo:
         defaults to the running library versions, ``method`` to the collection's method.
         """
         if not self.writable:
-            raise ZooFormatError(f"{self.path}: opened read-only; use open_zoo(path, mode='a')")
+            raise ZooFormatError(f"{self.path}: opened read-only; use open_zoo(path, mode='r+')")
         metadata = list(metadata) if metadata is not None else [{} for _ in state_dicts]
         if len(metadata) != len(state_dicts):
             raise ZooSchemaError("state_dicts and metadata differ in length")
