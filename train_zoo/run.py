@@ -126,7 +126,7 @@ def _open_existing(spec: ZooSpec, out: Path, verify: bool) -> Zoo:
     num_data = (len(load_training_data(spec.dataset, spec.data_dir).train)
                 if spec.method == "bbb" else None)  # BBB records its resolved KL weight
     recipe = spec.collection_recipe(num_data)
-    zoo = open_zoo(out, mode="a", verify=verify)
+    zoo = open_zoo(out, mode="r+", verify=verify)
     try:
         zoo.verify_all()
     except BaseException:
