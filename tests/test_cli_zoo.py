@@ -146,3 +146,13 @@ def test_usage_errors_are_one_line_with_exit_2(capsys, argv):
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--help" in err
+
+
+def test_verify_json_reports_every_file(capsys, tmp_path, zoo_file):
+    bad = tmp_path / "bad.h5"
+    bad.write_bytes(b"not hdf5")
+    code, out, err = run(capsys, "verify", zoo_file, bad, "--json", "--no-progress")
+    reports = json.loads(out)
+    assert code == 2 and [r["ok"] for r in reports] == [True, False]
+    assert reports[0]["checkpoints"] == 5 and "not an HDF5 file" in reports[1]["problems"][0]
+    assert err.count("\n") == 1  # the bad file's one error line

@@ -44,6 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="override the spec's number of checkpoints (the number of "
                              "modes follows; samples_per_mode must divide it)")
     add_no_verify_option(parser)
+    parser.add_argument("--json", action="store_true",
+                        help="print the run's summary as JSON")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(func=run_train)
 
@@ -61,6 +63,16 @@ def run_train(args: argparse.Namespace) -> int:
     summary = train_collection(spec, args.out, backend=backend, engine=args.engine,
                                progress=not args.no_progress, command=args.command_line,
                                verify=not args.no_verify)
+    if args.json:
+        import json
+
+        print(json.dumps({"path": str(summary.path), "checkpoints": summary.checkpoints,
+                          "requested": spec.checkpoints, "trained": summary.trained,
+                          "diverged": summary.diverged, "steps": summary.steps,
+                          "seconds": summary.seconds, "method": spec.method,
+                          "modes": spec.modes, "samples_per_mode": spec.samples_per_mode},
+                         indent=1))
+        return 0
     print(f"{summary.path}: {summary.checkpoints}/{spec.checkpoints} checkpoints "
           f"({summary.trained} trained now, {summary.diverged} diverged) in "
           f"{summary.seconds:.1f} s, {summary.steps_per_second:.0f} model-steps/s")

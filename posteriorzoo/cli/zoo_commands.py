@@ -33,6 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "occur in checkpoints flagged diverged, and the whole file against a "
                     "SHA256SUMS manifest next to it, if any. Exit code 2 if anything is wrong.")
     verify.add_argument("zoos", type=Path, nargs="+", help="collection files (.h5)")
+    verify.add_argument("--json", action="store_true",
+                        help="print one JSON list with every file's report")
     verify.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     verify.set_defaults(func=run_verify)
 
@@ -131,19 +133,26 @@ def run_verify(args: argparse.Namespace) -> int:
     from posteriorzoo.errors import PosteriorZooError
     from posteriorzoo.zoo import verify_zoo
 
-    failed = 0
+    failed, reports = 0, []
     for path in args.zoos:
         try:
             report = verify_zoo(path, progress=not args.no_progress)
         except PosteriorZooError as error:
             print(f"posteriorzoo verify: error: {error}", file=sys.stderr)
+            reports.append({"path": str(path), "ok": False, "problems": [str(error)]})
             failed += 1
             continue
-        if report.ok:
+        reports.append({**{k: v for k, v in vars(report).items()}, "path": str(report.path),
+                        "ok": report.ok})
+        if args.json:
+            failed += not report.ok
+        elif report.ok:
             print(report.summary())
         else:
             print(f"posteriorzoo verify: error: {report.summary()}", file=sys.stderr)
             failed += 1
+    if args.json:
+        print(json.dumps(reports, indent=1))
     return 2 if failed else 0
 
 
