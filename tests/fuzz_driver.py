@@ -71,14 +71,14 @@ def commands(case: Path, out: Path, fixtures: dict[str, Path]) -> dict[str, list
     return {
         "info": ["info", case],
         "verify": ["verify", case, quiet],
-        "export": ["export", case, "0", out / "one.safetensors"],
-        "export-all": ["export", case, "--all", out / "all"],
+        "export": ["export", case, "0", "--out", out / "one.safetensors"],
+        "export-all": ["export", case, "--all", "--out", out / "all"],
         "canonicalize": ["canonicalize", case, "--out", out / "canonical.h5", quiet],
         "min-mass": ["min-mass", case, "--out", out / "mass", quiet],
         "mmd-target": ["mmd", case, fixtures["good"], "--symmetries", "keep", "--out",
                        out / "mmd-target", quiet],
         "mmd-method": ["mmd", fixtures["good"], case, "--out", out / "mmd-method", quiet],
-        "import-into": ["import", case, fixtures["safetensors"], quiet],
+        "import-into": ["import", "--out", case, fixtures["safetensors"], quiet],
         "train-into": ["train", fixtures["spec"], "--out", case, "--backend", "serial",
                        quiet],
         # the Hub is unreachable here (HF_ENDPOINT points at a closed local port): a good

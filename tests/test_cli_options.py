@@ -60,8 +60,8 @@ def _options(files: dict[str, Path]) -> list[tuple[list[str], str, str]]:
         (["demo", "--out", out + "/d"], "--checkpoints", "positive_int"),
         (["demo", "--out", out + "/d"], "--epochs", "positive_int"),
         (["demo", "--out", out + "/d"], "--seed", "nonnegative_int"),
-        (["import", out + "/i.h5", str(files["zoo"])], "--batch-size", "positive_int"),
-        (["import", out + "/i.h5", str(files["zoo"])], "--num-classes", "positive_int"),
+        (["import", "--out", out + "/i.h5", str(files["zoo"])], "--batch-size", "positive_int"),
+        (["import", "--out", out + "/i.h5", str(files["zoo"])], "--num-classes", "positive_int"),
     ]
 
 

@@ -79,18 +79,18 @@ def test_bad_files_exit_2_with_one_line(capsys, tmp_path, zoo_file, content):
         data = zoo_file.read_bytes()
         target.write_bytes(data[: len(data) // 2])
     for command in (["info"], ["verify", "--no-progress"], ["export"]):
-        extra = [0, tmp_path / "x.safetensors"] if command == ["export"] else []
+        extra = [0, "--out", tmp_path / "x.safetensors"] if command == ["export"] else []
         code, _, err = run(capsys, *command, target, *extra)
         assert_one_line_error(code, err, str(target))
 
 
 def test_export_import_round_trip(capsys, tmp_path, zoo_file):
-    code, out, _ = run(capsys, "export", zoo_file, 3, tmp_path / "c3.safetensors")
+    code, out, _ = run(capsys, "export", zoo_file, 3, "--out", tmp_path / "c3.safetensors")
     assert code == 0
-    code, out, _ = run(capsys, "export", zoo_file, "--all", tmp_path / "all")
+    code, out, _ = run(capsys, "export", zoo_file, "--all", "--out", tmp_path / "all")
     assert code == 0 and "exported 5" in out
     files = sorted((tmp_path / "all").glob("*.safetensors"))
-    code, out, _ = run(capsys, "import", "--no-progress", tmp_path / "copy.h5", *files)
+    code, out, _ = run(capsys, "import", "--no-progress", "--out", tmp_path / "copy.h5", *files)
     assert code == 0 and "created" in out
     with open_zoo(zoo_file) as original, open_zoo(tmp_path / "copy.h5") as copy:
         assert len(copy) == 5
@@ -98,7 +98,7 @@ def test_export_import_round_trip(capsys, tmp_path, zoo_file):
         for index in range(5):
             assert all(torch.equal(copy.state_dict(index)[k], original.state_dict(index)[k])
                        for k in original.state_keys)
-    code, _, err = run(capsys, "export", zoo_file, 7, tmp_path / "x.safetensors")
+    code, _, err = run(capsys, "export", zoo_file, 7, "--out", tmp_path / "x.safetensors")
     assert_one_line_error(code, err, "out of range")
 
 
@@ -111,16 +111,16 @@ def test_import_rejects_bad_checkpoints_and_keeps_the_collection(capsys, tmp_pat
               str(tmp_path / "shape.safetensors"))
     save_file(checkpoint(0, "mlp", widths=(2, 4, 10)), str(tmp_path / "mlp.safetensors"))
     for name, fragment in (("nan", "NaN"), ("shape", "shape"), ("mlp", "keys")):
-        code, _, err = run(capsys, "import", "--no-progress", zoo_file,
+        code, _, err = run(capsys, "import", "--no-progress", "--out", zoo_file,
                            tmp_path / f"{name}.safetensors")
         assert_one_line_error(code, err, fragment)
     assert zoo_file.read_bytes() == before
     # a new collection whose inputs do not fit the named architecture
-    code, _, err = run(capsys, "import", "--no-progress", tmp_path / "new.h5",
+    code, _, err = run(capsys, "import", "--no-progress", "--out", tmp_path / "new.h5",
                        tmp_path / "mlp.safetensors", "--architecture", "optunet",
                        "--dataset", "digits", "--method", "de")
     assert_one_line_error(code, err, "optunet")
-    code, _, err = run(capsys, "import", "--no-progress", tmp_path / "new.h5",
+    code, _, err = run(capsys, "import", "--no-progress", "--out", tmp_path / "new.h5",
                        tmp_path / "mlp.safetensors", "--architecture", "no-such-net",
                        "--dataset", "digits", "--method", "de")
     assert_one_line_error(code, err, "no-such-net")
@@ -130,7 +130,7 @@ def test_import_rejects_bad_checkpoints_and_keeps_the_collection(capsys, tmp_pat
 def test_import_with_model_options(capsys, tmp_path):
     state = checkpoint(0, "mlp", widths=(2, 4, 3))
     save_file(state, str(tmp_path / "mlp.safetensors"))
-    code, _, err = run(capsys, "import", "--no-progress", tmp_path / "mlp.h5",
+    code, _, err = run(capsys, "import", "--no-progress", "--out", tmp_path / "mlp.h5",
                        tmp_path / "mlp.safetensors", "--architecture", "mlp",
                        "--dataset", "blobs", "--method", "de", "--model-option", "widths=[2,4,3]")
     assert code == 0, err
@@ -138,7 +138,7 @@ def test_import_with_model_options(capsys, tmp_path):
         assert zoo.model_options == {"widths": [2, 4, 3]}
 
 
-@pytest.mark.parametrize("argv", [["info"], ["frobnicate"], ["export", "z.h5", "x", "y"],
+@pytest.mark.parametrize("argv", [["info"], ["frobnicate"], ["export", "z.h5", "x", "--out"],
                                   ["train", "spec.toml"]])
 def test_usage_errors_are_one_line_with_exit_2(capsys, argv):
     with pytest.raises(SystemExit) as stop:

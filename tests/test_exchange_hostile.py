@@ -98,11 +98,11 @@ def test_export_never_writes_onto_its_input(capsys, work):
     folder, zoo = work
     before = snapshot(folder)
     for extra in ([], ["--overwrite"]):
-        code, _, err = run(capsys, "export", zoo, 0, zoo, *extra)
+        code, _, err = run(capsys, "export", zoo, 0, "--out", zoo, *extra)
         assert_one_line_error(code, err, "input")
         assert snapshot(folder) == before
     # a folder export may not replace the folder that holds the collection
-    code, _, err = run(capsys, "export", zoo, "--all", folder, "--overwrite")
+    code, _, err = run(capsys, "export", zoo, "--all", "--out", folder, "--overwrite")
     assert_one_line_error(code, err)
     assert snapshot(folder) == before
 
@@ -112,12 +112,12 @@ def test_export_refuses_an_existing_output_unless_overwrite(capsys, work):
     target = folder / "c.safetensors"
     target.write_bytes(b"precious")
     before = snapshot(folder)
-    code, _, err = run(capsys, "export", zoo, 1, target)
+    code, _, err = run(capsys, "export", zoo, 1, "--out", target)
     assert_one_line_error(code, err, "already exists")
     assert snapshot(folder) == before
     with pytest.raises(OutputExistsError):
         export_checkpoint(zoo, 1, target)
-    code, out, err = run(capsys, "export", zoo, 1, target, "--overwrite")
+    code, out, err = run(capsys, "export", zoo, 1, "--out", target, "--overwrite")
     assert code == 0, err
     state, header = read_checkpoint(target)
     assert all(torch.equal(state[k], checkpoint(101)[k]) for k in state)
@@ -130,10 +130,10 @@ def test_export_all_refuses_an_existing_folder_unless_overwrite(capsys, work):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     before = snapshot(folder)
-    code, _, err = run(capsys, "export", zoo, "--all", out)
+    code, _, err = run(capsys, "export", zoo, "--all", "--out", out)
     assert_one_line_error(code, err, "already exists")
     assert snapshot(folder) == before
-    code, _, err = run(capsys, "export", zoo, "--all", out, "--overwrite")
+    code, _, err = run(capsys, "export", zoo, "--all", "--out", out, "--overwrite")
     assert code == 0, err
     assert sorted(p.name for p in out.iterdir()) == [f"{i:06d}.safetensors" for i in range(3)]
     assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []
@@ -142,7 +142,8 @@ def test_export_all_refuses_an_existing_folder_unless_overwrite(capsys, work):
 def test_export_needs_an_existing_parent_folder(capsys, work):
     folder, zoo = work
     before = snapshot(folder)
-    for argv in ([1, folder / "absent" / "c.safetensors"], ["--all", folder / "absent" / "d"]):
+    for argv in ([1, "--out", folder / "absent" / "c.safetensors"],
+                 ["--all", "--out", folder / "absent" / "d"]):
         code, _, err = run(capsys, "export", zoo, *argv)
         assert_one_line_error(code, err, "does not exist")
         assert not (folder / "absent").exists()
@@ -155,7 +156,7 @@ def test_export_verifies_checkpoints(capsys, tmp_path):
     zoo = make_zoo(folder / "zoo.h5", range(3))
     flip_byte_in_chunk(zoo, "conv2.weight", offset=4 * 250 * 1 + 2)  # inside checkpoint 1
     before = snapshot(folder)
-    for argv in ([1, folder / "c.safetensors"], ["--all", folder / "all"]):
+    for argv in ([1, "--out", folder / "c.safetensors"], ["--all", "--out", folder / "all"]):
         code, _, err = run(capsys, "export", zoo, *argv)
         assert_one_line_error(code, err, "corrupt")
         assert snapshot(folder) == before
@@ -163,9 +164,9 @@ def test_export_verifies_checkpoints(capsys, tmp_path):
     with pytest.raises(ChecksumError), open_zoo(zoo) as opened:
         export_checkpoint(opened, 1, folder / "c.safetensors")
     assert snapshot(folder) == before
-    code, _, err = run(capsys, "export", zoo, 0, folder / "c.safetensors")
+    code, _, err = run(capsys, "export", zoo, 0, "--out", folder / "c.safetensors")
     assert code == 0, err  # an intact checkpoint of a damaged file can be rescued
-    code, _, err = run(capsys, "export", zoo, 1, folder / "d.safetensors", "--no-verify")
+    code, _, err = run(capsys, "export", zoo, 1, "--out", folder / "d.safetensors", "--no-verify")
     assert code == 0, err
 
 
@@ -191,10 +192,10 @@ def test_one_bad_header_among_good_files_changes_nothing(capsys, exported, work,
     inputs = [*files[:40], folder / "bad.safetensors", *files[40:]]
     before = snapshot(folder)
     # small batches: a check left to the append would only stop after 5 committed batches
-    code, _, err = run(capsys, "import", "--no-progress", "--batch-size", 8, zoo, *inputs)
+    code, _, err = run(capsys, "import", "--no-progress", "--batch-size", 8, "--out", zoo, *inputs)
     assert_one_line_error(code, err, "bad.safetensors")
     code, _, err = run(capsys, "import", "--no-progress", "--batch-size", 8,
-                       folder / "new.h5", *inputs)
+                       "--out", folder / "new.h5", *inputs)
     assert_one_line_error(code, err, "bad.safetensors")
     assert snapshot(folder) == before
 
@@ -210,7 +211,8 @@ def test_bad_tensor_dtype_and_bad_values(capsys, work):
         save_file(tensors, str(folder / f"{name}.safetensors"))
     before = snapshot(folder)
     for name, fragment in (("bf16", "dtype"), ("nan", "NaN")):
-        code, _, err = run(capsys, "import", "--no-progress", zoo, folder / f"{name}.safetensors")
+        code, _, err = run(capsys, "import", "--no-progress", "--out", zoo,
+                           folder / f"{name}.safetensors")
         assert_one_line_error(code, err, fragment)
     assert snapshot(folder) == before
 
@@ -235,7 +237,7 @@ def test_failed_import_into_a_new_path_leaves_no_file(monkeypatch, exported, tmp
 def test_import_refuses_the_collection_as_its_own_input(capsys, work):
     folder, zoo = work
     before = snapshot(folder)
-    code, _, err = run(capsys, "import", "--no-progress", zoo, zoo)
+    code, _, err = run(capsys, "import", "--no-progress", "--out", zoo, zoo)
     assert_one_line_error(code, err, "input")
     assert snapshot(folder) == before
 
@@ -244,11 +246,11 @@ def test_import_refuses_the_collection_as_its_own_input(capsys, work):
 def test_reimport_adds_nothing_and_repeats_are_skipped(capsys, exported, tmp_path):
     _, files = exported
     target = tmp_path / "copy.h5"
-    code, out, err = run(capsys, "import", "--no-progress", target, *files[:5], files[2])
+    code, out, err = run(capsys, "import", "--no-progress", "--out", target, *files[:5], files[2])
     assert code == 0, err
     assert "5 checkpoint(s) added" in out and "1 repeated" in out
     first = target.read_bytes()
-    code, out, err = run(capsys, "import", "--no-progress", target, *files[:5])
+    code, out, err = run(capsys, "import", "--no-progress", "--out", target, *files[:5])
     assert code == 0, err
     assert "0 checkpoint(s) added" in out and "skipped 5 already in the collection" in out
     assert target.read_bytes() == first
@@ -307,7 +309,7 @@ def test_zero_filled_file_is_refused_at_once(capsys, work):
         handle.truncate(3 * 2**30)  # 3 GB of zeros (sparse: no disk space used)
     before = snapshot_names_and_zoo(folder, zoo)
     start = time.perf_counter()
-    code, _, err = run(capsys, "import", "--no-progress", zoo, fake)
+    code, _, err = run(capsys, "import", "--no-progress", "--out", zoo, fake)
     assert_one_line_error(code, err, "neither a safetensors file nor a tar archive")
     with pytest.raises(ZooFormatError, match="not a valid safetensors"):
         read_checkpoint(fake)
@@ -326,7 +328,7 @@ def test_huge_declared_header_is_refused(capsys, work, length):
     fake = folder / "huge.safetensors"
     fake.write_bytes(length.to_bytes(8, "little") + b'{"a": {"dtype": "F32", ' + b" " * 2000)
     before = snapshot(folder)
-    code, _, err = run(capsys, "import", "--no-progress", zoo, fake)
+    code, _, err = run(capsys, "import", "--no-progress", "--out", zoo, fake)
     assert_one_line_error(code, err, "header")
     assert snapshot(folder) == before
 
@@ -373,9 +375,9 @@ def test_archive_member_declared_too_large(capsys, work):
                               + b"\0" * 4096))
     before = snapshot(folder)
     start = time.perf_counter()
-    code, _, err = run(capsys, "import", "--no-progress", zoo, archive)
+    code, _, err = run(capsys, "import", "--no-progress", "--out", zoo, archive)
     assert_one_line_error(code, err, "declares 10737418240 bytes")
-    code, _, err = run(capsys, "import", "--no-progress", folder / "new.h5", archive)
+    code, _, err = run(capsys, "import", "--no-progress", "--out", folder / "new.h5", archive)
     assert_one_line_error(code, err, "declares")
     assert time.perf_counter() - start < 5
     assert snapshot(folder) == before
@@ -416,7 +418,7 @@ def test_gzip_bombs_fail_fast_with_bounded_memory(capsys, tmp_path):
     # through the CLI with the default limits: one line, nothing created
     before = snapshot(tmp_path)
     for archive in (longname, zeros):
-        code, _, err = run(capsys, "import", "--no-progress", tmp_path / "z.h5", archive,
+        code, _, err = run(capsys, "import", "--no-progress", "--out", tmp_path / "z.h5", archive,
                            "--architecture", "optunet", "--dataset", "d", "--method", "de")
         assert_one_line_error(code, err, archive.name)
     assert snapshot(tmp_path) == before
@@ -468,7 +470,7 @@ def test_bad_key_maps_are_refused(capsys, work, content, fragment):
     save_file(checkpoint(5), str(good))
     before = snapshot(folder)
     start = time.perf_counter()
-    code, _, err = run(capsys, "import", "--no-progress", zoo, good, "--key-map", key_map)
+    code, _, err = run(capsys, "import", "--no-progress", "--out", zoo, good, "--key-map", key_map)
     assert_one_line_error(code, err, fragment)
     assert time.perf_counter() - start < 2
     assert snapshot(folder) == before

@@ -211,13 +211,14 @@ COMMANDS = {
                         out / "report", QUIET],
         ("report",), assert_same_mmd_report),
     "export": Command(
-        lambda i, out: ["export", i.target, "3", out / "one.safetensors"],
+        lambda i, out: ["export", i.target, "3", "--out", out / "one.safetensors"],
         ("one.safetensors",), assert_same_export),
     "export-all": Command(
-        lambda i, out: ["export", i.target, "--all", out / "all"],
+        lambda i, out: ["export", i.target, "--all", "--out", out / "all"],
         ("all",), assert_same_export),
     "import": Command(
-        lambda i, out: ["import", out / "new.h5", *i.exported, "--batch-size", "3", QUIET],
+        lambda i, out: ["import", "--out", out / "new.h5", *i.exported, "--batch-size", "3",
+                        QUIET],
         ("new.h5",), assert_same_collection),
 }
 
@@ -311,7 +312,7 @@ def inputs(tmp_path_factory) -> Inputs:
     make_collection(target, 0, TARGET_SIZE)
     make_collection(method, 100, METHOD_SIZE)
     exported = root / "exported"
-    code, err = run_here(["export", target, "--all", exported])
+    code, err = run_here(["export", target, "--all", "--out", exported])
     assert code == 0, err
     return Inputs(root, target, method, sorted(exported.iterdir()))
 

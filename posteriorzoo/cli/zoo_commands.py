@@ -49,10 +49,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("zoo", type=Path, help="collection file (.h5)")
     export.add_argument("index", nargs="?", type=int, help="checkpoint index (negative counts "
                         "from the end)")
-    export.add_argument("out", type=Path, help="output .safetensors file, or a folder with "
-                        "--all (its parent folder must exist)")
+    export.add_argument("--out", type=Path, required=True,
+                        help="output .safetensors file, or a new folder with --all (its "
+                             "parent folder must exist)")
     export.add_argument("--all", action="store_true",
-                        help="export every checkpoint into the new folder OUT as "
+                        help="export every checkpoint into the new folder --out as "
                              "NNNNNN.safetensors")
     add_overwrite_option(export)
     add_no_verify_option(export)
@@ -60,7 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     importer = subparsers.add_parser(
         "import", help="append safetensors checkpoints or release archives to a collection",
-        description="Append checkpoints to ZOO (created if missing) from safetensors files "
+        description="Append checkpoints to the collection --out (created if missing) from "
+                    "safetensors files "
                     "and from the authors' release archives (.tgz of float16 safetensors, "
                     "one per model). Every input is validated before anything is appended, "
                     "so bad input leaves the collection unchanged, and a new collection "
@@ -69,8 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "import finishes when run again. A new collection takes its attributes "
                     "from the options, else from an exported file's header, else from the "
                     "release archive's name (e.g. mnist-optunet-0-1023.tgz).")
-    importer.add_argument("zoo", type=Path, help="collection file (.h5), created if missing")
     importer.add_argument("inputs", type=Path, nargs="+", help=".safetensors files or .tgz")
+    importer.add_argument("--out", dest="zoo", type=Path, required=True,
+                          help="collection file (.h5), created if missing")
     importer.add_argument("--architecture", help="model name (see posteriorzoo.models)")
     importer.add_argument("--dataset", help="training data set name")
     importer.add_argument("--method", help="posterior approximation, e.g. de, swag, laplace")
@@ -85,6 +88,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     importer.add_argument("--batch-size", type=positive_int, default=64,
                           help="checkpoints committed together when appending (default 64)")
     add_no_verify_option(importer)
+    importer.add_argument("--json", action="store_true",
+                          help="print what was imported as JSON")
     importer.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     importer.set_defaults(func=run_import)
 
@@ -205,6 +210,12 @@ def run_import(args: argparse.Namespace) -> int:
         dtype=getattr(torch, args.dtype) if args.dtype else None,
         command=args.command_line, batch_size=args.batch_size,
         verify=not args.no_verify, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps({"path": str(summary.path), "created": summary.created,
+                          "added": list(summary.indices), "inputs": len(args.inputs),
+                          "skipped_existing": summary.skipped_existing,
+                          "skipped_repeated": summary.skipped_repeated}, indent=1))
+        return 0
     verb = "created" if summary.created else "appended to"
     added = len(summary.indices)
     where = (f" (checkpoints {summary.indices.start}..{summary.indices.stop - 1})"
