@@ -645,7 +645,7 @@ def test_cli_download_several_patterns_to_local_dir(
 ) -> None:
     target = tmp_path / "here"
     code, out, err = run_cli(
-        "download", REPO, "--local-dir", str(target), "--include", "a.h5", "sub/*"
+        "download", REPO, "--out", str(target), "--include", "a.h5", "sub/*"
     )
     assert code == 0, err
     patterns = fake_download.calls[0]["allow_patterns"]

@@ -26,7 +26,7 @@ def _register_download(subparsers: argparse._SubParsersAction) -> None:
         help="download a zoo (Hub dataset repository) and verify its SHA256SUMS",
         description=(
             "Download the collection files of a Hugging Face Hub dataset repository into the "
-            "Hugging Face cache (or --local-dir) and check them against the repository's "
+            "Hugging Face cache (or --out) and check them against the repository's "
             "SHA256SUMS manifest, which is always fetched. "
             + _NETWORK_NOTE
             + " Private or gated repositories need HF_TOKEN."
@@ -45,7 +45,8 @@ def _register_download(subparsers: argparse._SubParsersAction) -> None:
         "and give REPO_ID before --include); repeatable (default: every file)",
     )
     parser.add_argument(
-        "--local-dir",
+        "--out",
+        dest="local_dir",
         metavar="DIR",
         help="put the files in DIR instead of the Hugging Face cache",
     )
