@@ -232,20 +232,55 @@ def bench_bbb(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ (c) collections
+SPECS = Path(__file__).resolve().parent.parent / "reference-build" / "specs"
+METHODS = ("mc-dropout", "swag", "laplace", "sghmc", "bbb")
+
 def collection_times(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Time each method's 100-sample collection (to be filled in; returns [] for now).
+    """Time each method's 100-sample collection, as the trainer produces it.
 
-    It will run ``train_zoo.run.train_collection`` once per method (de, mc-dropout, swag,
-    laplace, sghmc, bbb) on a spec that asks for 100 samples of OptuNet on Fashion-MNIST,
-    into a temporary file, and return one row per method::
+    One ``train_zoo.run.train_collection`` per method (``--methods``, default every
+    single-mode spec of ``reference-build/specs``: 1 base network x 100 samples of OptuNet
+    on Fashion-MNIST with the 60-epoch recipe), into a temporary file, in this process
+    (serial backend, the auto engine). ``--collection-epochs E`` shortens the recipe (the
+    method phases scale with it: SWAG runs 2E epochs). Returns one row per method::
 
-        {"method": str, "samples": int, "wall_s": float, "cpu_s": float}
-
-    :func:`print_collections` prints whatever rows it returns (nothing but a note when
-    there are none).
+        {"method": str, "samples": int, "epochs": int, "engine": str, "wall_s": float,
+         "cpu_s": float}
     """
-    del args
-    return []
+    import tempfile
+
+    from train_zoo import load_spec
+    from train_zoo.backends import SerialBackend
+    from train_zoo.run import train_collection
+
+    rows = []
+    for method in args.methods:
+        spec = load_spec(SPECS / f"optunet-fashion-mnist-{method}.toml")
+        if args.collection_epochs is not None:
+            spec = spec.replace(recipe=spec.recipe.with_epochs(args.collection_epochs))
+            spec = _shortened_method_options(spec, method)
+        with tempfile.TemporaryDirectory(prefix="bench-methods-") as folder:
+            wall, cpu = time.perf_counter(), time.process_time()
+            summary = train_collection(spec, Path(folder) / f"{method}.h5",
+                                       backend=SerialBackend(), progress=False)
+            rows.append({"method": method, "samples": summary.checkpoints,
+                         "epochs": spec.recipe.epochs, "engine": "auto",
+                         "wall_s": time.perf_counter() - wall,
+                         "cpu_s": time.process_time() - cpu})
+        print_collections(rows[-1:], header=not rows[:-1])
+    return rows
+
+
+def _shortened_method_options(spec: Any, method: str) -> Any:
+    """``spec`` with the method options that depend on the recipe's length re-resolved
+    (SWAG's phase is twice the recipe, its ramp at most that long)."""
+    if method != "swag":
+        return spec
+    options = {key: value for key, value in spec.method_options.items()
+               if key not in ("epochs", "ramp_epochs", "iterates")}
+    epochs = 2 * spec.recipe.epochs
+    options.update(epochs=epochs, ramp_epochs=min(10, epochs), iterates=min(20, epochs))
+    return spec.replace(method_options=options)
 
 
 # ------------------------------------------------------------------ printing
@@ -285,15 +320,13 @@ def print_bbb(result: dict[str, Any]) -> None:
           "(relative to the largest mean of each layer)")
 
 
-def print_collections(rows: list[dict[str, Any]]) -> None:
-    print("(c) 100-sample collection per method (train_zoo.run.train_collection)")
-    if not rows:
-        print("    not measured yet (collection_times returns no rows)")
-        return
-    print(f"    {'method':38} {'samples':>8} {'wall s':>8} {'cpu s':>8}")
+def print_collections(rows: list[dict[str, Any]], header: bool = True) -> None:
+    if header:
+        print("(c) 100-sample collection per method (train_zoo.run.train_collection, serial)")
+        print(f"    {'method':38} {'samples':>8} {'epochs':>7} {'wall s':>8} {'cpu s':>8}")
     for row in rows:
-        print(f"    {row['method']:38} {row['samples']:8d} {row['wall_s']:8.1f} "
-              f"{row['cpu_s']:8.1f}")
+        print(f"    {row['method']:38} {row['samples']:8d} {row['epochs']:7d} "
+              f"{row['wall_s']:8.1f} {row['cpu_s']:8.1f}")
 
 
 # ------------------------------------------------------------------ main
@@ -328,6 +361,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="smoke run: at most 2,000 images, batch sizes 64,256, "
                              "calibration on 1,024 and Curvlinops on 256 images, 30 / 100 "
                              "BBB steps, 1 repeat (explicit options still apply)")
+    parser.add_argument("--methods", nargs="*", default=None, metavar="METHOD",
+                        help="(c): methods whose 100-sample collection is timed (default: "
+                             f"{' '.join(METHODS)}; none with --quick)")
+    parser.add_argument("--collection-epochs", type=int, default=None, metavar="E",
+                        help="(c): train the base networks for E epochs instead of the "
+                             "spec's 60")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT",
                         help="also write every number, the command and versions as JSON")
     args = parser.parse_args(argv)
@@ -339,6 +378,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.bbb_steps = min(args.bbb_steps, 30)
         args.bbb_fast_steps = min(args.bbb_fast_steps or 100, 100)
         args.repeats = args.repeats or 1
+    if args.methods is None:
+        args.methods = [] if args.quick else list(METHODS)
     args.batch_sizes = args.batch_sizes or [64, 128, 256, 512, 1024]
     args.bbb_fast_steps = args.bbb_fast_steps or 5 * args.bbb_steps
     args.repeats = args.repeats or 2
@@ -354,8 +395,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bbb = bench_bbb(args)
     print_bbb(bbb)
     print()
-    collections = collection_times(args)
-    print_collections(collections)
+    collections = collection_times(args) if args.methods else []
     return {"ggn": ggn, "bbb": bbb, "collections": collections}
 
 
