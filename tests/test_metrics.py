@@ -11,12 +11,12 @@ from posteriorzoo.collection.evaluation import member_probabilities, normalized_
 from posteriorzoo.data import load_dataset
 from posteriorzoo.metrics import accuracy, negative_log_likelihood
 from posteriorzoo.models import build
-from posteriorzoo.zoo import create_zoo
+from posteriorzoo.zoo import create_zoo, open_zoo
 
 
-def test_member_probabilities_match_each_model(tmp_path):
-    test = load_dataset("digits", "test")
-    images = normalized_images(test)[:100]
+@pytest.fixture
+def three_models(tmp_path):
+    """Three seeded OptuNets and the collection ``z.h5`` that holds them."""
     models = []
     for seed in range(3):
         torch.manual_seed(seed)
@@ -25,6 +25,14 @@ def test_member_probabilities_match_each_model(tmp_path):
                     num_classes=10, template=models[0].state_dict()) as zoo:
         for model in models:
             zoo.append(model.state_dict())
+    return models, tmp_path / "z.h5"
+
+
+def test_member_probabilities_match_each_model(three_models):
+    models, path = three_models
+    test = load_dataset("digits", "test")
+    images = normalized_images(test)[:100]
+    with open_zoo(path) as zoo:
         probabilities = member_probabilities(zoo, images, batch_size=33)
         subset = member_probabilities(zoo, images, indices=[2], batch_size=33)
     assert probabilities.shape == (3, 100, 10)
@@ -43,18 +51,11 @@ def test_accuracy_and_nll_closed_form():
     assert negative_log_likelihood(probabilities, labels) == pytest.approx(expected)
 
 
-def test_evaluate_a_collection_against_each_model(tmp_path):
+def test_evaluate_a_collection_against_each_model(three_models, tmp_path):
+    models, path = three_models
     test = load_dataset("digits", "test")
     images = normalized_images(test)
-    models = []
-    for seed in range(3):
-        torch.manual_seed(seed)
-        models.append(build("optunet").eval())
-    with create_zoo(tmp_path / "z.h5", architecture="optunet", dataset="digits", method="de",
-                    num_classes=10, template=models[0].state_dict()) as zoo:
-        for model in models:
-            zoo.append(model.state_dict())
-    result = evaluate(tmp_path / "z.h5")
+    result = evaluate(path)
     with torch.no_grad():
         members = [torch.softmax(model(images), dim=1).numpy() for model in models]
     expected = [accuracy(p, test.labels) for p in members]

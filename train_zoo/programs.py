@@ -39,6 +39,7 @@ from train_zoo.result import CheckpointResult
 from train_zoo.seeds import CheckpointSeeds, checkpoint_seeds
 from train_zoo.spec import ZooSpec
 from train_zoo.steppers import (
+    BBBRun,
     BBBStepper,
     FastBBBStepper,
     SghmcStepper,
@@ -181,11 +182,11 @@ def _bbb(spec, index, data, engine, callbacks, seeds):
     state = bbb.init(model, _generator(seeds.init), **options)
     noise = _generator(seeds.noise)
     layout = layout_for(model, data) if engine == "fast" else None
+    run = BBBRun(noise, num_data, recipe.momentum, recipe.nesterov)
     if layout is not None:
-        stepper = FastBBBStepper(FastBBB(layout, state), noise, num_data, recipe.momentum,
-                                 recipe.nesterov)
+        stepper = FastBBBStepper(FastBBB(layout, state), run)
     else:
-        stepper = BBBStepper(state, model, noise, num_data, recipe.momentum, recipe.nesterov)
+        stepper = BBBStepper(state, model, run)
     result = fit(stepper, _batches(engine, layout, data, spec, seeds.data),
                  recipe.learning_rate, recipe.epochs, index=index, phase="bbb",
                  callbacks=callbacks)

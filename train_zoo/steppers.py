@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -95,25 +96,32 @@ class SghmcStepper:
         return {name: value.numpy() for name, value in self.state.params.items()}
 
 
+@dataclass(frozen=True)
+class BBBRun:
+    """What every BBB step takes besides the batch: the noise generator, the training-set
+    size (the KL weight's default 1 / N) and the recipe's SGD momentum."""
+
+    generator: torch.Generator
+    num_data: int
+    momentum: float
+    nesterov: bool
+
+
 class BBBStepper:
     """BBB's SGD on the negative ELBO with torch.func (:func:`train_zoo.methods.bbb.step`)."""
 
-    def __init__(self, state: bbb.BBBState, model: nn.Module, generator: torch.Generator,
-                 num_data: int, momentum: float, nesterov: bool) -> None:
+    def __init__(self, state: bbb.BBBState, model: nn.Module, run: BBBRun) -> None:
         self.state = state
         self.model = model
         self.buffers = {name: value.detach().clone() for name, value in model.named_buffers()}
-        self.generator = generator
-        self.num_data = num_data
-        self.momentum = momentum
-        self.nesterov = nesterov
+        self.run = run
         self.stopped = False
 
     def step(self, batch: tuple, lr: float) -> float:
         self.model.train()
         self.state, loss = bbb.step(self.state, self.model, self.buffers, batch,
-                                    self.generator, self.num_data, lr,
-                                    momentum=self.momentum, nesterov=self.nesterov)
+                                    self.run.generator, self.run.num_data, lr,
+                                    momentum=self.run.momentum, nesterov=self.run.nesterov)
         value = float(loss)
         self.stopped = not math.isfinite(value)
         return value
@@ -128,19 +136,15 @@ class BBBStepper:
 class FastBBBStepper:
     """BBB's SGD on the numba kernels (:class:`~train_zoo.methods.bbb_fast.FastBBB`)."""
 
-    def __init__(self, fast: FastBBB, generator: torch.Generator, num_data: int,
-                 momentum: float, nesterov: bool) -> None:
+    def __init__(self, fast: FastBBB, run: BBBRun) -> None:
         self.fast = fast
-        self.generator = generator
-        self.num_data = num_data
-        self.momentum = momentum
-        self.nesterov = nesterov
+        self.run = run
         self.stopped = False
 
     def step(self, batch: tuple, lr: float) -> float:
         x, labels = batch
-        loss = self.fast.step(x, labels, self.generator, self.num_data, lr,
-                              momentum=self.momentum, nesterov=self.nesterov)
+        loss = self.fast.step(x, labels, self.run.generator, self.run.num_data, lr,
+                              momentum=self.run.momentum, nesterov=self.run.nesterov)
         self.stopped = not math.isfinite(loss)
         return loss
 
