@@ -395,7 +395,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bbb = bench_bbb(args)
     print_bbb(bbb)
     print()
-    collections = collection_times(args) if args.methods else []
+    if args.methods:
+        collections = collection_times(args)
+    else:
+        collections = []
+        print_collections([])
+        print("    not measured yet: pass --methods (the default without --quick)")
     return {"ggn": ggn, "bbb": bbb, "collections": collections}
 
 

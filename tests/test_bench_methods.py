@@ -66,7 +66,7 @@ def test_quick_run_prints_every_row_and_our_ggn_matches_laplace_torch(tmp_path, 
 
 def test_collection_rows_are_printed(capsys):
     bench = _bench()
-    bench.print_collections([{"method": "swag", "samples": 100, "wall_s": 12.5,
-                              "cpu_s": 20.0}])
+    bench.print_collections([{"method": "swag", "samples": 100, "epochs": 2,
+                              "engine": "auto", "wall_s": 12.5, "cpu_s": 20.0}])
     text = capsys.readouterr().out
     assert "swag" in text and "12.5" in text and "not measured" not in text
