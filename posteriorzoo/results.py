@@ -1,7 +1,9 @@
 """The one family of results the collection layer returns.
 
-Every operation on collection files (describe, verify, canonicalize, min-mass, compare,
-import, export, evaluate) returns a :class:`CollectionResult`:
+A neutral module (it imports only the standard library and :mod:`posteriorzoo.outputs`),
+so every layer may build on it. Every operation on collection files (describe, verify,
+canonicalize, min-mass, compare, import, export, evaluate) returns a
+:class:`CollectionResult`:
 
 - ``to_dict()``: every number as JSON-serialisable data, with ``kind`` and ``provenance``;
 - ``write(out)``: a new folder ``out`` with ``<kind>.json`` and the result's own tables

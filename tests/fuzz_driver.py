@@ -29,7 +29,8 @@ from fuzz_cases import SECRET, bitflip, content_of, named_cases  # noqa: E402
 from zoo_helpers import checkpoint  # noqa: E402
 
 from posteriorzoo.cli import main  # noqa: E402
-from posteriorzoo.zoo import create_zoo, export_checkpoint, open_zoo  # noqa: E402
+from posteriorzoo.collection import export_checkpoint  # noqa: E402
+from posteriorzoo.zoo import create_zoo, open_zoo  # noqa: E402
 
 SPEC = """name = "fuzz"
 recipe = "optunet-mnist"

@@ -8,9 +8,10 @@ import torch
 
 from posteriorzoo.cli import main
 from posteriorzoo.collection import canonicalize as canonicalize_file
+from posteriorzoo.collection import verify
 from posteriorzoo.models import build
 from posteriorzoo.symmetry import random_symmetry
-from posteriorzoo.zoo import create_zoo, open_zoo, verify_zoo
+from posteriorzoo.zoo import create_zoo, open_zoo
 
 
 def _zoo(path, states):
@@ -46,7 +47,7 @@ def test_symmetric_collections_canonicalize_to_the_same_weights(twin_collections
         assert a.annotations["canonicalized_from"] == "a.h5"
     with open_zoo(folder / "a.h5") as original, open_zoo(folder / "ca.h5") as canonical:
         assert not np.allclose(original.layer("conv1.weight"), canonical.layer("conv1.weight"))
-    assert verify_zoo(folder / "ca.h5").ok
+    assert verify(folder / "ca.h5").ok
 
 
 def test_cli_canonicalize(twin_collections, capsys):

@@ -155,4 +155,24 @@ def test_verify_json_reports_every_file(capsys, tmp_path, zoo_file):
     reports = json.loads(out)
     assert code == 2 and [r["ok"] for r in reports] == [True, False]
     assert reports[0]["checkpoints"] == 5 and "not an HDF5 file" in reports[1]["problems"][0]
+    assert [r["kind"] for r in reports] == ["verify", "verify"]
+    assert reports[0]["provenance"]["inputs"]["collection"]["path"] == str(zoo_file)
     assert err.count("\n") == 1  # the bad file's one error line
+
+
+def test_export_and_import_json_print_the_results(capsys, tmp_path, zoo_file):
+    code, out, _ = run(capsys, "export", zoo_file, "--all", "--out", tmp_path / "all", "--json")
+    exported = json.loads(out)
+    assert code == 0 and exported["kind"] == "export" and exported["checkpoints"] == 5
+    assert [f["index"] for f in exported["exported"]] == list(range(5))
+    assert exported["provenance"]["command"].startswith("posteriorzoo export")
+    code, out, _ = run(capsys, "export", zoo_file, 1, "--out", tmp_path / "c1.safetensors",
+                       "--json")
+    assert json.loads(out)["exported"][0]["name"] == "c1.safetensors"
+    files = sorted((tmp_path / "all").glob("*.safetensors"))
+    code, out, _ = run(capsys, "import", "--no-progress", "--json", "--out",
+                       tmp_path / "copy.h5", *files)
+    imported = json.loads(out)
+    assert code == 0 and imported["kind"] == "import" and imported["created"]
+    assert imported["added"] == list(range(5)) and imported["inputs"] == 5
+    assert len(imported["provenance"]["inputs"]) == 5

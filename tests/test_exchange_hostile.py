@@ -26,19 +26,16 @@ from safetensors.torch import save as save_safetensors_bytes
 from safetensors.torch import save_file
 from zoo_helpers import assert_one_line_error, checkpoint, flip_byte_in_chunk, run
 
+from posteriorzoo.collection import export_all, export_checkpoint, import_checkpoints, verify
 from posteriorzoo.errors import ChecksumError, OutputExistsError, ZooFormatError
 from posteriorzoo.zoo import (
     KeyMap,
     ReadLimits,
     create_zoo,
-    export_all,
-    export_checkpoint,
-    import_checkpoints,
     open_zoo,
     read_checkpoint,
     read_release_archive,
     sniff_format,
-    verify_zoo,
 )
 
 GOOD = 70
@@ -218,7 +215,7 @@ def test_bad_tensor_dtype_and_bad_values(capsys, work):
 
 
 def test_failed_import_into_a_new_path_leaves_no_file(monkeypatch, exported, tmp_path):
-    import posteriorzoo.zoo.exchange as exchange
+    import posteriorzoo.collection.exchange as exchange
 
     _, files = exported
     calls = []
@@ -265,7 +262,7 @@ def digests_of(file: Path) -> str:
 
 
 IMPORTER = (
-    "import sys; from posteriorzoo.zoo.exchange import import_checkpoints; "
+    "import sys; from posteriorzoo.collection import import_checkpoints; "
     "import_checkpoints(sys.argv[1], sys.argv[2:], batch_size=4)"
 )
 
@@ -291,7 +288,7 @@ def test_import_killed_part_way_finishes_when_run_again(exported, tmp_path):
     import_checkpoints(whole, inputs, batch_size=4)
     assert digests(interrupted) == digests(whole)
     assert len(set(digests(interrupted))) == 22
-    assert verify_zoo(interrupted).ok
+    assert verify(interrupted).ok
     # a new collection killed after a committed batch leaves nothing at its path
     new = tmp_path / "new.h5"
     _killed_import(new, inputs, "import-batch:1")

@@ -47,7 +47,8 @@ import torch
 from fuzz_driver import make_collection
 
 from posteriorzoo.cli import main
-from posteriorzoo.zoo import open_zoo, verify_zoo
+from posteriorzoo.collection import verify
+from posteriorzoo.zoo import open_zoo
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = "--no-progress"
@@ -113,7 +114,7 @@ def collection_state(path: Path) -> tuple:
 
 
 def assert_same_collection(path: Path, reference: Path) -> None:
-    report = verify_zoo(path)
+    report = verify(path)
     assert report.ok, report.summary()
     digests, rows, tensors = collection_state(path)
     want_digests, want_rows, want_tensors = collection_state(reference)

@@ -122,3 +122,8 @@ def test_the_checker_sees_violations():
     assert "train_zoo" in {_own(n) for n in _imports("posteriorzoo.cli.train_command")} or \
         any(_inside(n, ("train_zoo",)) for n in _imports("posteriorzoo.cli.train_command"))
     assert len(MODULES) > 80
+
+
+def test_the_result_base_is_neutral():
+    """Every layer may build on ``posteriorzoo.results``: it imports no layer itself."""
+    assert GRAPH["posteriorzoo.results"] <= {"posteriorzoo.outputs"}

@@ -7,9 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from posteriorzoo.collection import verify
 from posteriorzoo.errors import UnknownNameError, ZooFormatError
 from posteriorzoo.reference import COLLECTIONS, SPECS, open_reference, reference_path
-from posteriorzoo.zoo import verify_manifest, verify_zoo
+from posteriorzoo.zoo import verify_manifest
 from train_zoo import checkpoint_seeds, load_spec, train_checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,14 +32,14 @@ needs_reference = pytest.mark.skipif(
 
 def test_unknown_reference_name():
     with pytest.raises(UnknownNameError, match="target"):
-        reference_path("swag")
+        reference_path("resnet-18")
 
 
 @needs_reference
 @pytest.mark.parametrize("name", sorted(COLLECTIONS))
 def test_reference_collection_is_complete_and_made_by_its_spec(name):
     spec = load_spec(ROOT / SPECS[name])
-    report = verify_zoo(reference_path(name))
+    report = verify(reference_path(name))
     assert report.ok, report.summary()
     with open_reference(name) as zoo:
         assert len(zoo) == spec.checkpoints

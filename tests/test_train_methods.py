@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 import torch
 
+from posteriorzoo.collection import verify
 from posteriorzoo.data import ArrayDataset
 from posteriorzoo.models import build
-from posteriorzoo.zoo import open_zoo, verify_zoo
+from posteriorzoo.zoo import open_zoo
 from train_zoo import checkpoint_seeds, make_spec, train_checkpoints
 from train_zoo.backends import SerialBackend
 from train_zoo.data import TrainingData, load_training_data
@@ -138,7 +139,7 @@ def test_collection_file_holds_whole_modes_and_says_what_it_is(tmp_path, digits)
         rows = zoo.metadata
         assert list(zip(rows["mode_id"], rows["sample_id"], strict=True)) == [
             (m, s) for m in range(2) for s in range(3)]
-    assert verify_zoo(out).ok
+    assert verify(out).ok
 
 
 def test_bbb_records_its_kl_weight(tmp_path, digits):

@@ -25,9 +25,10 @@ import pytest
 
 from posteriorzoo import outputs
 from posteriorzoo.cli import main
+from posteriorzoo.collection import verify
 from posteriorzoo.data import download
 from posteriorzoo.errors import DataNotFoundError, PosteriorZooError
-from posteriorzoo.zoo import create_zoo, open_zoo, verify_zoo
+from posteriorzoo.zoo import create_zoo, open_zoo
 from train_zoo import Recipe, get_recipe, load_spec, make_spec
 from train_zoo.backends import LocalBackend, SerialBackend
 from train_zoo.run import train_collection
@@ -275,7 +276,7 @@ def test_failure_after_the_first_checkpoint_leaves_a_resumable_file(tmp_path):
     summary = train_collection(spec, out, backend=SerialBackend(), engine="torch",
                                progress=False)
     assert (summary.trained, summary.checkpoints) == (1, 2)
-    assert sorted(digests(out)) == [0, 1] and verify_zoo(out).ok
+    assert sorted(digests(out)) == [0, 1] and verify(out).ok
 
 
 def test_missing_data_leaves_no_file(tmp_path, monkeypatch):
@@ -380,7 +381,7 @@ def test_killed_train_leaves_nothing_or_a_resumable_file(kill_at, uninterrupted,
     subprocess.run(command, check=True, capture_output=True, env=env, timeout=300)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["z.h5"]  # partial reclaimed
     assert digests(out) == expected  # the same weights as the uninterrupted run
-    assert verify_zoo(out).ok
+    assert verify(out).ok
 
 
 # ---------------------------------------------------------------- orphaned workers

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from posteriorzoo.cli import main
+from posteriorzoo.collection import verify
 from posteriorzoo.data import ArrayDataset, iterate_batches
 from posteriorzoo.errors import (
     InvalidOptionError,
@@ -21,7 +22,7 @@ from posteriorzoo.errors import (
     ZooFormatError,
     ZooSchemaError,
 )
-from posteriorzoo.zoo import open_zoo, verify_zoo
+from posteriorzoo.zoo import open_zoo
 from train_zoo import checkpoint_seeds, get_recipe, load_spec, make_spec, train_checkpoints
 from train_zoo.backends import LocalBackend, SerialBackend
 from train_zoo.data import TrainingData, train_transform
@@ -182,7 +183,7 @@ def test_diverged_runs_are_recorded_and_flagged(tmp_path):
     assert summary.diverged == 2
     with open_zoo(tmp_path / "nan.h5") as zoo:
         assert len(zoo) == 2 and zoo.metadata["diverged"].all()
-    assert verify_zoo(tmp_path / "nan.h5").ok
+    assert verify(tmp_path / "nan.h5").ok
 
 
 # ---------------------------------------------------------------- ResNet recipes
@@ -271,7 +272,7 @@ def test_killed_training_resumes_to_exactly_n_checkpoints(tmp_path):
         assert len(zoo) == 6
         assert sorted(zoo.metadata["mode_id"]) == list(range(6))
         resumed = {int(i): zoo.arrays(row) for row, i in enumerate(zoo.metadata["mode_id"])}
-    assert verify_zoo(out).ok
+    assert verify(out).ok
     # The resumed run gives the same checkpoints as an uninterrupted one.
     torch.set_num_threads(1)
     try:

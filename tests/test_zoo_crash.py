@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from zoo_helpers import checkpoint
 
-from posteriorzoo.zoo import open_zoo, verify_zoo
+from posteriorzoo.collection import verify
+from posteriorzoo.zoo import open_zoo
 
 WRITER = textwrap.dedent(
     """
@@ -76,7 +77,7 @@ def _assert_exact(path: Path) -> int:
             expected = checkpoint(index)
             loaded = zoo.state_dict(index)
             assert all(torch.equal(loaded[k], expected[k]) for k in expected)
-    report = verify_zoo(path)
+    report = verify(path)
     assert report.ok, report.summary()
     assert report.checkpoints == count
     return count

@@ -14,17 +14,9 @@ import torch
 from safetensors.torch import save as save_safetensors_bytes
 from zoo_helpers import checkpoint
 
+from posteriorzoo.collection import export_checkpoint, import_checkpoints, verify
 from posteriorzoo.errors import NonFiniteWeightsError, ZooFormatError, ZooSchemaError
-from posteriorzoo.zoo import (
-    KeyMap,
-    create_zoo,
-    export_checkpoint,
-    import_checkpoints,
-    open_zoo,
-    read_checkpoint,
-    read_release_archive,
-    verify_zoo,
-)
+from posteriorzoo.zoo import KeyMap, create_zoo, open_zoo, read_checkpoint, read_release_archive
 
 
 @pytest.fixture
@@ -42,7 +34,8 @@ def source_zoo(tmp_path):
 def test_safetensors_round_trip(tmp_path, source_zoo):
     path, states = source_zoo
     with open_zoo(path) as zoo:
-        files = [export_checkpoint(zoo, i, tmp_path / f"c{i}.safetensors") for i in range(4)]
+        files = [export_checkpoint(zoo, i, tmp_path / f"c{i}.safetensors").out
+                 for i in range(4)]
         original_digests = [str(d) for d in zoo.metadata["sha256"]]
     state, header = read_checkpoint(files[2])
     assert list(state) == list(states[2])  # key order restored from the header
@@ -113,7 +106,7 @@ def test_release_archive_import_with_key_map(tmp_path):
         for i, state in enumerate(states):
             assert all(torch.equal(zoo.state_dict(i)[k], state[k].half()) for k in state)
         assert zoo.metadata_dict(1)["source"].endswith("model_1.safetensors")
-    assert verify_zoo(tmp_path / "release.h5").ok
+    assert verify(tmp_path / "release.h5").ok
     # cast to float32 on import
     import_checkpoints(tmp_path / "release32.h5", [archive], dtype=torch.float32,
                        key_map=KeyMap(rules=[("^model\\.", "")]))
@@ -192,3 +185,55 @@ def test_new_collection_needs_its_attributes(tmp_path):
     summary = import_checkpoints(tmp_path / "z.h5", [plain], architecture="optunet",
                                  dataset="fashion-mnist", method="de", num_classes=10)
     assert summary.created
+
+
+def test_verify_export_and_import_return_collection_results(tmp_path, source_zoo):
+    """Each returns a CollectionResult whose provenance records the inputs' SHA-256."""
+    import hashlib
+
+    from posteriorzoo.collection import CollectionResult, export_all
+    from posteriorzoo.zoo import sha256_file
+
+    path, _ = source_zoo
+    report = verify(path, command="posteriorzoo verify source.h5")
+    data = report.to_dict()
+    assert isinstance(report, CollectionResult) and data["kind"] == "verify"
+    assert data["ok"] and data["checkpoints"] == 4 and data["problems"] == []
+    assert data["provenance"]["tool"] == "posteriorzoo verify"
+    assert data["provenance"]["command"] == "posteriorzoo verify source.h5"
+    assert data["provenance"]["inputs"]["collection"]["sha256"] == sha256_file(path)
+    written = report.write(tmp_path / "verified")
+    assert sorted(written) == ["bad_checkpoints.csv", "verify.json"]
+    assert written["bad_checkpoints.csv"].read_text() == "checkpoint,problem\n"
+    with open_zoo(path) as zoo:  # an open collection is verified and left open
+        assert verify(zoo).ok
+        assert zoo.state_dict(0)
+
+    one = export_checkpoint(path, -1, tmp_path / "last.safetensors")
+    assert one.kind == "export" and one.out == tmp_path / "last.safetensors"
+    assert one.files == [{"name": "last.safetensors", "index": 3, "sha256": hashlib.sha256(
+        one.out.read_bytes()).hexdigest()}]
+    assert one.to_dict()["provenance"]["inputs"]["collection"]["sha256"] == sha256_file(path)
+    assert one.provenance["options"]["index"] == 3
+
+    every = export_all(path, tmp_path / "all")
+    assert [(f["name"], f["index"]) for f in every.files] == [
+        (f"{i:06d}.safetensors", i) for i in range(4)]
+    for entry in every.files:
+        assert entry["sha256"] == sha256_file(tmp_path / "all" / entry["name"])
+    assert every.to_dict()["exported"] == every.files
+    written = every.write(tmp_path / "export-record")
+    assert sorted(written) == ["export.json", "exported.csv"]
+    assert json.loads(written["export.json"].read_text())["checkpoints"] == 4
+
+    inputs = sorted((tmp_path / "all").glob("*.safetensors"))
+    imported = import_checkpoints(tmp_path / "copy.h5", [*inputs, inputs[0]],
+                                  command="posteriorzoo import")
+    data = imported.to_dict()
+    assert data["kind"] == "import" and data["added"] == [0, 1, 2, 3]
+    assert data["inputs"] == 5 and data["skipped_repeated"] == 1 and data["skipped"] == 1
+    assert [entry["sha256"] for entry in data["provenance"]["inputs"].values()] == [
+        sha256_file(file) for file in [*inputs, inputs[0]]]
+    assert data["provenance"]["options"]["batch_size"] == 64
+    written = imported.write(tmp_path / "import-record")
+    assert written["imported.csv"].read_text().splitlines()[1] == "0,000000.safetensors"

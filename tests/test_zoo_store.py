@@ -10,6 +10,7 @@ import pytest
 import torch
 from zoo_helpers import checkpoint
 
+from posteriorzoo.collection import verify
 from posteriorzoo.errors import (
     NonFiniteWeightsError,
     OutputExistsError,
@@ -19,7 +20,7 @@ from posteriorzoo.errors import (
     ZooSchemaError,
 )
 from posteriorzoo.models import build
-from posteriorzoo.zoo import checkpoint_digest, create_zoo, open_zoo, verify_zoo
+from posteriorzoo.zoo import checkpoint_digest, create_zoo, open_zoo
 
 
 @pytest.fixture
@@ -141,7 +142,7 @@ def test_bad_checkpoints_are_rejected_and_leave_the_file_unchanged(optunet_zoo):
         with pytest.raises(ZooSchemaError, match="limit"):
             zoo.append(good, source="x" * 300)
     assert _content(path) == before
-    assert verify_zoo(path).ok
+    assert verify(path).ok
 
 
 def test_diverged_checkpoints_are_kept_and_flagged(optunet_zoo):
@@ -152,7 +153,7 @@ def test_diverged_checkpoints_are_kept_and_flagged(optunet_zoo):
     with open_zoo(path) as zoo:
         assert bool(zoo.metadata["diverged"][index])
         assert torch.isnan(zoo.state_dict(index)["fc.weight"]).all()
-    assert verify_zoo(path).ok
+    assert verify(path).ok
 
 
 def test_create_validates_against_the_architecture(tmp_path):
@@ -167,7 +168,7 @@ def test_create_validates_against_the_architecture(tmp_path):
     with create_zoo(tmp_path / "c.h5", architecture="my-own-net", dataset="d", method="m",
                     template=mlp, validate=False) as zoo:
         zoo.append(mlp)
-    assert verify_zoo(tmp_path / "c.h5").ok
+    assert verify(tmp_path / "c.h5").ok
     with pytest.raises(OutputExistsError, match="exists"):
         create_zoo(tmp_path / "c.h5", architecture="my-own-net", dataset="d", method="m",
                    template=mlp, validate=False)

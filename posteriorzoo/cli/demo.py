@@ -56,10 +56,9 @@ def _accuracy_line(info: dict[str, Any]) -> str:
 
 def reference_step(progress: bool) -> dict[str, Any]:
     """Describe and verify the shipped collections (skipped if not installed)."""
-    from posteriorzoo.collection import describe
+    from posteriorzoo.collection import describe, verify
     from posteriorzoo.errors import ZooFormatError
     from posteriorzoo.reference import COLLECTIONS, reference_path
-    from posteriorzoo.zoo import verify_zoo
 
     results: dict[str, Any] = {}
     for name in COLLECTIONS:
@@ -69,7 +68,7 @@ def reference_step(progress: bool) -> dict[str, Any]:
             print(f"[1] reference {name}: skipped ({error})")
             continue
         info = describe(path).to_dict()
-        report = verify_zoo(path, progress=progress)
+        report = verify(path, progress=progress)
         print(f"[1] reference {name}: {_accuracy_line(info)}; "
               f"{'verified' if report.ok else 'CORRUPT'}")
         results[name] = {"info": info, "verify_ok": report.ok}
@@ -165,16 +164,9 @@ def run_demo(args: argparse.Namespace) -> int:
 def _run_steps(args: argparse.Namespace, out: Path) -> int:
     import torch
 
-    from posteriorzoo.collection import describe
+    from posteriorzoo.collection import describe, export_checkpoint, import_checkpoints, verify
     from posteriorzoo.provenance import library_versions
-    from posteriorzoo.zoo import (
-        export_checkpoint,
-        import_checkpoints,
-        open_zoo,
-        verify_manifest,
-        verify_zoo,
-        write_manifest,
-    )
+    from posteriorzoo.zoo import open_zoo, verify_manifest, write_manifest
     from train_zoo import make_spec
     from train_zoo.backends import SerialBackend
     from train_zoo.run import train_collection
@@ -192,7 +184,7 @@ def _run_steps(args: argparse.Namespace, out: Path) -> int:
     trained = train_collection(spec, zoo_path, backend=SerialBackend(),
                                progress=not args.no_progress, command=args.command_line)
     info = {**describe(zoo_path).to_dict(), "path": str(args.out / zoo_path.name)}
-    report = verify_zoo(zoo_path)
+    report = verify(zoo_path, command=args.command_line)
     print(f"[3] trained {trained.trained} checkpoint(s) at {trained.steps_per_second:.0f} "
           f"model-steps/s: {zoo_path.name} holds {_accuracy_line(info)}; "
           f"{'verified' if report.ok else 'CORRUPT'}")
@@ -200,7 +192,7 @@ def _run_steps(args: argparse.Namespace, out: Path) -> int:
     exported = out / "checkpoint-0.safetensors"
     copy_path = out / "roundtrip.h5"
     with open_zoo(zoo_path) as zoo:
-        export_checkpoint(zoo, 0, exported)
+        export_checkpoint(zoo, 0, exported, command=args.command_line)
         original = zoo.state_dict(0)
     import_checkpoints(copy_path, [exported], command=args.command_line)
     with open_zoo(copy_path) as copy:

@@ -34,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "SHA256SUMS manifest next to it, if any. Exit code 2 if anything is wrong.")
     verify.add_argument("zoos", type=Path, nargs="+", help="collection files (.h5)")
     verify.add_argument("--json", action="store_true",
-                        help="print one JSON list with every file's report")
+                        help="print one JSON list with every file's result")
     verify.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     verify.set_defaults(func=run_verify)
 
@@ -57,6 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "NNNNNN.safetensors")
     add_overwrite_option(export)
     add_no_verify_option(export)
+    export.add_argument("--json", action="store_true",
+                        help="print what was written (every file with its SHA-256) as JSON")
     export.set_defaults(func=run_export)
 
     importer = subparsers.add_parser(
@@ -135,20 +137,20 @@ def run_info(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- verify
 def run_verify(args: argparse.Namespace) -> int:
+    from posteriorzoo.collection import verify
     from posteriorzoo.errors import PosteriorZooError
-    from posteriorzoo.zoo import verify_zoo
 
     failed, reports = 0, []
     for path in args.zoos:
         try:
-            report = verify_zoo(path, progress=not args.no_progress)
+            report = verify(path, progress=not args.no_progress, command=args.command_line)
         except PosteriorZooError as error:
             print(f"posteriorzoo verify: error: {error}", file=sys.stderr)
-            reports.append({"path": str(path), "ok": False, "problems": [str(error)]})
+            reports.append({"kind": "verify", "path": str(path), "ok": False,
+                            "problems": [str(error)]})
             failed += 1
             continue
-        reports.append({**{k: v for k, v in vars(report).items()}, "path": str(report.path),
-                        "ok": report.ok})
+        reports.append(report.to_dict())
         if args.json:
             failed += not report.ok
         elif report.ok:
@@ -157,27 +159,31 @@ def run_verify(args: argparse.Namespace) -> int:
             print(f"posteriorzoo verify: error: {report.summary()}", file=sys.stderr)
             failed += 1
     if args.json:
-        print(json.dumps(reports, indent=1))
+        print(json.dumps(reports, indent=1, default=str))
     return 2 if failed else 0
 
 
 # ---------------------------------------------------------------------- export / import
 def run_export(args: argparse.Namespace) -> int:
-    from posteriorzoo.zoo.exchange import export_all, export_checkpoint
+    from posteriorzoo.collection import export_all, export_checkpoint
 
     verify = not args.no_verify
     if args.all:
         if args.index is not None:
             raise ZooFormatError("give a checkpoint INDEX or --all, not both")
-        folder = export_all(args.zoo, args.out, overwrite=args.overwrite, verify=verify)
-        count = len(list(folder.glob("*.safetensors")))
-        print(f"exported {count} checkpoints to {folder}/")
-        return 0
-    if args.index is None:
-        raise ZooFormatError("give a checkpoint INDEX, or --all")
-    path = export_checkpoint(args.zoo, args.index, args.out, overwrite=args.overwrite,
-                             verify=verify)
-    print(f"exported checkpoint {args.index} to {path}")
+        result = export_all(args.zoo, args.out, overwrite=args.overwrite, verify=verify,
+                            command=args.command_line)
+        line = f"exported {len(result.files)} checkpoints to {result.out}/"
+    else:
+        if args.index is None:
+            raise ZooFormatError("give a checkpoint INDEX, or --all")
+        result = export_checkpoint(args.zoo, args.index, args.out, overwrite=args.overwrite,
+                                   verify=verify, command=args.command_line)
+        line = f"exported checkpoint {args.index} to {result.out}"
+    if args.json:
+        print(result.to_json(), end="")
+    else:
+        print(line)
     return 0
 
 
@@ -199,7 +205,7 @@ def _model_options(pairs: list[str]) -> dict[str, Any] | None:
 def run_import(args: argparse.Namespace) -> int:
     import torch
 
-    from posteriorzoo.zoo.exchange import import_checkpoints
+    from posteriorzoo.collection import import_checkpoints
     from posteriorzoo.zoo.keymap import KeyMap
 
     summary = import_checkpoints(
@@ -211,10 +217,7 @@ def run_import(args: argparse.Namespace) -> int:
         command=args.command_line, batch_size=args.batch_size,
         verify=not args.no_verify, progress=not args.no_progress)
     if args.json:
-        print(json.dumps({"path": str(summary.path), "created": summary.created,
-                          "added": list(summary.indices), "inputs": len(args.inputs),
-                          "skipped_existing": summary.skipped_existing,
-                          "skipped_repeated": summary.skipped_repeated}, indent=1))
+        print(summary.to_json(), end="")
         return 0
     verb = "created" if summary.created else "appended to"
     added = len(summary.indices)

@@ -1,8 +1,12 @@
 """The collection layer: every operation on collection files, in one place.
 
-Each function takes a path or an open :class:`~posteriorzoo.zoo.Zoo`, validates its
-options once, and returns a :class:`~posteriorzoo.collection.results.CollectionResult`
-(``to_dict()``, ``write(out)``, ``provenance``). The numerical work is done by the pure
+Describe (:func:`describe`), verify (:func:`verify`), canonicalize and min-mass
+(:func:`canonicalize`, :func:`min_mass`), compare (:func:`compare`), import and export
+(:func:`import_checkpoints`, :func:`export_checkpoint`, :func:`export_all`) and evaluate
+(:func:`evaluate`). Each function takes a path or an open :class:`~posteriorzoo.zoo.Zoo`
+(import: the path of the collection to create or append to), validates its options once,
+and returns a :class:`~posteriorzoo.results.CollectionResult` (``to_dict()``,
+``write(out)``, ``provenance``). The numerical work is done by the pure
 cores (:mod:`posteriorzoo.symmetry`, :mod:`posteriorzoo.mmd`, :mod:`posteriorzoo.metrics`),
 which never open files; the CLI only parses arguments, calls these and prints.
 
@@ -21,8 +25,18 @@ from posteriorzoo.collection.comparison import CompatibilityWarning, compare
 from posteriorzoo.collection.comparison_result import CompareResult
 from posteriorzoo.collection.description import DescribeResult, describe
 from posteriorzoo.collection.evaluation import EvaluateResult, evaluate
-from posteriorzoo.collection.results import CollectionResult
+from posteriorzoo.collection.exchange import (
+    ExportResult,
+    ImportResult,
+    export_all,
+    export_checkpoint,
+    import_checkpoints,
+)
+from posteriorzoo.collection.verification import VerifyResult, require_ok, verify
+from posteriorzoo.results import CollectionResult
 
 __all__ = ["CanonicalizeResult", "CollectionResult", "CompareResult", "CompatibilityWarning",
-           "DescribeResult", "EvaluateResult", "MinMassResult", "canonicalize", "compare",
-           "describe", "evaluate", "min_mass"]
+           "DescribeResult", "EvaluateResult", "ExportResult", "ImportResult",
+           "MinMassResult", "VerifyResult", "canonicalize", "compare", "describe",
+           "evaluate", "export_all", "export_checkpoint", "import_checkpoints", "min_mass",
+           "require_ok", "verify"]

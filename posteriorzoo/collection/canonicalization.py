@@ -20,11 +20,11 @@ import torch
 from posteriorzoo._api import public
 from posteriorzoo._faults import fault_point
 from posteriorzoo.collection._open import Source, model_of, opened, source_path
-from posteriorzoo.collection.results import CollectionResult, csv_text
 from posteriorzoo.dtypes import torch_dtype
 from posteriorzoo.errors import ChecksumError, InvalidOptionError
 from posteriorzoo.outputs import check_output
 from posteriorzoo.provenance import describe_input, record
+from posteriorzoo.results import CollectionResult, csv_text
 from posteriorzoo.symmetry.canonical import canonicalize_batch, check_options
 from posteriorzoo.symmetry.minmass import MinMassBatch, mass_problem, solve_min_mass_batch
 from posteriorzoo.symmetry.structure import SymmetryStructure, trace_structure, warn_coverage

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from posteriorzoo.collection.results import CollectionResult, csv_text
 from posteriorzoo.mmd.comparison import TREATMENTS, Comparison, LayerResult, MethodSummary
+from posteriorzoo.results import CollectionResult, csv_text
 
 __all__ = ["FILE_NAMES", "CompareResult"]
 

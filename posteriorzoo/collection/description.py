@@ -9,8 +9,8 @@ import numpy as np
 
 from posteriorzoo._api import public
 from posteriorzoo.collection._open import Source, content_digest, opened, source_path
-from posteriorzoo.collection.results import CollectionResult, csv_text
 from posteriorzoo.provenance import record
+from posteriorzoo.results import CollectionResult, csv_text
 
 __all__ = ["DescribeResult", "describe"]
 

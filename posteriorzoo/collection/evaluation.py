@@ -15,11 +15,11 @@ import torch
 
 from posteriorzoo._api import public
 from posteriorzoo.collection._open import Source, content_digest, model_of, opened, source_path
-from posteriorzoo.collection.results import CollectionResult, csv_text
 from posteriorzoo.data import ArrayDataset, Normalize, load_dataset
 from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.metrics import accuracy, negative_log_likelihood
 from posteriorzoo.provenance import record
+from posteriorzoo.results import CollectionResult, csv_text
 
 __all__ = ["EvaluateResult", "evaluate", "member_probabilities", "normalized_images"]
 

@@ -3,9 +3,11 @@
 - :func:`export_checkpoint` / :func:`export_all`: checkpoints as safetensors files whose
   header metadata says what they are (architecture, dataset, method, metadata row).
   Exports follow :mod:`posteriorzoo.outputs`: never onto the input, never over an
-  existing output unless asked, built under a temporary name.
+  existing output unless asked, built under a temporary name. Both return an
+  :class:`ExportResult` listing every file written with its SHA-256.
 - :func:`import_checkpoints`: validate every input first, then append them all; inputs
   already stored are skipped, so an interrupted import is finished by running it again.
+  Returns an :class:`ImportResult`.
 
 The inputs are read by :mod:`posteriorzoo.zoo.formats` (safetensors files, read limits)
 and :mod:`posteriorzoo.zoo.archives` (release archives), their keys renamed by
@@ -14,10 +16,11 @@ and :mod:`posteriorzoo.zoo.archives` (release archives), their keys renamed by
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +30,12 @@ from safetensors.torch import save as save_safetensors_bytes
 
 from posteriorzoo._api import public
 from posteriorzoo._faults import fault_point
+from posteriorzoo.collection._open import Source, opened, source_path
 from posteriorzoo.dtypes import as_numpy
 from posteriorzoo.errors import ChecksumError, InvalidOptionError, ZooFormatError, ZooSchemaError
 from posteriorzoo.outputs import atomic_directory, atomic_file, check_output, same_file
+from posteriorzoo.provenance import describe_input, record
+from posteriorzoo.results import CollectionResult, csv_text
 from posteriorzoo.zoo import schema
 from posteriorzoo.zoo.architecture import check_architecture
 from posteriorzoo.zoo.archives import release_task
@@ -47,8 +53,44 @@ from posteriorzoo.zoo.keymap import KeyMap
 from posteriorzoo.zoo.lifecycle import create_zoo, normalise_template, open_zoo
 from posteriorzoo.zoo.store import Zoo
 
+__all__ = ["ExportResult", "ImportResult", "export_all", "export_checkpoint",
+           "import_checkpoints"]
+
 
 # ---------------------------------------------------------------------- export
+@dataclass
+class ExportResult(CollectionResult):
+    """What :func:`export_checkpoint` or :func:`export_all` wrote.
+
+    Attributes
+    ----------
+    path : Path
+        The collection exported from.
+    out : Path
+        The output: the safetensors file, or the folder of ``NNNNNN.safetensors`` files.
+    files : list of dict
+        One ``{"name", "index", "sha256"}`` per file written (``name`` relative to
+        ``out``'s folder for one checkpoint, to ``out`` for a folder), with the SHA-256 of
+        its safetensors bytes; ``to_dict()`` lists them under ``"exported"`` (``"files"``
+        in a written JSON holds the digests of the result's own tables).
+    """
+
+    kind = "export"
+    path: Path
+    out: Path
+    files: list[dict[str, Any]] = field(default_factory=list)
+
+    def payload(self) -> dict[str, Any]:
+        return {"path": str(self.path), "out": str(self.out),
+                "checkpoints": len(self.files), "exported": self.files}
+
+    def tables(self) -> dict[str, str]:
+        """``exported.csv``: name, index and SHA-256 of every file written."""
+        return {"exported.csv": csv_text(["name", "index", "sha256"],
+                                         ([f["name"], f["index"], f["sha256"]]
+                                          for f in self.files))}
+
+
 def _checkpoint_bytes(zoo: Zoo, index: int) -> bytes:
     """Checkpoint ``index`` of ``zoo`` as safetensors bytes, with its describing header."""
     state = {key: tensor.contiguous() for key, tensor in zoo.state_dict(index).items()}
@@ -112,21 +154,37 @@ def _verify_checkpoint(zoo: Zoo, index: int) -> None:
                             "'posteriorzoo verify' reports all damage")
 
 
+def _write_checkpoint(zoo: Zoo, index: int, path: Path, verify: bool) -> dict[str, Any]:
+    """Write checkpoint ``index`` to ``path`` (verified first with ``verify``); returns
+    its ``{"name", "index", "sha256"}`` entry of :attr:`ExportResult.files`."""
+    if verify:
+        _verify_checkpoint(zoo, index)
+    data = _checkpoint_bytes(zoo, index)
+    _write_bytes(path, data)
+    return {"name": path.name, "index": index, "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _export_provenance(path: Path, command: str | None, **options: Any) -> dict[str, Any]:
+    return record("posteriorzoo export", command=command,
+                  inputs={"collection": describe_input(path)}, options=options)
+
+
 @public
-def export_checkpoint(zoo: Zoo | str | os.PathLike, index: int, path: str | os.PathLike,
-                      *, overwrite: bool = False, verify: bool = True) -> Path:
-    """Write checkpoint ``index`` of a collection to a safetensors file; returns its path.
+def export_checkpoint(source: Source, index: int, out: str | os.PathLike, *,
+                      overwrite: bool = False, verify: bool = True,
+                      command: str | None = None) -> ExportResult:
+    """Write checkpoint ``index`` of a collection to a safetensors file.
 
     The header's metadata records the collection attributes and the metadata row, so
     :func:`import_checkpoints` can rebuild a collection from exported files alone.
 
     Parameters
     ----------
-    zoo : Zoo or path-like
+    source : path or Zoo
         An open collection, or the path of one (opened read-only for the call).
     index : int
         Checkpoint index; negative counts from the end.
-    path : path-like
+    out : path-like
         The output file. Its folder must exist; it is never the collection itself, and
         an existing file is replaced only with ``overwrite=True``. It is written under a
         temporary name next to it and renamed into place.
@@ -135,48 +193,78 @@ def export_checkpoint(zoo: Zoo | str | os.PathLike, index: int, path: str | os.P
     verify : bool
         Check the checkpoint's SHA-256 digests before writing it (default);
         a corrupt checkpoint raises :class:`ChecksumError` and nothing is written.
+    command : str, optional
+        Recorded in the provenance.
+
+    Returns
+    -------
+    ExportResult
+        The output file, with its checkpoint index and SHA-256 in ``files``; the
+        provenance records the collection's SHA-256.
     """
-    if not isinstance(zoo, Zoo):
-        with open_zoo(zoo, verify=verify) as opened:
-            return export_checkpoint(opened, index, path, overwrite=overwrite, verify=verify)
-    index = _check_index(zoo, index)
-    with atomic_file(path, overwrite=overwrite, inputs=[zoo.path]) as partial:
-        if verify:
-            _verify_checkpoint(zoo, index)
-        _write_bytes(partial, _checkpoint_bytes(zoo, index))
-    return Path(path)
+    out = Path(out)
+    path = source_path(source)
+    with opened(source, verify=verify) as zoo:
+        index = _check_index(zoo, index)
+        with atomic_file(out, overwrite=overwrite, inputs=[zoo.path]) as partial:
+            entry = _write_checkpoint(zoo, index, partial, verify)
+    entry["name"] = out.name
+    return ExportResult(path, out, [entry],
+                        provenance=_export_provenance(path, command, index=index,
+                                                      overwrite=overwrite, verify=verify))
 
 
 @public
-def export_all(zoo: Zoo | str | os.PathLike, folder: str | os.PathLike, *,
-               overwrite: bool = False, verify: bool = True, progress: bool = False) -> Path:
+def export_all(source: Source, out: str | os.PathLike, *, overwrite: bool = False,
+               verify: bool = True, progress: bool = False, command: str | None = None
+               ) -> ExportResult:
     """Write every checkpoint of a collection into a new folder as ``NNNNNN.safetensors``.
 
-    The folder is built under a temporary name next to ``folder`` and renamed into place
-    when every file is written, so it appears complete or not at all. An existing folder
-    is replaced only with ``overwrite=True``; the folder never holds the collection.
-    With ``verify`` (default) every checkpoint's digests are checked as it is read and a
-    corrupt one raises :class:`ChecksumError` with nothing written. Returns the folder.
+    The folder is built under a temporary name next to ``out`` and renamed into place
+    when every file is written, so it appears complete or not at all.
+
+    Parameters
+    ----------
+    source : path or Zoo
+        An open collection, or the path of one (opened read-only for the call).
+    out : path-like
+        The new folder. Its parent must exist; it never holds the collection, and an
+        existing folder is replaced only with ``overwrite=True``.
+    overwrite : bool
+        Replace an existing folder.
+    verify : bool
+        Check every checkpoint's digests as it is read (default); a corrupt one raises
+        :class:`ChecksumError` with nothing written.
+    progress : bool
+        Show a progress bar.
+    command : str, optional
+        Recorded in the provenance.
+
+    Returns
+    -------
+    ExportResult
+        The folder, with every file's name, checkpoint index and SHA-256 in ``files``;
+        the provenance records the collection's SHA-256.
     """
     from tqdm.auto import tqdm
 
-    if not isinstance(zoo, Zoo):
-        with open_zoo(zoo, verify=verify) as opened:
-            return export_all(opened, folder, overwrite=overwrite, verify=verify,
-                              progress=progress)
-    folder = Path(folder)
-    with atomic_directory(folder, overwrite=overwrite, inputs=[zoo.path]) as partial:
+    out = Path(out)
+    path = source_path(source)
+    files = []
+    with opened(source, verify=verify) as zoo, \
+            atomic_directory(out, overwrite=overwrite, inputs=[zoo.path]) as partial:
         for index in tqdm(range(len(zoo)), desc="export", unit="ckpt", disable=not progress):
-            if verify:
-                _verify_checkpoint(zoo, index)
-            _write_bytes(partial / f"{index:06d}.safetensors", _checkpoint_bytes(zoo, index))
+            files.append(_write_checkpoint(zoo, index, partial / f"{index:06d}.safetensors",
+                                           verify))
             fault_point("export-file")
-    return folder
+    return ExportResult(path, out, files,
+                        provenance=_export_provenance(path, command, index="all",
+                                                      overwrite=overwrite, verify=verify))
 
 
 # ---------------------------------------------------------------------- import
 @dataclass
-class ImportSummary:
+class ImportResult(CollectionResult):
     """What :func:`import_checkpoints` did.
 
     Attributes
@@ -194,19 +282,35 @@ class ImportSummary:
         interrupted import run again, or a file imported twice).
     skipped_repeated : int
         Inputs skipped because an earlier input had the same tensors.
+    inputs : int
+        Input files given (safetensors files and archives; their SHA-256s are in the
+        provenance).
     """
 
+    kind = "import"
     path: Path
     created: bool
     indices: range
     sources: list[str]
     skipped_existing: int = 0
     skipped_repeated: int = 0
+    inputs: int = 0
 
     @property
     def skipped(self) -> int:
         """Inputs not appended because their tensors were already stored or repeated."""
         return self.skipped_existing + self.skipped_repeated
+
+    def payload(self) -> dict[str, Any]:
+        return {"path": str(self.path), "created": self.created,
+                "added": list(self.indices), "inputs": self.inputs,
+                "sources": self.sources, "skipped_existing": self.skipped_existing,
+                "skipped_repeated": self.skipped_repeated, "skipped": self.skipped}
+
+    def tables(self) -> dict[str, str]:
+        """``imported.csv``: the index and source of every checkpoint appended."""
+        return {"imported.csv": csv_text(["checkpoint", "source"],
+                                         zip(self.indices, self.sources, strict=True))}
 
 
 
@@ -237,7 +341,7 @@ def import_checkpoints(
     progress: bool = False,
     limits: ReadLimits | None = None,
     verify: bool = True,
-) -> ImportSummary:
+) -> ImportResult:
     """Append checkpoints from safetensors files and release archives to a collection.
 
     The collection is created if ``zoo_path`` does not exist; its attributes come from
@@ -261,6 +365,13 @@ def import_checkpoints(
     checkpoint size bound tightens to the architecture's when it is known. With
     ``verify`` (default) an existing collection's checkpoints are checked against their
     digests before anything is appended: a corrupt collection is refused.
+
+    Returns
+    -------
+    ImportResult
+        The collection, whether it was created, the indices and sources of the
+        checkpoints appended and the inputs skipped; the provenance records the SHA-256
+        of every input file.
     """
     from tqdm.auto import tqdm
 
@@ -341,6 +452,7 @@ def import_checkpoints(
     if count == 0:
         raise ZooFormatError("the inputs hold no safetensors checkpoints")
     assert spec is not None
+    described = {f"input {i}": describe_input(file) for i, file in enumerate(files)}
 
     # Pass 2: append in batches; each batch is committed atomically.
     if exists:
@@ -380,6 +492,15 @@ def import_checkpoints(
         if batch:
             commit()
         last = len(zoo)
-    return ImportSummary(zoo_path, not exists, range(first, last), sources,
-                         skipped_existing, skipped_repeated)
+    options = {"architecture": architecture, "dataset": dataset, "method": method,
+               "num_classes": num_classes,
+               "model_options": None if model_options is None else dict(model_options),
+               "key_map": {"rename": key_map.rename, "rules": key_map.rules,
+                           "drop": key_map.drop},
+               "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+               "batch_size": batch_size, "verify": verify}
+    return ImportResult(zoo_path, not exists, range(first, last), sources,
+                        skipped_existing, skipped_repeated, len(files),
+                        provenance=record("posteriorzoo import", command=command,
+                                          inputs=described, options=options))
 

@@ -1,23 +1,54 @@
-"""Integrity checks of a collection: structure, architecture, per-checkpoint digests."""
+"""Verify a collection: structure, architecture, per-checkpoint digests, manifest.
+
+:func:`verify` checks a collection file end to end and returns a :class:`VerifyResult`
+(what ``posteriorzoo verify`` prints); :func:`require_ok` turns a failed verification
+into a :class:`~posteriorzoo.errors.ChecksumError`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import h5py
 
 from posteriorzoo._api import public
+from posteriorzoo.collection._open import Source, opened, source_path
 from posteriorzoo.errors import ChecksumError, ZooFormatError
-from posteriorzoo.zoo.lifecycle import open_zoo
+from posteriorzoo.provenance import describe_input, record
+from posteriorzoo.results import CollectionResult, csv_text
 from posteriorzoo.zoo.manifest import MANIFEST_NAME, read_manifest, sha256_file
 from posteriorzoo.zoo.store import Zoo
 
+__all__ = ["VerifyResult", "require_ok", "verify"]
+
 
 @dataclass
-class VerifyReport:
-    """What :func:`verify_zoo` found. ``ok`` is True when ``problems`` is empty."""
+class VerifyResult(CollectionResult):
+    """What :func:`verify` found. ``ok`` is True when ``problems`` is empty.
 
+    Attributes
+    ----------
+    path : Path
+        The collection file.
+    checkpoints : int
+    digest_mismatches : list of int
+        Checkpoints whose tensors differ from their stored SHA-256.
+    nonfinite_unflagged : list of int
+        Checkpoints holding NaN/inf without the ``diverged`` flag.
+    metadata_mismatches : list of int
+        Checkpoints whose metadata rows differ from their stored SHA-256.
+    manifest : str
+        ``"absent"``, ``"matches"``, ``"MISMATCH"``, ``"unreadable"`` or ``"does not list
+        this file"``: what a ``SHA256SUMS`` next to the file says of it.
+    problems : list of str
+        Everything wrong, one line each (empty when the collection is OK).
+    notes : list of str
+        What was not checked, and why.
+    """
+
+    kind = "verify"
     path: Path
     checkpoints: int = 0
     digest_mismatches: list[int] = field(default_factory=list)
@@ -38,9 +69,26 @@ class VerifyReport:
                     f"(digests match; manifest {self.manifest})")
         return f"{self.path}: CORRUPT: " + "; ".join(self.problems)
 
+    def payload(self) -> dict[str, Any]:
+        return {"path": str(self.path), "ok": self.ok, "checkpoints": self.checkpoints,
+                "digest_mismatches": self.digest_mismatches,
+                "nonfinite_unflagged": self.nonfinite_unflagged,
+                "metadata_mismatches": self.metadata_mismatches,
+                "manifest": self.manifest, "problems": self.problems, "notes": self.notes}
+
+    def tables(self) -> dict[str, str]:
+        """``bad_checkpoints.csv``: one row per damaged checkpoint and what is wrong."""
+        rows = sorted([(index, what) for indices, what in (
+            (self.digest_mismatches, "tensors differ from their SHA-256"),
+            (self.metadata_mismatches, "metadata row differs from its SHA-256"),
+            (self.nonfinite_unflagged, "NaN/inf without the diverged flag"))
+            for index in indices])
+        return {"bad_checkpoints.csv": csv_text(["checkpoint", "problem"], rows)}
+
 
 @public
-def verify_zoo(path: str | Path, progress: bool = False) -> VerifyReport:
+def verify(source: Source, *, progress: bool = False, command: str | None = None
+           ) -> VerifyResult:
     """Check a collection file end to end.
 
     Checks that it opens as a collection (its layout, :mod:`posteriorzoo.zoo.layout`,
@@ -49,23 +97,43 @@ def verify_zoo(path: str | Path, progress: bool = False) -> VerifyReport:
     file's structure); that each checkpoint's tensors and metadata row equal the SHA-256
     digests stored when they were written; that non-finite weights only occur in
     checkpoints flagged ``diverged``; and, if a ``SHA256SUMS`` next to the file lists it,
-    the whole file's digest. Never raises for corruption it can describe: see
-    ``VerifyReport.problems``. Raises :class:`ZooFormatError` when the file cannot be
-    opened as a collection at all.
+    the whole file's digest.
+
+    Parameters
+    ----------
+    source : path or Zoo
+        The collection file, or an open collection (checked as it is, left open).
+    progress : bool, default False
+        Show a progress bar.
+    command : str, optional
+        Recorded in the provenance.
+
+    Returns
+    -------
+    VerifyResult
+        Never raised for corruption it can describe: see ``VerifyResult.problems`` and
+        ``VerifyResult.ok``. The provenance records the file's SHA-256.
+
+    Raises
+    ------
+    ZooFormatError
+        The file cannot be opened as a collection at all.
     """
-    path = Path(path)
-    report = VerifyReport(path=path)
-    with open_zoo(path) as zoo:
-        report.checkpoints = len(zoo)
-        _check_objects(zoo, report)
+    path = source_path(source)
+    result = VerifyResult(path=path)
+    with opened(source, verify=False) as zoo:
+        result.checkpoints = len(zoo)
+        _check_objects(zoo, result)
         if not zoo.has_row_digests:
-            report.notes.append("metadata rows are not covered by digests (schema 1 file)")
-        _check_digests(zoo, report, progress)
-    _check_manifest(path, report)
-    return report
+            result.notes.append("metadata rows are not covered by digests (schema 1 file)")
+        _check_digests(zoo, result, progress)
+    digest = _check_manifest(path, result)
+    result.provenance = record("posteriorzoo verify", command=command,
+                               inputs={"collection": describe_input(path, digest)})
+    return result
 
 
-def _check_objects(zoo: Zoo, report: VerifyReport) -> None:
+def _check_objects(zoo: Zoo, report: VerifyResult) -> None:
     """Read every attribute and every non-state dataset in full."""
     handle = zoo._file
 
@@ -86,7 +154,7 @@ def _check_objects(zoo: Zoo, report: VerifyReport) -> None:
         report.problems.append(f"the file's structure is unreadable: {error}")
 
 
-def _check_digests(zoo: Zoo, report: VerifyReport, progress: bool) -> None:
+def _check_digests(zoo: Zoo, report: VerifyResult, progress: bool) -> None:
     from tqdm.auto import tqdm
 
     rows = zoo.block_rows()
@@ -118,27 +186,32 @@ def _check_digests(zoo: Zoo, report: VerifyReport, progress: bool) -> None:
             report.problems.append(f"{len(indices)} checkpoint(s) {what} (first: {indices[:5]})")
 
 
-def _check_manifest(path: Path, report: VerifyReport) -> None:
+def _check_manifest(path: Path, report: VerifyResult) -> str | None:
+    """Compare the file with a ``SHA256SUMS`` next to it; returns the file's SHA-256 when
+    it was computed (so the provenance does not hash the file twice)."""
     manifest = path.parent / MANIFEST_NAME
     if not manifest.is_file():
-        return
+        return None
     try:
         entries = read_manifest(manifest)
     except ZooFormatError as error:
         report.manifest = "unreadable"
         report.problems.append(str(error))
-        return
+        return None
     if path.name not in entries:
         report.manifest = "does not list this file"
-        return
-    if sha256_file(path) == entries[path.name]:
+        return None
+    digest = sha256_file(path)
+    if digest == entries[path.name]:
         report.manifest = "matches"
     else:
         report.manifest = "MISMATCH"
         report.problems.append(f"file SHA-256 differs from {manifest}")
+    return digest
 
 
-def require_ok(report: VerifyReport) -> VerifyReport:
+@public
+def require_ok(report: VerifyResult) -> VerifyResult:
     """Raise :class:`ChecksumError` with the report's summary unless it is OK."""
     if not report.ok:
         raise ChecksumError(report.summary())

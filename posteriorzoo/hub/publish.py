@@ -106,7 +106,7 @@ def upload(
         card: a Markdown file uploaded as the dataset card ``README.md`` at the repo root.
         path_in_repo: folder of the repository to put the collections (and their
             ``SHA256SUMS``) in; default the root.
-        verify: run :func:`posteriorzoo.zoo.verify_zoo` on every file first, so that
+        verify: run :func:`posteriorzoo.collection.verify` on every file first, so that
             nothing corrupt (or not a collection) is published.
 
     Returns:
@@ -127,10 +127,11 @@ def upload(
         raise ZooFormatError(f"dataset card not found: {card_path}")
     folder = _folder_in_repo(path_in_repo)
     if verify:
-        from posteriorzoo.zoo.verify import require_ok, verify_zoo
+        from posteriorzoo.collection import require_ok
+        from posteriorzoo.collection import verify as verify_collection
 
         for item in files:
-            require_ok(verify_zoo(item.local))
+            require_ok(verify_collection(item.local))
     try:
         validate_repo_id(repo_id)
     except handled_errors() as error:

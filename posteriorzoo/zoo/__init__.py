@@ -1,4 +1,6 @@
-"""The HDF5 checkpoint store (one collection per file) and its exchange formats.
+"""The HDF5 checkpoint store (one collection per file) and the readers of its exchange
+formats (safetensors files, release archives, key maps). Verifying, importing and
+exporting collections is the collection layer's (:mod:`posteriorzoo.collection`).
 
 >>> from posteriorzoo.zoo import create_zoo, open_zoo
 >>> with create_zoo("zoo.h5", architecture="optunet", dataset="fashion-mnist",
@@ -10,33 +12,21 @@
 """
 
 from posteriorzoo.zoo.archives import read_release_archive
-from posteriorzoo.zoo.exchange import (
-    ImportSummary,
-    export_all,
-    export_checkpoint,
-    import_checkpoints,
-)
 from posteriorzoo.zoo.formats import ReadLimits, read_checkpoint, sniff_format
 from posteriorzoo.zoo.keymap import KeyMap
 from posteriorzoo.zoo.lifecycle import create_zoo, open_zoo
 from posteriorzoo.zoo.manifest import MANIFEST_NAME, sha256_file, verify_manifest, write_manifest
 from posteriorzoo.zoo.schema import METADATA_COLUMNS, checkpoint_digest, recipe_hash
 from posteriorzoo.zoo.store import Zoo, iter_checkpoints
-from posteriorzoo.zoo.verify import VerifyReport, verify_zoo
 
 __all__ = [
     "MANIFEST_NAME",
     "METADATA_COLUMNS",
-    "ImportSummary",
     "KeyMap",
     "ReadLimits",
-    "VerifyReport",
     "Zoo",
     "checkpoint_digest",
     "create_zoo",
-    "export_all",
-    "export_checkpoint",
-    "import_checkpoints",
     "iter_checkpoints",
     "open_zoo",
     "read_checkpoint",
@@ -45,6 +35,5 @@ __all__ = [
     "sha256_file",
     "sniff_format",
     "verify_manifest",
-    "verify_zoo",
     "write_manifest",
 ]

@@ -30,7 +30,7 @@ from posteriorzoo._api import public
 from posteriorzoo.errors import ZooFormatError
 
 #: The ``format`` header value of checkpoints written by
-#: :func:`posteriorzoo.zoo.exchange.export_checkpoint`.
+#: :func:`posteriorzoo.collection.export_checkpoint`.
 CHECKPOINT_FORMAT = "posteriorzoo-checkpoint"
 
 #: Largest safetensors header read (the JSON that describes tensors and metadata), bytes.

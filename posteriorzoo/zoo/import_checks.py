@@ -1,4 +1,4 @@
-"""What :func:`~posteriorzoo.zoo.exchange.import_checkpoints` reads, infers and checks.
+"""What :func:`~posteriorzoo.collection.import_checkpoints` reads, infers and checks.
 
 Reading the inputs whatever their format, the attributes a new collection takes from
 them, and the checks one input must pass before anything is written: keys, shapes,
