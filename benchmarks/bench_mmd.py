@@ -181,7 +181,7 @@ def build_methods(folder: Path, count: int) -> dict[str, dict[str, Any]]:
     with open_reference("de") as de, open_reference("target") as target:
         members = [de.arrays(i) for i in range(len(de))]
         first_target = [target.arrays(i) for i in range(100)]
-        template = de.spec
+        template = de.tensor_layout
 
     def noisy(state: dict[str, np.ndarray], sigma: float) -> dict[str, np.ndarray]:
         return {k: (v + sigma * rng.standard_normal(v.shape)).astype(v.dtype)

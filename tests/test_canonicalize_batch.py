@@ -102,8 +102,8 @@ def _collection(path, states, diverged=()):
 def test_min_mass_file_matches_each_checkpoint(tmp_path):
     states = [{k: v.float() for k, v in s.items()} for s in _states("optunet", {}, 7)]
     _collection(tmp_path / "z.h5", states)
-    report = min_mass_file(tmp_path / "z.h5", batch_size=3)
-    reference = min_mass_file(tmp_path / "z.h5", solver="cvxpy", batch_size=7)
+    report = min_mass_file(tmp_path / "z.h5", checkpoints_per_batch=3)
+    reference = min_mass_file(tmp_path / "z.h5", solver="cvxpy", checkpoints_per_batch=7)
     np.testing.assert_allclose(report.mass_after, reference.mass_after, rtol=1e-6)
     for index, state in enumerate(states):
         single = min_mass("optunet", {k: v.double() for k, v in state.items()})
@@ -120,7 +120,7 @@ def test_minmass_collection_canonical_forms_agree_across_symmetric_copies(tmp_pa
     _collection(tmp_path / "a.h5", states)
     _collection(tmp_path / "b.h5", moved)
     code = main(["canonicalize", str(tmp_path / "a.h5"), "--out", str(tmp_path / "ca.h5"),
-                 "--scaling", "minmass", "--n-verify", "3", "--batch-size", "2",
+                 "--scaling", "minmass", "--n-verify", "3", "--checkpoints-per-batch", "2",
                  "--no-progress"])
     assert code == 0 and "3 verified" in capsys.readouterr().out
     summary = canonicalize_file(tmp_path / "b.h5", tmp_path / "cb.h5",
@@ -153,7 +153,7 @@ def test_diverged_checkpoints_are_copied_unchanged(tmp_path):
 def test_bad_options_fail_before_anything_is_written(tmp_path, capsys):
     _collection(tmp_path / "z.h5", [s for s in _states("optunet", {}, 2)])
     before = (tmp_path / "z.h5").read_bytes()
-    for extra, fragment in ((["--batch-size", "0"], "--batch-size"),
+    for extra, fragment in ((["--checkpoints-per-batch", "0"], "--checkpoints-per-batch"),
                             (["--scaling", "magic"], "invalid choice"),
                             (["--solver", "gurobi"], "invalid choice")):
         code, _, err = run(capsys, "canonicalize", tmp_path / "z.h5", "--out", tmp_path / "c.h5",

@@ -40,10 +40,10 @@ def _options(files: dict[str, Path]) -> list[tuple[list[str], str, str]]:
     """(command words before the option, option, kind) for every numeric option."""
     zoo, out = str(files["zoo"]), str(files["out"])
     return [
-        (["canonicalize", zoo, "--out", out + "/c.h5"], "--batch-size", "positive_int"),
+        (["canonicalize", zoo, "--out", out + "/c.h5"], "--checkpoints-per-batch", "positive_int"),
         (["canonicalize", zoo, "--out", out + "/c.h5"], "--n-verify", "nonnegative_int"),
         (["canonicalize", zoo, "--out", out + "/c.h5"], "--seed", "nonnegative_int"),
-        (["min-mass", zoo, "--out", out + "/m"], "--batch-size", "positive_int"),
+        (["min-mass", zoo, "--out", out + "/m"], "--checkpoints-per-batch", "positive_int"),
         (["mmd", zoo, zoo, "--out", out + "/r"], "--bandwidths", "positive_int"),
         (["mmd", zoo, zoo, "--out", out + "/r"], "--scale", "positive_float"),
         (["mmd", zoo, zoo, "--out", out + "/r"], "--alpha", "unit_interval"),
@@ -60,7 +60,8 @@ def _options(files: dict[str, Path]) -> list[tuple[list[str], str, str]]:
         (["demo", "--out", out + "/d"], "--checkpoints", "positive_int"),
         (["demo", "--out", out + "/d"], "--epochs", "positive_int"),
         (["demo", "--out", out + "/d"], "--seed", "nonnegative_int"),
-        (["import", "--out", out + "/i.h5", str(files["zoo"])], "--batch-size", "positive_int"),
+        (["import", "--out", out + "/i.h5", str(files["zoo"])], "--checkpoints-per-batch",
+         "positive_int"),
         (["import", "--out", out + "/i.h5", str(files["zoo"])], "--num-classes", "positive_int"),
     ]
 

@@ -44,7 +44,7 @@ from posteriorzoo.data import (
 from posteriorzoo.data import sources as sources_module
 from posteriorzoo.data.datasets import _digits_arrays
 from posteriorzoo.data.readers import fit_square
-from posteriorzoo.data.sources import DatasetSource, FileSpec
+from posteriorzoo.data.sources import DatasetSource, DownloadFile
 from posteriorzoo.errors import (
     ChecksumError,
     DataFormatError,
@@ -304,7 +304,7 @@ def test_dataset_download_into_cache(http_root, monkeypatch, tmp_path):
     images = np.arange(3 * 28 * 28, dtype=np.uint32).reshape(3, 28, 28).astype(np.uint8)
     write_idx(served / "t10k-labels-idx1-ubyte.gz", labels, gzip=True)
     write_idx(served / "t10k-images-idx3-ubyte.gz", images, gzip=True)
-    specs = tuple(FileSpec(n, ("http://unused.invalid/" + n,), file_sha256(served / n))
+    specs = tuple(DownloadFile(n, ("http://unused.invalid/" + n,), file_sha256(served / n))
                   for n in ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"))
     fake = DatasetSource("mnist", {"train": (), "test": specs}, "fake")
     monkeypatch.setitem(sources_module._SOURCES, "mnist", fake)
@@ -331,7 +331,7 @@ def test_dataset_download_wrong_digest_leaves_nothing(http_root, tmp_path):
 def test_dataset_without_digest_is_not_downloaded(http_root, monkeypatch):
     served, base = http_root
     (served / "x.bin").write_bytes(b"data")
-    spec = FileSpec("x.bin", (base + "/x.bin",), None)
+    spec = DownloadFile("x.bin", (base + "/x.bin",), None)
     monkeypatch.setitem(sources_module._SOURCES, "svhn",
                         DatasetSource("svhn", {"train": (spec,)}, "fake"))
     with pytest.raises(DataNotFoundError, match="no trustworthy SHA-256 is known for x.bin"):

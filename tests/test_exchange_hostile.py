@@ -189,9 +189,10 @@ def test_one_bad_header_among_good_files_changes_nothing(capsys, exported, work,
     inputs = [*files[:40], folder / "bad.safetensors", *files[40:]]
     before = snapshot(folder)
     # small batches: a check left to the append would only stop after 5 committed batches
-    code, _, err = run(capsys, "import", "--no-progress", "--batch-size", 8, "--out", zoo, *inputs)
+    code, _, err = run(capsys, "import", "--no-progress", "--checkpoints-per-batch", 8,
+                       "--out", zoo, *inputs)
     assert_one_line_error(code, err, "bad.safetensors")
-    code, _, err = run(capsys, "import", "--no-progress", "--batch-size", 8,
+    code, _, err = run(capsys, "import", "--no-progress", "--checkpoints-per-batch", 8,
                        "--out", folder / "new.h5", *inputs)
     assert_one_line_error(code, err, "bad.safetensors")
     assert snapshot(folder) == before
@@ -227,7 +228,7 @@ def test_failed_import_into_a_new_path_leaves_no_file(monkeypatch, exported, tmp
 
     monkeypatch.setattr(exchange, "fault_point", fail_on_second)
     with pytest.raises(ZooFormatError, match="simulated"):
-        import_checkpoints(tmp_path / "new.h5", files[:10], batch_size=4)
+        import_checkpoints(tmp_path / "new.h5", files[:10], checkpoints_per_batch=4)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
@@ -263,7 +264,7 @@ def digests_of(file: Path) -> str:
 
 IMPORTER = (
     "import sys; from posteriorzoo.collection import import_checkpoints; "
-    "import_checkpoints(sys.argv[1], sys.argv[2:], batch_size=4)"
+    "import_checkpoints(sys.argv[1], sys.argv[2:], checkpoints_per_batch=4)"
 )
 
 
@@ -283,9 +284,9 @@ def test_import_killed_part_way_finishes_when_run_again(exported, tmp_path):
     shutil.copy(interrupted, whole)
     _killed_import(interrupted, inputs, "import-batch:2")
     assert len(digests(interrupted)) == 2 + 8  # two batches of 4 were committed
-    summary = import_checkpoints(interrupted, inputs, batch_size=4)
+    summary = import_checkpoints(interrupted, inputs, checkpoints_per_batch=4)
     assert summary.skipped_existing == 8 and summary.indices == range(10, 22)
-    import_checkpoints(whole, inputs, batch_size=4)
+    import_checkpoints(whole, inputs, checkpoints_per_batch=4)
     assert digests(interrupted) == digests(whole)
     assert len(set(digests(interrupted))) == 22
     assert verify(interrupted).ok

@@ -201,10 +201,10 @@ class Command:
 COMMANDS = {
     "canonicalize": Command(
         lambda i, out: ["canonicalize", i.target, "--out", out / "canonical.h5",
-                        "--batch-size", "2", QUIET],
+                        "--checkpoints-per-batch", "2", QUIET],
         ("canonical.h5",), assert_same_collection),
     "min-mass": Command(
-        lambda i, out: ["min-mass", i.target, "--out", out / "mass", "--batch-size", "2",
+        lambda i, out: ["min-mass", i.target, "--out", out / "mass", "--checkpoints-per-batch", "2",
                         QUIET],
         ("mass",), assert_same_min_mass),
     "mmd": Command(
@@ -218,8 +218,8 @@ COMMANDS = {
         lambda i, out: ["export", i.target, "--all", "--out", out / "all"],
         ("all",), assert_same_export),
     "import": Command(
-        lambda i, out: ["import", "--out", out / "new.h5", *i.exported, "--batch-size", "3",
-                        QUIET],
+        lambda i, out: ["import", "--out", out / "new.h5", *i.exported,
+                        "--checkpoints-per-batch", "3", QUIET],
         ("new.h5",), assert_same_collection),
 }
 

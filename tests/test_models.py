@@ -9,13 +9,13 @@ from torch import nn
 
 from posteriorzoo.errors import PosteriorZooError, UnknownNameError, ZooSchemaError
 from posteriorzoo.models import (
-    ModelSpec,
+    ModelEntry,
     available_models,
     build,
     check_state_dict,
     expected_state_shapes,
     input_shape,
-    model_spec,
+    model_entry,
     parameter_count,
     register,
 )
@@ -46,15 +46,15 @@ def test_available_models_lists_the_builtin_architectures() -> None:
 
 
 def test_model_spec_records_defaults_and_options() -> None:
-    spec = model_spec("resnet18")
-    assert isinstance(spec, ModelSpec)
+    spec = model_entry("resnet18")
+    assert isinstance(spec, ModelEntry)
     assert spec.name == "resnet18"
     assert spec.num_classes == 100
     assert dict(spec.options) == {"width": 64, "dropout": 0.0}
     assert spec.description
-    assert model_spec("resnet18-tiny").num_classes == 200
-    assert model_spec("optunet").num_classes == 10
-    assert model_spec("mlp").num_classes is None
+    assert model_entry("resnet18-tiny").num_classes == 200
+    assert model_entry("optunet").num_classes == 10
+    assert model_entry("mlp").num_classes is None
     with pytest.raises(TypeError):
         spec.options["width"] = 8  # read-only, so callers cannot change others' defaults
 
@@ -71,7 +71,7 @@ def test_input_shapes() -> None:
 def test_unknown_model_name_raises_and_lists_valid_names() -> None:
     for call in (
         lambda: build("resnet19"),
-        lambda: model_spec("resnet19"),
+        lambda: model_entry("resnet19"),
         lambda: input_shape("resnet19"),
         lambda: parameter_count("resnet19"),
         lambda: expected_state_shapes("resnet19"),
@@ -307,7 +307,7 @@ def test_mlp_accepts_list_widths() -> None:
 def test_forward_output_shape(name: str) -> None:
     options = SMALL[name]
     model = build(name, **options).eval()
-    n_out = options["widths"][-1] if name == "mlp" else model_spec(name).num_classes
+    n_out = options["widths"][-1] if name == "mlp" else model_entry(name).num_classes
     with torch.no_grad():
         assert model(_batch(name, 3, **options)).shape == (3, n_out)
     if name != "mlp":

@@ -234,6 +234,6 @@ def test_verify_export_and_import_return_collection_results(tmp_path, source_zoo
     assert data["inputs"] == 5 and data["skipped_repeated"] == 1 and data["skipped"] == 1
     assert [entry["sha256"] for entry in data["provenance"]["inputs"].values()] == [
         sha256_file(file) for file in [*inputs, inputs[0]]]
-    assert data["provenance"]["options"]["batch_size"] == 64
+    assert data["provenance"]["options"]["checkpoints_per_batch"] == 64
     written = imported.write(tmp_path / "import-record")
     assert written["imported.csv"].read_text().splitlines()[1] == "0,000000.safetensors"

@@ -32,7 +32,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
-from train_zoo.recipes import Recipe, check_integer, check_name, check_number, show
+from posteriorzoo.options import check_integer, check_name, check_number, show
+from train_zoo.recipes import Recipe
 
 METHODS = ("de", "mc-dropout", "swag", "laplace", "sghmc", "bbb")
 

@@ -10,73 +10,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
+from posteriorzoo.options import (
+    check_bool,
+    check_integer,
+    check_name,
+    check_number,
+    check_table,
+    is_integer,
+    show,
+)
 
 SCHEDULES = ("constant", "multistep", "cosine")
 
 
-# ---------------------------------------------------------------- field checks
-# Shared with train_zoo.spec. Each raises InvalidOptionError with one line that names the
-# field; values are returned unchanged (an integer learning rate stays an integer, so the
-# recipe a collection records is exactly what was asked for).
-def show(value: object, limit: int = 60) -> str:
-    """``repr(value)`` on one line, shortened to about ``limit`` characters."""
-    text = " ".join(repr(value).split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def is_integer(value: object) -> bool:
-    """An integer that is not a bool (TOML ``true`` is not a count)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def check_integer(what: str, value: object, minimum: int) -> int:
-    """``value`` if it is an integer >= ``minimum``."""
-    if not is_integer(value) or value < minimum:
-        raise InvalidOptionError(f"{what} must be an integer >= {minimum}, not {show(value)}")
-    return int(value)
-
-
-def check_number(what: str, value: object, minimum: float, *, strict: bool = False) -> Any:
-    """``value`` if it is a finite real number >= ``minimum`` (> with ``strict``)."""
-    ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
-          and math.isfinite(value)
-          and (value > minimum if strict else value >= minimum))
-    if not ok:
-        relation = ">" if strict else ">="
-        raise InvalidOptionError(f"{what} must be a finite number {relation} {minimum:g}, "
-                                 f"not {show(value)}")
-    return value
-
-
-def check_bool(what: str, value: object) -> bool:
-    """``value`` if it is true or false."""
-    if not isinstance(value, bool):
-        raise InvalidOptionError(f"{what} must be true or false, not {show(value)}")
-    return value
-
-
-def check_name(what: str, value: object, choices: tuple[str, ...] = ()) -> str:
-    """``value`` if it is a non-empty string (one of ``choices`` when given)."""
-    if not isinstance(value, str) or not value:
-        raise InvalidOptionError(f"{what} must be a non-empty string, not {show(value)}")
-    if choices and value not in choices:
-        raise InvalidOptionError(f"{what} must be one of {', '.join(choices)}, not {show(value)}")
-    return value
-
-
-def check_table(what: str, value: object) -> dict[str, Any]:
-    """``value`` as a dict if it is a mapping with string keys (a TOML table)."""
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-        raise InvalidOptionError(f"{what} must be a table of named values, not {show(value)}")
-    return dict(value)
-
-
+# Field checks are posteriorzoo.options (shared with train_zoo.spec and the library).
 def check_milestones(value: object) -> tuple[int, ...]:
     """A list or tuple of integers >= 0 as a tuple."""
     if not isinstance(value, list | tuple) or not all(is_integer(m) and m >= 0 for m in value):

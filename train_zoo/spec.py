@@ -45,17 +45,10 @@ from posteriorzoo.errors import (
     UnknownNameError,
     ZooFormatError,
 )
+from posteriorzoo.options import check_integer, check_name, check_table, show
 from posteriorzoo.zoo.schema import recipe_hash
 from train_zoo.method_options import METHODS, resolve_kl_weight, resolve_method_options
-from train_zoo.recipes import (
-    Recipe,
-    apply_overrides,
-    check_integer,
-    check_name,
-    check_table,
-    get_recipe,
-    show,
-)
+from train_zoo.recipes import Recipe, apply_overrides, get_recipe
 
 _SPEC_KEYS = {"name", "recipe", "architecture", "dataset", "method", "checkpoints", "modes",
               "samples_per_mode", "base_seed", "num_classes", "data_dir", "recipe_overrides",

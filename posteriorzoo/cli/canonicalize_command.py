@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--solver", choices=["fast", "cvxpy"], default="fast",
                         help="min-mass solver: batched Newton (fast) or the cvxpy reference, "
                              "one checkpoint at a time (default: %(default)s)")
-    parser.add_argument("--batch-size", type=positive_int, default=None, metavar="B",
+    parser.add_argument("--checkpoints-per-batch", type=positive_int, default=None, metavar="B",
                         help="checkpoints per batch (default: as many as fit in 256 MB)")
     parser.add_argument("--no-softmax", action="store_true",
                         help="keep the output biases' softmax shift")
@@ -57,7 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="check that N random checkpoints compute the same logits "
                              "before and after (default: %(default)s)")
     parser.add_argument("--seed", type=nonnegative_int, default=0,
-                        help="seed of --n-verify's choice (default: %(default)s)")
+                        help="seed of every random choice of the command: here, which checkpoints "
+                             "--n-verify checks (default: %(default)s)")
     add_overwrite_option(parser)
     add_no_verify_option(parser)
     parser.add_argument("--json", action="store_true",
@@ -84,7 +85,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "DIR/min_mass.json (summary, provenance); the folder appears "
                              "only when both are complete and is refused if it exists "
                              "unless --overwrite")
-    report.add_argument("--batch-size", type=positive_int, default=None, metavar="B",
+    report.add_argument("--checkpoints-per-batch", type=positive_int, default=None, metavar="B",
                         help="checkpoints per batch (default: as many as fit in 256 MB)")
     add_overwrite_option(report)
     add_no_verify_option(report)
@@ -101,7 +102,8 @@ def run_canonicalize(args: argparse.Namespace) -> int:
         args.source, args.target, permutation=args.permutation, scaling=args.scaling,
         softmax=not args.no_softmax, signs=not args.no_signs, solver=args.solver,
         n_verify=args.n_verify, seed=args.seed,
-        batch_size=args.batch_size, verify=not args.no_verify, overwrite=args.overwrite,
+        checkpoints_per_batch=args.checkpoints_per_batch, verify=not args.no_verify,
+        overwrite=args.overwrite,
         progress=not args.no_progress, command=args.command_line)
     if args.json:
         print(result.to_json(), end="")
@@ -119,7 +121,8 @@ def run_min_mass(args: argparse.Namespace) -> int:
 
     if args.out is not None:
         check_output(args.out, inputs=[args.source], overwrite=args.overwrite)
-    result = min_mass(args.source, solver=args.solver, batch_size=args.batch_size,
+    result = min_mass(args.source, solver=args.solver,
+                      checkpoints_per_batch=args.checkpoints_per_batch,
                       verify=not args.no_verify, progress=not args.no_progress,
                       command=args.command_line)
     written = (result.write(args.out, overwrite=args.overwrite)

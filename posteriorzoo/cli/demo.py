@@ -41,8 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--epochs", type=positive_int, default=20,
                         help="epochs per digits checkpoint (default: %(default)s)")
     parser.add_argument("--seed", type=nonnegative_int, default=0,
-                        help="base seed of the digits zoo: checkpoint i's seeds derive from "
-                             "(seed, i) (default: %(default)s)")
+                        help="seed of every random choice of the command: here, the base seed of "
+                             "the digits zoo, whose checkpoint i's seeds derive from (seed, i) "
+                             "(default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.set_defaults(func=run_demo)
 

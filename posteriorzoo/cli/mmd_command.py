@@ -102,8 +102,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--b3", type=positive_int, default=50, help="--test: bisection steps "
                         "(default: %(default)s)")
     parser.add_argument("--seed", type=nonnegative_int, default=0,
-                        help="--test: seed of the "
-                        "permutations / signs (default: %(default)s)")
+                        help="seed of every random choice of the command: here, --test's "
+                             "permutations / signs (default: %(default)s)")
     parser.add_argument("--block-mb", type=positive_float, default=128.0, metavar="MB",
                         help="memory for one block of features over all collections, in MiB "
                              "(layers larger than this stream from disk; default: "

@@ -87,7 +87,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "renames foreign state keys to this project's model keys")
     importer.add_argument("--dtype", choices=["float16", "float32", "float64"],
                           help="cast floating tensors (the release stores float16)")
-    importer.add_argument("--batch-size", type=positive_int, default=64,
+    importer.add_argument("--checkpoints-per-batch", type=positive_int, default=64,
                           help="checkpoints committed together when appending (default 64)")
     add_no_verify_option(importer)
     importer.add_argument("--json", action="store_true",
@@ -214,7 +214,7 @@ def run_import(args: argparse.Namespace) -> int:
         num_classes=args.num_classes, model_options=_model_options(args.model_option),
         key_map=KeyMap.from_file(args.key_map) if args.key_map else None,
         dtype=getattr(torch, args.dtype) if args.dtype else None,
-        command=args.command_line, batch_size=args.batch_size,
+        command=args.command_line, checkpoints_per_batch=args.checkpoints_per_batch,
         verify=not args.no_verify, progress=not args.no_progress)
     if args.json:
         print(summary.to_json(), end="")

@@ -22,6 +22,7 @@ from posteriorzoo._faults import fault_point
 from posteriorzoo.collection._open import Source, model_of, opened, source_path
 from posteriorzoo.dtypes import torch_dtype
 from posteriorzoo.errors import ChecksumError, InvalidOptionError
+from posteriorzoo.options import check_integer
 from posteriorzoo.outputs import check_output
 from posteriorzoo.provenance import describe_input, record
 from posteriorzoo.results import CollectionResult, csv_text
@@ -137,7 +138,7 @@ def _model(zoo: Zoo) -> tuple[torch.nn.Module, tuple[int, ...]]:
     return model.double(), shape
 
 
-def default_batch_size(zoo: Zoo, structure: SymmetryStructure | None = None,
+def default_checkpoints_per_batch(zoo: Zoo, structure: SymmetryStructure | None = None,
                        requested: int | None = None) -> int:
     """``requested``, or checkpoints per batch so that one batch stays within
     :data:`BATCH_BYTES`."""
@@ -152,7 +153,7 @@ def default_batch_size(zoo: Zoo, structure: SymmetryStructure | None = None,
     return int(np.clip(BATCH_BYTES // per_checkpoint, 1, 16384))
 
 
-def _batches(zoo: Zoo, batch_size: int
+def _batches(zoo: Zoo, checkpoints_per_batch: int
              ) -> Iterator[tuple[int, dict[str, np.ndarray], dict[str, torch.Tensor],
                              torch.Tensor]]:
     """Yield ``(start, stored, {key: float64 tensor (B, *shape)}, non_finite (B,))`` over
@@ -160,7 +161,7 @@ def _batches(zoo: Zoo, batch_size: int
     Checkpoints with NaN or infinite values (stored only when flagged diverged) are
     zeroed in the float64 batch and marked in ``non_finite``. A zoo opened with
     ``verify=True`` checks every block's digests as it reads it."""
-    for start, stored in zoo.checkpoint_blocks(batch_size):
+    for start, stored in zoo.checkpoint_blocks(checkpoints_per_batch):
         size = next(iter(stored.values())).shape[0]
         batch = {key: torch.from_numpy(value) for key, value in stored.items()}
         non_finite = torch.zeros(size, dtype=torch.bool)
@@ -195,14 +196,14 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
                             permutation: str = "first", scaling: str = "norm",
                             softmax: bool = True, solver: str = "fast", signs: bool = True,
                             n_verify: int = 0,
-                            seed: int = 0, batch_size: int | None = None,
+                            seed: int = 0, checkpoints_per_batch: int | None = None,
                             verify: bool = True, overwrite: bool = False,
                             progress: bool = False, command: str | None = None
                             ) -> CanonicalizeResult:
     """Write the canonical form of every checkpoint of ``source`` to a new collection.
 
-    The structure is traced once; checkpoints are canonicalized ``batch_size`` at a time
-    (default: :func:`default_batch_size`) in float64 and stored in the source's dtypes.
+    The structure is traced once; checkpoints are canonicalized ``checkpoints_per_batch`` at a time
+    (default: :func:`default_checkpoints_per_batch`) in float64 and stored in the source's dtypes.
     The target keeps each checkpoint's metadata row and records in its ``annotations``
     attribute exactly what was removed and how. With ``n_verify = N``, N checkpoints
     drawn with ``seed`` are checked to compute the same function before and after
@@ -222,9 +223,8 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
     from tqdm.auto import tqdm
 
     check_options(permutation, scaling, solver)
-    for name, value in (("n_verify", n_verify), ("seed", seed)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-            raise InvalidOptionError(f"{name} must be a non-negative integer, not {value!r}")
+    check_integer("n_verify", n_verify, 0)
+    check_integer("seed", seed, 0)
     path = source_path(source)
     target = check_output(target, inputs=[path], overwrite=overwrite)
     with opened(source, verify=verify) as zoo:
@@ -248,19 +248,19 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
         count = len(zoo)
         checked = set(np.random.default_rng(seed).choice(count, min(n_verify, count),
                                                          replace=False).tolist())
-        batch_size = default_batch_size(zoo, structure, batch_size)
+        checkpoints_per_batch = default_checkpoints_per_batch(zoo, structure, checkpoints_per_batch)
         rows = zoo.metadata
         dtypes = {key: torch_dtype(dtype) for key, dtype in zoo.dtypes.items()}
         dead, copied, largest, verified = 0, 0, 0.0, []
         # Unpublished until the block ends: a failure or a kill leaves no target.
         with create_zoo(target, architecture=zoo.architecture, dataset=zoo.dataset,
                         method=zoo.method, num_classes=zoo.num_classes,
-                        model_options=zoo.model_options, template=zoo.spec,
+                        model_options=zoo.model_options, template=zoo.tensor_layout,
                         recipe=zoo.recipe, annotations=annotations, command=command,
                         overwrite=overwrite, publish=False) as out, \
                 tqdm(total=count, desc="canonicalize", unit="ckpt",
                      disable=not progress) as bar:
-            for start, block, batch, non_finite in _batches(zoo, batch_size):
+            for start, block, batch, non_finite in _batches(zoo, checkpoints_per_batch):
                 canonical, report = canonicalize_batch(batch, structure, permutation,
                                                        scaling, softmax, solver, signs)
                 dead += sum(1 for unit in report.dead_units if not non_finite[unit[0]])
@@ -309,7 +309,7 @@ def _blank(result: MinMassBatch, rows: np.ndarray) -> None:
 
 
 @public
-def min_mass(source: Source, *, solver: str = "fast", batch_size: int | None = None,
+def min_mass(source: Source, *, solver: str = "fast", checkpoints_per_batch: int | None = None,
              verify: bool = True, progress: bool = False, command: str | None = None
              ) -> MinMassResult:
     """Minimum mass of every checkpoint of a collection (nothing is written).
@@ -337,7 +337,7 @@ def min_mass(source: Source, *, solver: str = "fast", batch_size: int | None = N
         dead: list[tuple[int, int, int]] = []
         with tqdm(total=len(zoo), desc="min-mass", unit="ckpt", disable=not progress) as bar:
             for start, _, batch, non_finite in _batches(
-                    zoo, default_batch_size(zoo, structure, batch_size)):
+                    zoo, default_checkpoints_per_batch(zoo, structure, checkpoints_per_batch)):
                 result = solve_min_mass_batch(batch, structure, solver, problem)
                 result.states = {}
                 _blank(result, non_finite.numpy())

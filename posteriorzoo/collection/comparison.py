@@ -51,6 +51,7 @@ from posteriorzoo.mmd.sources import (
     select_layers,
 )
 from posteriorzoo.mmd.statistics import check_number_bandwidths, kernel_names
+from posteriorzoo.options import check_bool, check_choice
 from posteriorzoo.provenance import record
 from posteriorzoo.zoo import Zoo, open_zoo
 
@@ -255,15 +256,10 @@ def compare(target: str | os.PathLike,
 
     from posteriorzoo.symmetry.canonical import PERMUTATION_KEYS, SCALINGS
 
-    if symmetries not in SYMMETRY_CHOICES:
-        raise InvalidOptionError(
-            f"symmetries must be one of {', '.join(SYMMETRY_CHOICES)}, not {symmetries!r}")
-    if permutation not in PERMUTATION_KEYS or scaling not in SCALINGS \
-            or not isinstance(softmax, bool):
-        raise InvalidOptionError(
-            f"canonicalizer options: permutation one of {', '.join(PERMUTATION_KEYS)}, "
-            f"scaling one of {', '.join(SCALINGS)}, softmax true or false; got "
-            f"{permutation!r}, {scaling!r}, {softmax!r}")
+    check_choice("symmetries", symmetries, SYMMETRY_CHOICES)
+    check_choice("permutation", permutation, PERMUTATION_KEYS)
+    check_choice("scaling", scaling, SCALINGS)
+    check_bool("softmax", softmax)
     check_number_bandwidths(number_bandwidths)
     mmdagg = mmdagg_options(test, alpha, B1, B2, B3, seed)
     named = _named(methods)

@@ -86,7 +86,7 @@ def describe(source: Source, *, verify: bool = True, command: str | None = None
         tensors = [{"key": key, "shape": list(shape), "dtype": str(dtype),
                     "count": int(np.prod(shape, dtype=np.int64)),
                     "chunk_rows": int(zoo.dataset_handle(key).chunks[0])}
-                   for key, (shape, dtype) in zoo.spec.items()]
+                   for key, (shape, dtype) in zoo.tensor_layout.items()]
         seeds = metadata["seed"][metadata["seed"] >= 0]
         modes = metadata["mode_id"][metadata["mode_id"] >= 0]
         attributes = {"architecture": zoo.architecture, "dataset": zoo.dataset,

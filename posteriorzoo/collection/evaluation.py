@@ -16,8 +16,8 @@ import torch
 from posteriorzoo._api import public
 from posteriorzoo.collection._open import Source, content_digest, model_of, opened, source_path
 from posteriorzoo.data import ArrayDataset, Normalize, load_dataset
-from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.metrics import accuracy, negative_log_likelihood
+from posteriorzoo.options import check_integer
 from posteriorzoo.provenance import record
 from posteriorzoo.results import CollectionResult, csv_text
 
@@ -55,8 +55,7 @@ def member_probabilities(source: Source, images: torch.Tensor,
     numpy.ndarray
         ``(n_checkpoints, n, num_classes)`` float32 probabilities.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InvalidOptionError(f"batch_size must be a positive integer, not {batch_size!r}")
+    check_integer("batch_size", batch_size, 1)
     with opened(source, verify=verify) as zoo:
         model, _ = model_of(zoo)
         indices = range(len(zoo)) if indices is None else indices

@@ -33,6 +33,7 @@ from posteriorzoo._faults import fault_point
 from posteriorzoo.collection._open import Source, opened, source_path
 from posteriorzoo.dtypes import as_numpy
 from posteriorzoo.errors import ChecksumError, InvalidOptionError, ZooFormatError, ZooSchemaError
+from posteriorzoo.options import check_integer
 from posteriorzoo.outputs import atomic_directory, atomic_file, check_output, same_file
 from posteriorzoo.provenance import describe_input, record
 from posteriorzoo.results import CollectionResult, csv_text
@@ -41,7 +42,7 @@ from posteriorzoo.zoo.architecture import check_architecture
 from posteriorzoo.zoo.archives import release_task
 from posteriorzoo.zoo.formats import CHECKPOINT_FORMAT, ReadLimits, require_file
 from posteriorzoo.zoo.import_checks import (
-    check_against_spec,
+    check_against_layout,
     collection_attributes,
     convert_floats,
     in_model_order,
@@ -337,7 +338,7 @@ def import_checkpoints(
     key_map: KeyMap | None = None,
     dtype: torch.dtype | None = None,
     command: str | None = None,
-    batch_size: int = 64,
+    checkpoints_per_batch: int = 64,
     progress: bool = False,
     limits: ReadLimits | None = None,
     verify: bool = True,
@@ -356,7 +357,7 @@ def import_checkpoints(
       :class:`PosteriorZooError` before anything is created or appended.
     - A new collection is built under a temporary name and appears only when complete:
       a failure or a kill leaves nothing at ``zoo_path``.
-    - An existing collection gets batches of ``batch_size`` checkpoints, each committed
+    - An existing collection gets batches of ``checkpoints_per_batch``, each committed
       atomically. An input whose tensors (as they would be stored) are already in the
       collection, or repeat an earlier input, is skipped and counted, so an import
       killed part-way is completed by running it again.
@@ -378,8 +379,7 @@ def import_checkpoints(
     files = [Path(file) for file in files]
     if not files:
         raise ZooFormatError("no input files given")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InvalidOptionError(f"batch_size must be a positive integer, not {batch_size!r}")
+    check_integer("checkpoints_per_batch", checkpoints_per_batch, 1)
     zoo_path = Path(zoo_path)
     for file in files:
         require_file(file)
@@ -391,7 +391,7 @@ def import_checkpoints(
              "num_classes": num_classes}
     attributes: dict[str, Any] = {}
     stored: set[str] = set()
-    spec: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
+    tensor_layout: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
     current = limits or ReadLimits()
     if exists:
         with open_zoo(zoo_path, verify=verify) as zoo:
@@ -399,14 +399,14 @@ def import_checkpoints(
             attributes = {"architecture": zoo.architecture, "dataset": zoo.dataset,
                           "method": zoo.method, "num_classes": zoo.num_classes,
                           "model_options": zoo.model_options}
-            spec = zoo.spec
+            tensor_layout = zoo.tensor_layout
             stored = set(zoo.digests)
         given["model_options"] = dict(model_options) if model_options is not None else None
         for key, value in given.items():
             if value is not None and value != attributes[key]:
                 raise InvalidOptionError(f"{zoo_path} holds {key} {attributes[key]!r}, "
                                          f"not {value!r}")
-        current = current.for_shapes(spec)
+        current = current.for_shapes(tensor_layout)
     else:
         check_output(zoo_path, inputs=files)
         implied = release_task(files[0]) or {}
@@ -417,12 +417,12 @@ def import_checkpoints(
 
     def prepare(name: str, state: dict[str, torch.Tensor], header: Mapping[str, str]
                 ) -> _Prepared:
-        assert spec is not None
+        assert tensor_layout is not None
         state = convert_floats(key_map.apply(state), dtype)
         row = row_for_input(header, name, attributes["method"])
-        check_against_spec(spec, state, name, diverged=bool(row.get("diverged", False)))
-        arrays = {key: as_numpy(state[key]) for key in spec}
-        return _Prepared(name, state, row, schema.checkpoint_digest(arrays, list(spec)))
+        check_against_layout(tensor_layout, state, name, diverged=bool(row.get("diverged", False)))
+        arrays = {key: as_numpy(state[key]) for key in tensor_layout}
+        return _Prepared(name, state, row, schema.checkpoint_digest(arrays, list(tensor_layout)))
 
     # Pass 1: read and check everything, keep only the digests. The size bound tightens
     # once the first checkpoint tells the architecture (read through ``bounds``).
@@ -433,17 +433,17 @@ def import_checkpoints(
     new_count = 0
     for name, state, header in tqdm(read_inputs(files, lambda: bounds[0]), desc="check",
                                     unit="ckpt", disable=not progress):
-        if spec is None:
+        if tensor_layout is None:
             attributes = collection_attributes(files[0], header, architecture, dataset,
                                                method, num_classes, model_options)
             template = in_model_order(convert_floats(key_map.apply(state), dtype), attributes)
-            spec = normalise_template(template)
+            tensor_layout = normalise_template(template)
             try:
-                check_architecture(attributes["architecture"], spec,
+                check_architecture(attributes["architecture"], tensor_layout,
                                    attributes["num_classes"], attributes["model_options"])
             except ZooSchemaError as error:
                 raise ZooSchemaError(f"{name}: {error}; a key map can rename keys") from None
-            bounds[0] = bounds[0].for_shapes(spec)
+            bounds[0] = bounds[0].for_shapes(tensor_layout)
         prepared = prepare(name, state, header)
         count += 1
         if prepared.digest not in seen:
@@ -451,7 +451,7 @@ def import_checkpoints(
             new_count += 1
     if count == 0:
         raise ZooFormatError("the inputs hold no safetensors checkpoints")
-    assert spec is not None
+    assert tensor_layout is not None
     described = {f"input {i}": describe_input(file) for i, file in enumerate(files)}
 
     # Pass 2: append in batches; each batch is committed atomically.
@@ -487,7 +487,7 @@ def import_checkpoints(
             appended.add(prepared.digest)
             sources.append(name)
             batch.append(prepared)
-            if len(batch) == batch_size:
+            if len(batch) == checkpoints_per_batch:
                 commit()
         if batch:
             commit()
@@ -498,7 +498,7 @@ def import_checkpoints(
                "key_map": {"rename": key_map.rename, "rules": key_map.rules,
                            "drop": key_map.drop},
                "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
-               "batch_size": batch_size, "verify": verify}
+               "checkpoints_per_batch": checkpoints_per_batch, "verify": verify}
     return ImportResult(zoo_path, not exists, range(first, last), sources,
                         skipped_existing, skipped_repeated, len(files),
                         provenance=record("posteriorzoo import", command=command,

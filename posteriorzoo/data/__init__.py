@@ -22,14 +22,19 @@ from posteriorzoo.data.download import (
     search_dirs,
 )
 from posteriorzoo.data.idx import read_idx, write_idx
-from posteriorzoo.data.sources import DatasetSource, FileSpec, available_datasets, dataset_source
+from posteriorzoo.data.sources import (
+    DatasetSource,
+    DownloadFile,
+    available_datasets,
+    dataset_source,
+)
 from posteriorzoo.data.transforms import Compose, Normalize, RandomCrop, RandomHorizontalFlip
 
 __all__ = [
     "ArrayDataset",
     "Compose",
     "DatasetSource",
-    "FileSpec",
+    "DownloadFile",
     "Normalize",
     "RandomCrop",
     "RandomHorizontalFlip",

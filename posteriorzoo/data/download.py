@@ -35,7 +35,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from posteriorzoo._api import public
-from posteriorzoo.data.sources import DatasetSource, FileSpec, dataset_source
+from posteriorzoo.data.sources import DatasetSource, DownloadFile, dataset_source
 from posteriorzoo.errors import ChecksumError, DataNotFoundError, InvalidOptionError
 from posteriorzoo.hashing import sha256_file as file_sha256
 
@@ -104,7 +104,7 @@ def _is_gzip(path: Path) -> bool:
         return f.read(2) == b"\x1f\x8b"
 
 
-def _verify_local(path: Path, spec: FileSpec) -> None:
+def _verify_local(path: Path, spec: DownloadFile) -> None:
     if spec.sha256 is None and spec.content_sha256 is None:
         raise ChecksumError(f"{path}: no known SHA-256 for {spec.filename}, cannot verify")
     if spec.sha256 is not None and file_sha256(path) == spec.sha256:
@@ -189,7 +189,7 @@ def download_file(
     return dest
 
 
-def _find_local(spec: FileSpec, dirs: Iterable[Path]) -> Path | None:
+def _find_local(spec: DownloadFile, dirs: Iterable[Path]) -> Path | None:
     for folder in dirs:
         for filename in (spec.filename, *spec.aliases):
             candidate = folder / filename
@@ -198,14 +198,14 @@ def _find_local(spec: FileSpec, dirs: Iterable[Path]) -> Path | None:
     return None
 
 
-def _urls(spec: FileSpec, url_base: str | None) -> tuple[str, ...]:
+def _urls(spec: DownloadFile, url_base: str | None) -> tuple[str, ...]:
     if url_base:
         return (f"{url_base.rstrip('/')}/{spec.filename}",)
     return spec.urls
 
 
 def _missing_message(
-    source: DatasetSource, missing: list[FileSpec], dirs: list[Path],
+    source: DatasetSource, missing: list[DownloadFile], dirs: list[Path],
     url_base: str | None, reason: str,
 ) -> str:
     cache = dirs[-1]
@@ -224,7 +224,7 @@ def _missing_message(
 
 
 def _download_into_cache(
-    spec: FileSpec, cache: Path, url_base: str | None, timeout: float,
+    spec: DownloadFile, cache: Path, url_base: str | None, timeout: float,
 ) -> tuple[Path | None, str]:
     """Try each URL; return (path, "") or (None, why the last attempt failed)."""
     if spec.sha256 is None:
@@ -306,7 +306,7 @@ def dataset_files(
 
     dirs = search_dirs(name, data_dir)
     found: dict[str, Path] = {}
-    missing: list[FileSpec] = []
+    missing: list[DownloadFile] = []
     for spec in specs:
         path = _find_local(spec, dirs)
         if path is None:

@@ -29,14 +29,14 @@ from posteriorzoo.errors import UnknownNameError
 
 __all__ = [
     "DatasetSource",
-    "FileSpec",
+    "DownloadFile",
     "available_datasets",
     "dataset_source",
 ]
 
 
 @dataclass(frozen=True)
-class FileSpec:
+class DownloadFile:
     """One downloadable file.
 
     Attributes
@@ -74,16 +74,16 @@ class DatasetSource:
     ----------
     name : str
         Registry name, also the sub-folder searched under data roots.
-    splits : Mapping[str, tuple of FileSpec]
+    splits : Mapping[str, tuple of DownloadFile]
         Files needed to load each split (read-only).
     description : str
         One line for listings.
     """
 
     name: str
-    splits: Mapping[str, tuple[FileSpec, ...]]
+    splits: Mapping[str, tuple[DownloadFile, ...]]
     description: str
-    files: tuple[FileSpec, ...] = field(init=False)
+    files: tuple[DownloadFile, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "splits", MappingProxyType(dict(self.splits)))
@@ -92,8 +92,8 @@ class DatasetSource:
 
 
 def _idx(base_urls: tuple[str, ...], filename: str, sha256: str, size: int,
-         content_sha256: str | None = None) -> FileSpec:
-    return FileSpec(
+         content_sha256: str | None = None) -> DownloadFile:
+    return DownloadFile(
         filename=filename,
         urls=tuple(base + filename for base in base_urls),
         sha256=sha256,
@@ -146,36 +146,36 @@ _FASHION_FILES = {
     ),
 }
 
-_CIFAR10 = FileSpec(
+_CIFAR10 = DownloadFile(
     "cifar-10-binary.tar.gz",
     ("https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz",),
     "c4a38c50a1bc5f3a1c5537f2155ab9d68f9f25eb1ed8d9ddda3db29a59bca1dd",
     170052171,
 )
-_CIFAR100 = FileSpec(
+_CIFAR100 = DownloadFile(
     "cifar-100-binary.tar.gz",
     ("https://www.cs.toronto.edu/~kriz/cifar-100-binary.tar.gz",),
     "58a81ae192c23a4be8b1804d68e518ed807d710a4eb253b1f2a199162a40d8ec",
     168513733,
 )
 _SVHN_FILES = {
-    "train": (FileSpec("train_32x32.mat", (_SVHN + "train_32x32.mat",),
+    "train": (DownloadFile("train_32x32.mat", (_SVHN + "train_32x32.mat",),
                        "435e94d69a87fde4fd4d7f3dd208dfc32cb6ae8af2240d066de1df7508d083b8",
                        182040794),),
-    "test": (FileSpec("test_32x32.mat", (_SVHN + "test_32x32.mat",),
+    "test": (DownloadFile("test_32x32.mat", (_SVHN + "test_32x32.mat",),
                       "cdce80dfb2a2c4c6160906d0bd7c68ec5a99d7ca4831afa54f09182025b6a75b",
                       64275384),),
-    "extra": (FileSpec("extra_32x32.mat", (_SVHN + "extra_32x32.mat",),
+    "extra": (DownloadFile("extra_32x32.mat", (_SVHN + "extra_32x32.mat",),
                        "a133a4beb38a00fcdda90c9489e0c04f900b660ce8a316a5e854838379a71eb3",
                        1329278602),),
 }
-_TINY = FileSpec(
+_TINY = DownloadFile(
     "tiny-imagenet-200.zip",
     ("http://cs231n.stanford.edu/tiny-imagenet-200.zip",),
     "6198c8ae015e2b3e007c7841da39ec069199b9aa3bfa943a462022fe5e43c821",
     248100043,
 )
-_DTD = FileSpec(
+_DTD = DownloadFile(
     "dtd-r1.0.1.tar.gz",
     ("https://www.robots.ox.ac.uk/~vgg/data/dtd/download/dtd-r1.0.1.tar.gz",),
     "e42855a52a4950a3b59612834602aa253914755c95b0cff9ead6d07395f8e205",

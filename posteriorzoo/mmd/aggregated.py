@@ -42,6 +42,7 @@ from posteriorzoo.mmd.statistics import (
     check_number_bandwidths,
     kernel_names,
 )
+from posteriorzoo.options import check_integer, check_number
 
 #: Upper bound on the bytes of kernel matrices held at once (they are built in groups).
 KERNEL_MATRIX_BYTES = 1 << 28
@@ -114,13 +115,12 @@ class MMDAggResult:
 def check_test_options(alpha: float, B1: int, B2: int, B3: int, seed: int
                        ) -> None:
     """Raise :class:`InvalidOptionError` unless the test's options are valid."""
-    if not 0 < alpha < 1:
+    check_number("alpha", alpha, 0, strict=True)
+    if alpha >= 1:
         raise InvalidOptionError(f"alpha must be in (0, 1), not {alpha!r}")
     for name, value in (("B1", B1), ("B2", B2), ("B3", B3)):
-        if isinstance(value, bool) or int(value) != value or value < 1:
-            raise InvalidOptionError(f"{name} must be a positive integer, not {value!r}")
-    if isinstance(seed, bool) or int(seed) != seed:
-        raise InvalidOptionError(f"seed must be an integer, not {seed!r}")
+        check_integer(name, value, 1)
+    check_integer("seed", seed, 0)
 
 
 def _kernel_groups(rows: int, count: int) -> list[tuple[int, int]]:

@@ -44,6 +44,7 @@ from posteriorzoo.mmd.statistics import (
     kernel_mmds_from_distances,
     kernel_names,
 )
+from posteriorzoo.options import check_choice
 
 #: What a comparison's samples are: stored weights, or canonical forms.
 TREATMENTS = ("keep", "remove")
@@ -51,10 +52,7 @@ TREATMENTS = ("keep", "remove")
 
 def check_treatment(symmetries: object) -> str:
     """``symmetries`` if it is ``"keep"`` or ``"remove"``."""
-    if symmetries not in TREATMENTS:
-        raise InvalidOptionError(
-            f"symmetries must be one of {', '.join(TREATMENTS)}, not {symmetries!r}")
-    return str(symmetries)
+    return check_choice("symmetries", symmetries, TREATMENTS)
 
 
 @dataclass

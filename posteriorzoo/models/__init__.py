@@ -6,17 +6,17 @@
 >>> model = build("resnet18", num_classes=10, width=8)  # a small test network
 
 Registered names: ``optunet``, ``optunet-v1``, ``resnet18``, ``resnet18-tiny``, ``mlp``
-(see :func:`available_models` and :func:`model_spec`).
+(see :func:`available_models` and :func:`model_entry`).
 """
 
 from posteriorzoo.models.mlp import MLP
 from posteriorzoo.models.optunet import OptuNet, OptuNetV1
 from posteriorzoo.models.registry import (
-    ModelSpec,
+    ModelEntry,
     available_models,
     build,
     input_shape,
-    model_spec,
+    model_entry,
     register,
 )
 from posteriorzoo.models.resnet import BasicBlock, ResNet18
@@ -25,7 +25,7 @@ from posteriorzoo.models.schema import check_state_dict, expected_state_shapes, 
 __all__ = [
     "MLP",
     "BasicBlock",
-    "ModelSpec",
+    "ModelEntry",
     "OptuNet",
     "OptuNetV1",
     "ResNet18",
@@ -34,7 +34,7 @@ __all__ = [
     "check_state_dict",
     "expected_state_shapes",
     "input_shape",
-    "model_spec",
+    "model_entry",
     "parameter_count",
     "register",
 ]

@@ -8,8 +8,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from posteriorzoo.errors import InvalidOptionError, ZooSchemaError
-from posteriorzoo.models._checks import positive_int, probability
 from posteriorzoo.models.registry import register
+from posteriorzoo.options import check_integer, check_probability
 
 __all__ = ["MLP"]
 
@@ -21,7 +21,7 @@ def _check_widths(widths: Sequence[int]) -> tuple[int, ...]:
         raise InvalidOptionError(f"widths must be a sequence of integers, got {widths!r}")
     if len(widths) < 2:
         raise InvalidOptionError(f"widths needs an input and an output size, got {widths!r}")
-    return tuple(positive_int(w, "every entry of widths") for w in widths)
+    return tuple(check_integer("every entry of widths", w, 1) for w in widths)
 
 
 class MLP(nn.Module):
@@ -51,7 +51,7 @@ class MLP(nn.Module):
         pairs = zip(self.widths[:-1], self.widths[1:], strict=True)
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in pairs)
         self.relu = nn.ReLU()
-        self.dropout = nn.Dropout(probability(dropout, "dropout"))
+        self.dropout = nn.Dropout(check_probability("dropout", dropout))
 
     def forward(self, x: Tensor) -> Tensor:
         """Map ``(N, widths[0])`` inputs to ``(N, widths[-1])`` outputs."""

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from posteriorzoo.models._checks import positive_int, probability
 from posteriorzoo.models.registry import register
+from posteriorzoo.options import check_integer, check_probability
 
 __all__ = ["OptuNet", "OptuNetV1"]
 
@@ -62,9 +62,9 @@ class OptuNet(nn.Module):
 
     def __init__(self, num_classes: int = 10, dropout: float = 0.0) -> None:
         super().__init__()
-        num_classes = positive_int(num_classes, "num_classes")
+        num_classes = check_integer("num_classes", num_classes, 1)
         _add_trunk(self)
-        self.dropout = nn.Dropout(probability(dropout, "dropout"))
+        self.dropout = nn.Dropout(check_probability("dropout", dropout))
         self.fc = nn.Linear(_FEATURES, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -92,11 +92,11 @@ class OptuNetV1(nn.Module):
 
     def __init__(self, num_classes: int = 10, dropout: float = 0.0) -> None:
         super().__init__()
-        num_classes = positive_int(num_classes, "num_classes")
+        num_classes = check_integer("num_classes", num_classes, 1)
         _add_trunk(self)
         self.fc1 = nn.Linear(_FEATURES, 3)
         self.relu3 = nn.ReLU()
-        self.dropout = nn.Dropout(probability(dropout, "dropout"))
+        self.dropout = nn.Dropout(check_probability("dropout", dropout))
         self.fc2 = nn.Linear(3, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -18,11 +18,11 @@ from posteriorzoo._api import public
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 
 __all__ = [
-    "ModelSpec",
+    "ModelEntry",
     "available_models",
     "build",
     "input_shape",
-    "model_spec",
+    "model_entry",
     "register",
     "resolve",
 ]
@@ -32,7 +32,7 @@ ShapeRule = Callable[[Mapping[str, Any]], tuple[int, ...]]
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelEntry:
     """Everything the registry knows about one architecture.
 
     Attributes
@@ -72,7 +72,7 @@ class ModelSpec:
         return tuple(self.input_shape)
 
 
-_REGISTRY: dict[str, ModelSpec] = {}
+_REGISTRY: dict[str, ModelEntry] = {}
 # Callbacks run whenever the registry changes, so derived caches never go stale.
 _ON_CHANGE: list[Callable[[], None]] = []
 
@@ -115,7 +115,7 @@ def register(
     def decorator(factory: Factory) -> Factory:
         if name in _REGISTRY and not replace:
             raise InvalidOptionError(f"model {name!r} is already registered")
-        _REGISTRY[name] = ModelSpec(
+        _REGISTRY[name] = ModelEntry(
             name=name,
             factory=factory,
             num_classes=num_classes,
@@ -137,8 +137,8 @@ def available_models() -> list[str]:
 
 
 @public
-def model_spec(name: str) -> ModelSpec:
-    """The :class:`ModelSpec` registered under ``name``.
+def model_entry(name: str) -> ModelEntry:
+    """The :class:`ModelEntry` registered under ``name``.
 
     Raises
     ------
@@ -154,12 +154,12 @@ def model_spec(name: str) -> ModelSpec:
 
 def resolve(
     name: str, num_classes: int | None, options: Mapping[str, Any]
-) -> tuple[ModelSpec, int | None, dict[str, Any]]:
+) -> tuple[ModelEntry, int | None, dict[str, Any]]:
     """Validate option names and fill in defaults.
 
     Returns
     -------
-    spec : ModelSpec
+    spec : ModelEntry
     num_classes : int or None
         ``num_classes`` or the spec's default.
     options : dict
@@ -170,7 +170,7 @@ def resolve(
     UnknownNameError
         For an unknown model or option name (the message lists the valid ones).
     """
-    spec = model_spec(name)
+    spec = model_entry(name)
     unknown = [key for key in options if key not in spec.options]
     if unknown:
         valid = ", ".join(sorted(spec.options)) or "(none)"
@@ -196,7 +196,7 @@ def build(name: str, num_classes: int | None = None, **options: Any) -> nn.Modul
     num_classes : int, optional
         Number of outputs; defaults to the spec's ``num_classes``.
     **options
-        Architecture options accepted by this model (see ``model_spec(name).options``).
+        Architecture options accepted by this model (see ``model_entry(name).options``).
 
     Returns
     -------

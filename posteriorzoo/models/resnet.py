@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from posteriorzoo.models._checks import positive_int, probability
 from posteriorzoo.models.registry import register
+from posteriorzoo.options import check_integer, check_probability
 
 __all__ = ["BasicBlock", "ResNet18"]
 
@@ -88,9 +88,9 @@ class ResNet18(nn.Module):
         self, num_classes: int = 100, width: int = 64, dropout: float = 0.0, in_channels: int = 3
     ) -> None:
         super().__init__()
-        num_classes = positive_int(num_classes, "num_classes")
-        width = positive_int(width, "width")
-        in_channels = positive_int(in_channels, "in_channels")
+        num_classes = check_integer("num_classes", num_classes, 1)
+        width = check_integer("width", width, 1)
+        in_channels = check_integer("in_channels", in_channels, 1)
         self.conv1 = nn.Conv2d(in_channels, width, 3, stride=1, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
         self.relu = nn.ReLU()
@@ -104,7 +104,7 @@ class ResNet18(nn.Module):
             planes = out_planes
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.flatten = nn.Flatten(1)
-        self.dropout = nn.Dropout(probability(dropout, "dropout"))
+        self.dropout = nn.Dropout(check_probability("dropout", dropout))
         self.fc = nn.Linear(planes, num_classes)
 
     def features(self, x: Tensor) -> Tensor:

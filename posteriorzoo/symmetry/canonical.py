@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from posteriorzoo._api import public
-from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.options import check_choice
 from posteriorzoo.symmetry.structure import ScaleVariable, SignVariable, SymmetryStructure
 from posteriorzoo.symmetry.transform import State, apply_symmetry_batch
 
@@ -174,11 +174,9 @@ def check_options(permutation: str, scaling: str, solver: str = "fast") -> None:
     """Raise :class:`InvalidOptionError` for an unknown sort key, scaling or solver."""
     from posteriorzoo.symmetry.minmass import SOLVERS
 
-    for name, value, allowed in (("permutation", permutation, PERMUTATION_KEYS),
-                                 ("scaling", scaling, SCALINGS), ("solver", solver, SOLVERS)):
-        if value not in allowed:
-            raise InvalidOptionError(f"{name} must be one of {', '.join(allowed)}, "
-                                     f"not {value!r}")
+    check_choice("permutation", permutation, PERMUTATION_KEYS)
+    check_choice("scaling", scaling, SCALINGS)
+    check_choice("solver", solver, SOLVERS)
 
 
 @public

@@ -34,6 +34,7 @@ import torch
 
 from posteriorzoo._api import public
 from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.options import check_choice
 from posteriorzoo.symmetry.structure import SymmetryStructure
 from posteriorzoo.symmetry.transform import State, apply_symmetry_batch
 
@@ -344,8 +345,7 @@ def solve_min_mass_batch(states: Mapping[str, torch.Tensor], structure: Symmetry
 
     ``problem`` (from :func:`mass_problem`) may be passed to reuse it across batches.
     """
-    if solver not in SOLVERS:
-        raise InvalidOptionError(f"solver must be one of {SOLVERS}, not {solver!r}")
+    check_choice("solver", solver, SOLVERS)
     if problem is None:
         problem = mass_problem(structure, {key: value[0] for key, value in states.items()})
     mass = problem.pair_mass(states)

@@ -11,11 +11,12 @@ import torch
 from posteriorzoo.dtypes import torch_dtype
 
 
-def check_architecture(architecture: str, spec: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+def check_architecture(architecture: str,
+                       tensor_layout: Mapping[str, tuple[tuple[int, ...], np.dtype]],
                        num_classes: int | None, model_options: Mapping[str, Any]) -> None:
-    """Raise unless ``spec`` (key -> (shape, dtype)) fits the registered architecture."""
+    """Raise unless ``tensor_layout`` (key -> (shape, dtype)) fits the registered architecture."""
     from posteriorzoo import models
 
     meta = {key: torch.empty(shape, dtype=torch_dtype(dtype), device="meta")
-            for key, (shape, dtype) in spec.items()}
+            for key, (shape, dtype) in tensor_layout.items()}
     models.check_state_dict(architecture, meta, num_classes=num_classes, **model_options)

@@ -32,7 +32,7 @@ from posteriorzoo.zoo.formats import (
     sniff_format,
 )
 
-Spec = Mapping[str, tuple[tuple[int, ...], np.dtype]]
+TensorLayout = Mapping[str, tuple[tuple[int, ...], np.dtype]]
 
 
 def read_inputs(files: Iterable[Path], limits: Callable[[], ReadLimits]
@@ -144,18 +144,18 @@ def row_for_input(header: Mapping[str, str], source: str, method: str) -> dict[s
     return row
 
 
-def check_against_spec(spec: Spec, state: Mapping[str, torch.Tensor], name: str,
-                       diverged: bool) -> None:
-    """Raise unless ``state`` has the keys, shapes and dtypes of ``spec``, all finite.
+def check_against_layout(tensor_layout: TensorLayout, state: Mapping[str, torch.Tensor], name: str,
+                         diverged: bool) -> None:
+    """Raise unless ``state`` has the keys, shapes and dtypes of ``tensor_layout``, all finite.
 
     A checkpoint whose metadata row says it ``diverged`` may hold NaN or infinite values.
     """
-    if set(spec) != set(state):
-        missing = sorted(set(spec) - set(state))[:3]
-        extra = sorted(set(state) - set(spec))[:3]
+    if set(tensor_layout) != set(state):
+        missing = sorted(set(tensor_layout) - set(state))[:3]
+        extra = sorted(set(state) - set(tensor_layout))[:3]
         raise ZooSchemaError(f"{name}: keys do not match (missing {missing}, unexpected "
                              f"{extra}); a key map can rename them")
-    for key, (shape, dtype) in spec.items():
+    for key, (shape, dtype) in tensor_layout.items():
         tensor = state[key]
         if tuple(tensor.shape) != tuple(shape):
             raise ZooSchemaError(f"{name}: {key} has shape {tuple(tensor.shape)}, "

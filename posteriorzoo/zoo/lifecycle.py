@@ -81,19 +81,19 @@ def _require_file(path: Path) -> None:
 def normalise_template(template: Mapping[str, Any]
                        ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """``{key: (shape, dtype)}`` from a state_dict, arrays, meta tensors or (shape, dtype)."""
-    spec = {}
+    tensor_layout = {}
     for key, value in template.items():
         if isinstance(value, tuple) and len(value) == 2 and not isinstance(value[0], int):
             shape, dtype = value
-            spec[key] = (tuple(int(s) for s in shape), np.dtype(dtype))
+            tensor_layout[key] = (tuple(int(s) for s in shape), np.dtype(dtype))
         else:
             array = as_numpy(value) if not isinstance(value, torch.Tensor) or \
                 value.device.type != "meta" else np.empty(0, numpy_dtype(value.dtype))
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else array.shape
-            spec[key] = (tuple(int(s) for s in shape), array.dtype)
-    if not spec:
+            tensor_layout[key] = (tuple(int(s) for s in shape), array.dtype)
+    if not tensor_layout:
         raise ZooSchemaError("the template state_dict is empty")
-    return spec
+    return tensor_layout
 
 
 @public
@@ -151,9 +151,9 @@ def create_zoo(
     """
     path = Path(path)
     model_options = dict(model_options or {})
-    spec = normalise_template(template)
+    tensor_layout = normalise_template(template)
     if validate:
-        check_architecture(architecture, spec, num_classes, model_options)
+        check_architecture(architecture, tensor_layout, num_classes, model_options)
     if not path.parent.is_dir():
         raise InvalidOptionError(f"{path}: the folder {path.parent} does not exist")
     if path.exists() and not overwrite:
@@ -172,7 +172,7 @@ def create_zoo(
     temporary, fd = outputs.new_partial(path)
     try:
         with h5py.File(temporary, "w", libver="latest", locking=False) as handle:
-            _write_layout(handle, spec, architecture, dataset, method, num_classes,
+            _write_layout(handle, tensor_layout, architecture, dataset, method, num_classes,
                           json_attributes, provenance, validate, chunk_bytes)
         if publish:
             outputs.publish(temporary, path, overwrite=overwrite)
@@ -185,7 +185,7 @@ def create_zoo(
     return zoo
 
 
-def _write_layout(handle: h5py.File, spec: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+def _write_layout(handle: h5py.File, tensor_layout: Mapping[str, tuple[tuple[int, ...], np.dtype]],
                   architecture: str, dataset: str, method: str, num_classes: int | None,
                   json_attributes: Mapping[str, str], provenance: Mapping[str, Any],
                   validate: bool, chunk_bytes: int) -> None:
@@ -199,11 +199,11 @@ def _write_layout(handle: h5py.File, spec: Mapping[str, tuple[tuple[int, ...], n
     attrs["num_classes"] = -1 if num_classes is None else int(num_classes)
     for name, text in json_attributes.items():
         attrs[name] = text
-    attrs["state_keys"] = json.dumps(list(spec))
+    attrs["state_keys"] = json.dumps(list(tensor_layout))
     attrs["created_by"] = canonical_json(dict(provenance))
     attrs["validated"] = bool(validate)
     group = handle.create_group(_STATE_GROUP)
-    for key, (shape, dtype) in spec.items():
+    for key, (shape, dtype) in tensor_layout.items():
         rows = _chunk_rows(shape, dtype, chunk_bytes)
         group.create_dataset(key, shape=(0, *shape), maxshape=(None, *shape),
                              chunks=(rows, *shape) if shape else (rows,), dtype=dtype)
@@ -325,7 +325,7 @@ def _rebuild_from_committed(path: Path) -> int:
     """
     with Zoo(path, open_h5(path, "r")) as old:
         attrs = dict(old._file.attrs)
-        spec = old.spec
+        tensor_layout = old.tensor_layout
         count = len(old)
         rows = old.stored_metadata()
         if old.has_row_digests:
@@ -340,7 +340,7 @@ def _rebuild_from_committed(path: Path) -> int:
                 for name, value in attrs.items():
                     new.attrs[name] = value
                 group = new.create_group(_STATE_GROUP)
-                for key, (shape, dtype) in spec.items():
+                for key, (shape, dtype) in tensor_layout.items():
                     source = old._datasets[key]
                     target = group.create_dataset(key, shape=(count, *shape),
                                                   maxshape=(None, *shape),

@@ -133,7 +133,7 @@ class Zoo:
         self._datasets = {key: group[key] for key in self._keys}
         if layout.validated:
             try:
-                check_architecture(self.architecture, self.spec, self.num_classes,
+                check_architecture(self.architecture, self.tensor_layout, self.num_classes,
                                    self.model_options)
             except PosteriorZooError as error:
                 raise ZooFormatError(
@@ -187,7 +187,7 @@ class Zoo:
         return {key: ds.dtype for key, ds in self._datasets.items()}
 
     @property
-    def spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    def tensor_layout(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """``{key: (shape, dtype)}`` of one checkpoint, in state_dict order."""
         return {key: (tuple(ds.shape[1:]), ds.dtype) for key, ds in self._datasets.items()}
 
@@ -195,7 +195,7 @@ class Zoo:
     def checkpoint_bytes(self) -> int:
         """Bytes of one checkpoint's tensors."""
         return sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                   for shape, dtype in self.spec.values())
+                   for shape, dtype in self.tensor_layout.values())
 
     def dataset_handle(self, key: str) -> h5py.Dataset:
         """The raw h5py dataset of ``key`` (rows past ``len(self)`` are not checkpoints).

@@ -49,8 +49,8 @@ from torch import Tensor, nn
 from torch.func import grad_and_value
 
 from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.options import check_bool, check_integer, check_name, check_number, show
 from train_zoo.methods.common import Params, mean_nll, state_dict_of
-from train_zoo.recipes import check_bool, check_integer, check_name, check_number, show
 
 __all__ = [
     "CONV_TYPES",

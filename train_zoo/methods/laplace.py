@@ -95,6 +95,7 @@ from scipy.optimize import brentq
 from torch import nn
 
 from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.options import check_choice
 from train_zoo.methods.common import Params, flatten, state_dict_of, unflatten
 from train_zoo.methods.laplace_curvature import (
     Batch,
@@ -191,10 +192,7 @@ def _positive_real(value: object, option: str) -> float:
 
 
 def _check_structure(structure: object) -> str:
-    if not isinstance(structure, str) or structure not in STRUCTURES:
-        raise InvalidOptionError(f"laplace option 'structure' must be one of "
-                                 f"{', '.join(map(repr, STRUCTURES))}, not {structure!r}")
-    return structure
+    return check_choice("laplace option 'structure'", structure, STRUCTURES)
 
 
 def _check_prior(prior_precision: object, weight_decay: object

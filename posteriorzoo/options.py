@@ -1,0 +1,86 @@
+"""Validation of option values: the one helper set every public entry point uses.
+
+Each check raises :class:`~posteriorzoo.errors.InvalidOptionError` with one line that
+names the option and shows the bad value, and returns the value unchanged (an integer
+learning rate stays an integer, so what a result records is exactly what was asked
+for). Option values that name a choice are string enums checked by :func:`check_choice`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+from posteriorzoo.errors import InvalidOptionError
+
+__all__ = ["check_bool", "check_choice", "check_integer", "check_name", "check_number",
+           "check_probability", "check_table", "is_integer", "show"]
+
+
+def show(value: object, limit: int = 60) -> str:
+    """``repr(value)`` on one line, shortened to about ``limit`` characters."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def is_integer(value: object) -> bool:
+    """An integer that is not a bool (TOML ``true`` is not a count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_integer(what: str, value: object, minimum: int) -> int:
+    """``value`` if it is an integer >= ``minimum``."""
+    if not is_integer(value) or value < minimum:
+        raise InvalidOptionError(f"{what} must be an integer >= {minimum}, not {show(value)}")
+    return int(value)
+
+
+def check_number(what: str, value: object, minimum: float, *, strict: bool = False) -> Any:
+    """``value`` if it is a finite real number >= ``minimum`` (> with ``strict``)."""
+    ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
+          and math.isfinite(value)
+          and (value > minimum if strict else value >= minimum))
+    if not ok:
+        relation = ">" if strict else ">="
+        raise InvalidOptionError(f"{what} must be a finite number {relation} {minimum:g}, "
+                                 f"not {show(value)}")
+    return value
+
+
+def check_probability(what: str, value: object) -> float:
+    """``value`` as a ``float`` in ``[0, 1)`` (a dropout rate: 1 would zero every unit)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
+        raise InvalidOptionError(f"{what} must be a number in [0, 1), not {show(value)}")
+    return float(value)
+
+
+def check_bool(what: str, value: object) -> bool:
+    """``value`` if it is true or false."""
+    if not isinstance(value, bool):
+        raise InvalidOptionError(f"{what} must be true or false, not {show(value)}")
+    return value
+
+
+def check_name(what: str, value: object, choices: tuple[str, ...] = ()) -> str:
+    """``value`` if it is a non-empty string (one of ``choices`` when given)."""
+    if not isinstance(value, str) or not value:
+        raise InvalidOptionError(f"{what} must be a non-empty string, not {show(value)}")
+    if choices and value not in choices:
+        raise InvalidOptionError(f"{what} must be one of {', '.join(choices)}, not {show(value)}")
+    return value
+
+
+def check_table(what: str, value: object) -> dict[str, Any]:
+    """``value`` as a dict if it is a mapping with string keys (a TOML table)."""
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise InvalidOptionError(f"{what} must be a table of named values, not {show(value)}")
+    return dict(value)
+
+
+def check_choice(what: str, value: object, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of the string enum ``choices``."""
+    if not isinstance(value, str) or value not in choices:
+        raise InvalidOptionError(f"{what} must be one of {', '.join(choices)}, not {show(value)}")
+    return value
