@@ -1,10 +1,18 @@
 """The reference zoo shipped with the package: OptuNet on Fashion-MNIST.
 
-Two collections, produced by the mass trainer from the specs in the repository's
-``specs/`` folder (the exact commands are in data_card.md):
+Eleven collections, produced by the mass trainer from the specs in the repository's
+``specs/`` folder with the paper's 60-epoch OptuNet recipe (the exact commands and times
+are in data_card.md):
 
 - ``"target"``: 1,000 independently trained checkpoints (the target posterior);
-- ``"de"``: 100 further ones (a Deep Ensemble, disjoint from the target).
+- ``"de"``: 100 further ones (a Deep Ensemble, disjoint from the target);
+- the single-mode method collections ``"mc-dropout"``, ``"bbb"``, ``"swag"``,
+  ``"laplace"`` and ``"sghmc"``: 100 samples around one base network (one chain);
+- the multi-mode ones ``"mc-dropout-multi-mode"``, ``"bbb-multi-mode"``,
+  ``"swag-multi-mode"`` and ``"laplace-multi-mode"``: 10 samples around each of 10 base
+  networks.
+
+Every sample is an ordinary OptuNet checkpoint, so all collections compare alike.
 
 >>> from posteriorzoo.reference import open_reference
 >>> with open_reference("target") as zoo:
@@ -20,21 +28,19 @@ from posteriorzoo._api import public
 from posteriorzoo.errors import UnknownNameError, ZooFormatError
 from posteriorzoo.zoo import Zoo, open_zoo
 
-COLLECTIONS = {
-    "target": "optunet-fashion-mnist-target.h5",
-    "de": "optunet-fashion-mnist-de.h5",
-}
-__all__ = ["COLLECTIONS", "SPECS", "open_reference", "reference_path"]
-
-SPECS = {
-    "target": "specs/optunet-fashion-mnist-target.toml",
-    "de": "specs/optunet-fashion-mnist-de.toml",
-}
+#: The method collections in the order of the paper's Table 1 (single-, then multi-mode).
+METHODS = ("mc-dropout", "bbb", "swag", "laplace", "sghmc", "mc-dropout-multi-mode",
+           "bbb-multi-mode", "swag-multi-mode", "laplace-multi-mode")
+#: Name -> file name of every shipped collection.
+COLLECTIONS = {name: f"optunet-fashion-mnist-{name}.h5" for name in ("target", "de", *METHODS)}
+#: Name -> the spec that produced it, relative to the repository root.
+SPECS = {name: f"specs/optunet-fashion-mnist-{name}.toml" for name in COLLECTIONS}
+__all__ = ["COLLECTIONS", "METHODS", "SPECS", "open_reference", "reference_path"]
 
 
 @public
 def reference_path(name: str = "target") -> Path:
-    """Path of a shipped reference collection (``"target"`` or ``"de"``)."""
+    """Path of a shipped reference collection (a name of :data:`COLLECTIONS`)."""
     if name not in COLLECTIONS:
         raise UnknownNameError(
             f"unknown reference collection {name!r}; shipped: {', '.join(COLLECTIONS)}")
