@@ -232,14 +232,14 @@ def bench_bbb(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ (c) collections
-SPECS = Path(__file__).resolve().parent.parent / "reference-build" / "specs"
+SPECS = Path(__file__).resolve().parent.parent / "specs"
 METHODS = ("mc-dropout", "swag", "laplace", "sghmc", "bbb")
 
 def collection_times(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Time each method's 100-sample collection, as the trainer produces it.
 
     One ``train_zoo.run.train_collection`` per method (``--methods``, default every
-    single-mode spec of ``reference-build/specs``: 1 base network x 100 samples of OptuNet
+    single-mode spec of ``specs/``: 1 base network x 100 samples of OptuNet
     on Fashion-MNIST with the 60-epoch recipe), into a temporary file, in this process
     (serial backend, the auto engine). ``--collection-epochs E`` shortens the recipe (the
     method phases scale with it: SWAG runs 2E epochs). Returns one row per method::
