@@ -25,12 +25,14 @@ def test_demo_runs_and_resumes(tmp_path, capsys, monkeypatch):
         # averaging members' probabilities beats the average member
         assert ensemble["ensemble_nll"] < ensemble["member_nll_mean"]
     summary = json.loads((out / "demo-summary.json").read_text())
-    assert summary["command"].startswith("posteriorzoo demo")
-    assert summary["base_seed"] == 0 and summary["recipe"]["dataset"] == "digits"
-    assert "torch" in summary["versions"]
+    provenance = summary["provenance"]
+    assert summary["kind"] == "demo" and provenance["command"].startswith("posteriorzoo demo")
+    assert provenance["seeds"] == {"base_seed": 0}
+    assert summary["recipe"]["dataset"] == "digits"
+    assert "torch" in provenance["versions"]
     with open_zoo(out / "optunet-digits-de.h5") as zoo:
         first = [str(d) for d in zoo.metadata["sha256"]]
-        assert zoo.created_by["command"] == summary["command"]
+        assert zoo.created_by["command"] == provenance["command"]
     verify_manifest(out)
     # The reference steps were checked above; the checks below do not need them.
     monkeypatch.setattr("posteriorzoo.cli.demo.reference_step", lambda progress: {})
@@ -51,4 +53,10 @@ def test_demo_runs_and_resumes(tmp_path, capsys, monkeypatch):
         assert [str(d) for d in zoo.metadata["sha256"][:2]] == first
         assert list(zoo.metadata["mode_id"]) == [0, 1, 2]
     assert not (out / "mmd-report").exists()  # the old folder was replaced, not merged
+    # --json: the summary alone on stdout, the step lines on stderr
+    capsys.readouterr()
+    assert main(["demo", "--out", str(out), "--checkpoints", "2", "--epochs", "1",
+                 "--no-progress", "--overwrite", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["kind"] == "demo" and "[3] trained" in captured.err
     assert [p.name for p in tmp_path.iterdir()] == ["demo"]  # no temporary left behind

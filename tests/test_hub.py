@@ -8,6 +8,7 @@ at a closed port on localhost (connection refused).
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import socket
 import time
@@ -579,6 +580,20 @@ def test_cli_download_success(run_cli, repo_source: Path, isolated_hub: Path) ->
     assert str(snapshot) in out
     assert "  ok  a.h5" in out and "  ok  sub/b.h5" in out
     assert err == []
+
+
+def test_cli_download_and_upload_json(run_cli, repo_source: Path, isolated_hub: Path,
+                                      fake_api: type[FakeHfApi], collections: Path) -> None:
+    snapshot = build_hf_cache(isolated_hub, repo_source)
+    code, out, err = run_cli("download", REPO, "--include", "*.h5", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["kind"] == "download" and data["path"] == str(snapshot)
+    assert data["verified"] == ["a.h5", "sub/b.h5"] and data["manifests"]
+    code, out, err = run_cli("upload", REPO, str(collections), "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["kind"] == "upload" and data["files"] == 2 and COMMIT in data["url"]
 
 
 def test_cli_download_no_verify(run_cli, repo_source: Path, isolated_hub: Path) -> None:

@@ -90,3 +90,8 @@ def add_no_verify_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-verify", action="store_true",
                         help="do not check each checkpoint's SHA-256 as it is read "
                              "(default: check, and refuse a corrupt input)")
+
+
+def add_json_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--json``: print ``what`` (the command's result as JSON) instead of the text."""
+    parser.add_argument("--json", action="store_true", help=f"print {what}")

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from posteriorzoo.cli._types import (
+    add_json_option,
     add_no_verify_option,
     add_overwrite_option,
     nonnegative_int,
@@ -61,8 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "--n-verify checks (default: %(default)s)")
     add_overwrite_option(parser)
     add_no_verify_option(parser)
-    parser.add_argument("--json", action="store_true",
-                        help="print the result (counts, annotations, provenance) as JSON")
+    add_json_option(parser, "the result (counts, annotations, provenance) as JSON")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(func=run_canonicalize)
 
@@ -89,8 +89,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="checkpoints per batch (default: as many as fit in 256 MB)")
     add_overwrite_option(report)
     add_no_verify_option(report)
-    report.add_argument("--json", action="store_true",
-                        help="print the summary and provenance as JSON")
+    add_json_option(report, "the summary and provenance as JSON")
     report.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     report.set_defaults(func=run_min_mass)
 

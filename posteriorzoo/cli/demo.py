@@ -19,11 +19,18 @@ Last, a SHA256SUMS manifest of the output folder.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
-from posteriorzoo.cli._types import add_overwrite_option, nonnegative_int, positive_int
+from posteriorzoo.cli._types import (
+    add_json_option,
+    add_overwrite_option,
+    nonnegative_int,
+    positive_int,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -45,6 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "the digits zoo, whose checkpoint i's seeds derive from (seed, i) "
                              "(default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_json_option(parser, "the demo's summary (demo-summary.json) on stdout; the step "
+                            "lines go to stderr")
     parser.set_defaults(func=run_demo)
 
 
@@ -156,9 +165,14 @@ def run_demo(args: argparse.Namespace) -> int:
 
     # Every file is built inside a temporary folder next to --out, which replaces --out
     # only when the whole demo has succeeded.
-    with atomic_directory(args.out, overwrite=args.overwrite) as work:
+    # With --json, stdout carries only the summary; the step lines go to stderr.
+    lines = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    with lines, atomic_directory(args.out, overwrite=args.overwrite) as work:
         code = _run_steps(args, work)
-    print(f"results in {args.out}/")
+        summary = (work / "demo-summary.json").read_text()
+    print(f"results in {args.out}/", file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(summary)
     return code
 
 
@@ -166,7 +180,7 @@ def _run_steps(args: argparse.Namespace, out: Path) -> int:
     import torch
 
     from posteriorzoo.collection import describe, export_checkpoint, import_checkpoints, verify
-    from posteriorzoo.provenance import library_versions
+    from posteriorzoo.provenance import record
     from posteriorzoo.zoo import open_zoo, verify_manifest, write_manifest
     from train_zoo import make_spec
     from train_zoo.backends import SerialBackend
@@ -204,8 +218,10 @@ def _run_steps(args: argparse.Namespace, out: Path) -> int:
     symmetry = symmetry_step(out, args.command_line)
     comparison = mmd_step(out, args.command_line, progress=not args.no_progress)
 
-    summary = {"command": args.command_line, "versions": library_versions(),
-               "base_seed": args.seed, "recipe": spec.collection_recipe(),
+    summary = {"kind": "demo",
+               "provenance": record("posteriorzoo demo", command=args.command_line,
+                                    seeds={"base_seed": args.seed}),
+               "recipe": spec.collection_recipe(),
                "reference": reference, "ensemble": ensemble, "collection": info,
                "verify_ok": report.ok, "roundtrip_identical": identical,
                "symmetry": symmetry, "mmd": comparison}

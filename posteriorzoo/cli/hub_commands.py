@@ -7,6 +7,9 @@ commands runs, so other commands start fast.
 from __future__ import annotations
 
 import argparse
+import json
+
+from posteriorzoo.cli._types import add_json_option
 
 _NETWORK_NOTE = (
     "Needs network access to huggingface.co (or HF_ENDPOINT) unless the files are already "
@@ -58,6 +61,8 @@ def _register_download(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="skip the SHA-256 check (also allows repositories without SHA256SUMS)",
     )
+    add_json_option(parser, "the download's JSON (repository, revision, folder, verified "
+                            "and unverified files) instead of the lines")
     parser.set_defaults(func=run_download)
 
 
@@ -107,6 +112,8 @@ def _register_upload(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="skip verifying the collections before upload (not recommended)",
     )
+    add_json_option(parser, "the upload's JSON (repository, revision, commit URL, files) "
+                            "instead of the line")
     parser.set_defaults(func=run_upload)
 
 
@@ -123,11 +130,18 @@ def run_download(args: argparse.Namespace) -> int:
         verify=False,
     )
     revision = args.revision or "main"
+    report = None if args.no_verify else verify_snapshot(path, args.include)
+    if args.json:
+        print(json.dumps({
+            "kind": "download", "repo_id": args.repo_id, "revision": revision,
+            "path": str(path), "verified": None if report is None else list(report.verified),
+            "unverified": None if report is None else list(report.unverified),
+            "manifests": None if report is None else list(report.manifests)}, indent=1))
+        return 0
     print(f"{args.repo_id} (revision {revision}) is in {path}")
-    if args.no_verify:
+    if report is None:
         print("not verified (--no-verify)")
         return 0
-    report = verify_snapshot(path, args.include)
     print(f"verified {len(report.verified)} file(s) against {', '.join(report.manifests)}:")
     for name in report.verified:
         print(f"  ok  {name}")
@@ -151,6 +165,11 @@ def run_upload(args: argparse.Namespace) -> int:
         path_in_repo=args.path_in_repo,
         verify=not args.no_verify,
     )
+    if args.json:
+        print(json.dumps({"kind": "upload", "repo_id": args.repo_id,
+                          "revision": args.revision or "main", "url": str(url),
+                          "files": count, "card": args.card}, indent=1))
+        return 0
     extra = " and the dataset card" if args.card else ""
     print(f"uploaded {count} collection file(s), SHA256SUMS{extra} to {args.repo_id}: {url}")
     return 0

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from posteriorzoo.cli._types import (
+    add_json_option,
     add_no_verify_option,
     add_overwrite_option,
     nonnegative_int,
@@ -111,8 +112,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--keep-canonical", action="store_true",
                         help="keep the canonical copies in OUT/canonical (default: they are "
                              "built inside the temporary output and deleted)")
-    parser.add_argument("--json", action="store_true",
-                        help="print the report's JSON instead of the Markdown table")
+    add_json_option(parser, "the report's JSON instead of the Markdown table")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     parser.set_defaults(func=run_mmd)
 

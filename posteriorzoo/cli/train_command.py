@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from posteriorzoo.cli._types import add_no_verify_option, positive_int
+from posteriorzoo.cli._types import add_json_option, add_no_verify_option, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -44,8 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="override the spec's number of checkpoints (the number of "
                              "modes follows; samples_per_mode must divide it)")
     add_no_verify_option(parser)
-    parser.add_argument("--json", action="store_true",
-                        help="print the run's summary as JSON")
+    add_json_option(parser, "the run's summary as JSON")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(func=run_train)
 

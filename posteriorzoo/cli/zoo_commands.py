@@ -8,7 +8,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from posteriorzoo.cli._types import add_no_verify_option, add_overwrite_option, positive_int
+from posteriorzoo.cli._types import (
+    add_json_option,
+    add_no_verify_option,
+    add_overwrite_option,
+    positive_int,
+)
 from posteriorzoo.errors import ZooFormatError
 
 
@@ -22,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "checkpoint is checked against its digests first (--no-verify skips "
                     "this, e.g. to look at a damaged file).")
     info.add_argument("zoo", type=Path, help="collection file (.h5)")
-    info.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    add_json_option(info, "machine-readable JSON")
     add_no_verify_option(info)
     info.set_defaults(func=run_info)
 
@@ -33,8 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "occur in checkpoints flagged diverged, and the whole file against a "
                     "SHA256SUMS manifest next to it, if any. Exit code 2 if anything is wrong.")
     verify.add_argument("zoos", type=Path, nargs="+", help="collection files (.h5)")
-    verify.add_argument("--json", action="store_true",
-                        help="print one JSON list with every file's result")
+    add_json_option(verify, "one JSON list with every file's result")
     verify.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     verify.set_defaults(func=run_verify)
 
@@ -57,8 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "NNNNNN.safetensors")
     add_overwrite_option(export)
     add_no_verify_option(export)
-    export.add_argument("--json", action="store_true",
-                        help="print what was written (every file with its SHA-256) as JSON")
+    add_json_option(export, "what was written (every file with its SHA-256) as JSON")
     export.set_defaults(func=run_export)
 
     importer = subparsers.add_parser(
@@ -90,8 +93,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     importer.add_argument("--checkpoints-per-batch", type=positive_int, default=64,
                           help="checkpoints committed together when appending (default 64)")
     add_no_verify_option(importer)
-    importer.add_argument("--json", action="store_true",
-                          help="print what was imported as JSON")
+    add_json_option(importer, "what was imported as JSON")
     importer.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     importer.set_defaults(func=run_import)
 

@@ -1,0 +1,173 @@
+"""Entropy and the mutual information of an ensemble's predictions (in nats).
+
+The mutual information between the label and the member, ``H(mean_m p_m) - mean_m H(p_m)``
+(Shannon entropies, natural logarithm), is the ensemble's epistemic uncertainty, or
+diversity, on a sample: 0 when every member predicts the same distribution, at most
+``log(min(m, K))``. The paper (seed 003, section 4.2 and Table 1) reports its mean over the
+in-distribution test set (IDMI) and over the OOD set (OODMI): :func:`mean_mutual_information`.
+Its section 5.1 ("functional collapse", Figures 3, 7 and 8) takes, for pairs of independently
+trained networks, "the mean over the test set of their pairwise mutual information,
+quantifying the divergence between the single models and their average":
+:func:`pairwise_mutual_information`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from scipy.special import entr
+
+from posteriorzoo._api import public
+from posteriorzoo.metrics import _checks
+
+#: Largest float64 working array (elements) of :func:`pairwise_mutual_information`: pairs
+#: are processed in chunks of this many ``n * K`` values (32 MiB).
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def _entropy(probabilities: np.ndarray) -> np.ndarray:
+    """Shannon entropy in nats over the last axis, with 0 log 0 = 0 (``entr``), as float64."""
+    return entr(np.asarray(probabilities, dtype=np.float64)).sum(axis=-1)
+
+
+def _mutual_information(members: np.ndarray) -> np.ndarray:
+    """Per-sample MI (n,) of checked member probabilities (m, n, K), in nats."""
+    mean = members.mean(axis=0, dtype=np.float64)
+    # One member at a time, so that float32 inputs are never copied whole to float64.
+    expected = sum(_entropy(member) for member in members) / members.shape[0]
+    # MI >= 0 by Jensen's inequality; rounding can leave -1e-16 where all members agree.
+    return np.maximum(_entropy(mean) - expected, 0.0)
+
+
+@public
+def entropy(probabilities: np.ndarray) -> np.ndarray:
+    """Shannon entropy of each row of predicted probabilities.
+
+    Parameters
+    ----------
+    probabilities : ndarray of shape (n, K), float
+        Class probabilities; each row sums to 1.
+
+    Returns
+    -------
+    ndarray of shape (n,), float64
+        ``-sum_k p_k log p_k`` in nats (``0 log 0 = 0``), in [0, log K].
+    """
+    _checks.probabilities("entropy", "probabilities", probabilities, ndim=2)
+    return _entropy(probabilities)
+
+
+@public
+def mutual_information(member_probabilities: np.ndarray) -> np.ndarray:
+    """Per-sample mutual information between the label and the member of an ensemble.
+
+    Parameters
+    ----------
+    member_probabilities : ndarray of shape (m, n, K), float
+        Each of ``m`` members' softmax probabilities on ``n`` samples.
+
+    Returns
+    -------
+    ndarray of shape (n,), float64
+        ``H(mean_m p_m) - mean_m H(p_m)`` in nats (natural logarithm), in
+        [0, log(min(m, K))]: 0 when all members agree, ``log 2`` for two members each
+        certain of a different class. The entropy of the predictive minus the expected
+        entropy of the members (the epistemic part of the predictive uncertainty).
+    """
+    _checks.probabilities("mutual_information", "member_probabilities",
+                          member_probabilities, ndim=3)
+    return _mutual_information(member_probabilities)
+
+
+@public
+def mean_mutual_information(member_probabilities: np.ndarray) -> float:
+    """The mean over samples of :func:`mutual_information`: the paper's IDMI or OODMI.
+
+    Parameters
+    ----------
+    member_probabilities : ndarray of shape (m, n, K), float
+        Each of ``m`` members' softmax probabilities on ``n`` samples: the in-distribution
+        test set for IDMI, the OOD set for OODMI.
+
+    Returns
+    -------
+    float
+        The mean mutual information in nats, in [0, log(min(m, K))]. (The paper's Table 1
+        states neither unit nor scale; its values, up to 267.2, exceed this bound, so they
+        are scaled -- most likely x 100, as its other columns are percentages.)
+    """
+    _checks.probabilities("mean_mutual_information", "member_probabilities",
+                          member_probabilities, ndim=3)
+    return float(_mutual_information(member_probabilities).mean())
+
+
+def _pairs(function: str, pairs: np.ndarray | Sequence[Sequence[int]] | None,
+           members: int) -> np.ndarray:
+    """The (P, 2) int64 member index pairs: all i < j by default, else checked ``pairs``."""
+    if pairs is None:
+        if members < 2:
+            _checks.fail(function, f"needs at least 2 members to form a pair, not {members}")
+        return np.stack(np.triu_indices(members, k=1), axis=1).astype(np.int64)
+    try:
+        array = np.asarray(pairs)
+    except ValueError:  # ragged nested sequences
+        _checks.fail(function, "pairs must be a list of (i, j) member index pairs")
+    if array.dtype.kind not in "iu" or array.ndim != 2 or array.shape[1] != 2:
+        _checks.fail(function, "pairs must be (i, j) pairs of integer member indices, "
+                               f"shape (P, 2); got {array.dtype} of shape {array.shape}")
+    if array.shape[0] == 0:
+        _checks.fail(function, "pairs must hold at least one pair")
+    if array.min() < 0 or array.max() >= members:
+        _checks.fail(function, f"pairs must index members 0..{members - 1}; they span "
+                               f"{int(array.min())}..{int(array.max())}")
+    same = np.flatnonzero(array[:, 0] == array[:, 1])
+    if same.size:
+        _checks.fail(function, f"a pair must join two different members, not "
+                               f"{tuple(int(i) for i in array[same[0]])}")
+    return array.astype(np.int64, copy=False)
+
+
+@public
+def pairwise_mutual_information(member_probabilities: np.ndarray,
+                                pairs: np.ndarray | Sequence[Sequence[int]] | None = None,
+                                ) -> tuple[np.ndarray, np.ndarray]:
+    """The mutual information of every two-member ensemble, averaged over samples.
+
+    For a pair (i, j) of members this is the mutual information of the ensemble {i, j},
+    ``mean_n [H((p_i + p_j) / 2) - (H(p_i) + H(p_j)) / 2]`` -- the mean Jensen-Shannon
+    divergence between the two members' predictions, "the mean over the test set of their
+    pairwise mutual information, quantifying the divergence between the single models and
+    their average" (seed 003, section 5.1, Figures 3 and 7: functional collapse). It equals
+    ``mean_mutual_information(member_probabilities[[i, j]])``.
+
+    Parameters
+    ----------
+    member_probabilities : ndarray of shape (m, n, K), float
+        Each of ``m`` members' softmax probabilities on ``n`` samples.
+    pairs : ndarray of shape (P, 2) or sequence of (i, j), int, optional
+        Member index pairs, ``i != j``; default: all ``m (m - 1) / 2`` pairs ``i < j`` in
+        row-major order. The value is symmetric: (i, j) and (j, i) give the same number.
+
+    Returns
+    -------
+    values : ndarray of shape (P,), float64
+        Each pair's mean mutual information in nats, in [0, log 2].
+    pairs : ndarray of shape (P, 2), int64
+        The pairs, in the order of ``values``.
+    """
+    function = "pairwise_mutual_information"
+    _checks.probabilities(function, "member_probabilities", member_probabilities, ndim=3)
+    members, samples, classes = member_probabilities.shape
+    index = _pairs(function, pairs, members)
+    member_entropy = np.array([_entropy(p).mean() for p in member_probabilities])
+    mixture_entropy = np.empty(index.shape[0])
+    chunk = max(1, _CHUNK_ELEMENTS // (samples * classes))
+    for start in range(0, index.shape[0], chunk):
+        i, j = index[start:start + chunk].T
+        mixture = 0.5 * (member_probabilities[i].astype(np.float64)
+                         + member_probabilities[j])
+        mixture_entropy[start:start + chunk] = _entropy(mixture).mean(axis=1)
+    values = mixture_entropy - 0.5 * (member_entropy[index[:, 0]] + member_entropy[index[:, 1]])
+    # Non-negative per sample (Jensen); rounding can leave -1e-16 for identical members.
+    return np.maximum(values, 0.0), index

@@ -1,0 +1,129 @@
+"""Out-of-distribution detection: per-sample OOD scores, AUPR and FPR95.
+
+Conventions (torch-uncertainty's, the paper authors' library, after Hendrycks & Gimpel
+2017): a score says **how OOD** a sample looks -- higher means more out-of-distribution --
+and OOD samples are the **positive** class. A detector flags a sample as OOD when its
+score is at least a threshold; recall is the fraction of OOD samples flagged, the false
+positive rate the fraction of in-distribution samples flagged.
+
+>>> id_score = ood_scores(members_on_test_set)            # (n_id,)
+>>> ood_score = ood_scores(members_on_ood_set)            # (n_ood,)
+>>> aupr(id_score, ood_score), fpr_at_95_recall(id_score, ood_score)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from sklearn.metrics import average_precision_score
+
+from posteriorzoo._api import public
+from posteriorzoo.metrics import _checks
+from posteriorzoo.metrics.information import _mutual_information
+
+#: The per-sample OOD scores :func:`ood_scores` computes.
+OOD_SCORES = ("max-probability", "mutual-information")
+
+
+@public
+def ood_scores(member_probabilities: np.ndarray, score: str = "max-probability"
+               ) -> np.ndarray:
+    """How out-of-distribution each sample looks to an ensemble (higher: more OOD).
+
+    Parameters
+    ----------
+    member_probabilities : ndarray of shape (m, n, K), float
+        Each of ``m`` members' softmax probabilities on ``n`` samples (``m = 1`` for a
+        single network).
+    score : {"max-probability", "mutual-information"}
+        ``"max-probability"``: ``1 - max_k p_k`` of the ensemble's predictive
+        ``p = mean_m p_m`` (the maximum softmax probability baseline, negated), in
+        [0, 1 - 1/K]. ``"mutual-information"``: the ensemble's mutual information
+        (:func:`~posteriorzoo.metrics.mutual_information`) in nats, in [0, log(min(m, K))];
+        it is 0 for a single network.
+
+    Returns
+    -------
+    ndarray of shape (n,), float64
+        The scores; higher means more OOD.
+    """
+    function = "ood_scores"
+    _checks.probabilities(function, "member_probabilities", member_probabilities, ndim=3)
+    _checks.choice(function, "score", score, OOD_SCORES)
+    if score == "mutual-information":
+        return _mutual_information(member_probabilities)
+    predictive = member_probabilities.mean(axis=0, dtype=np.float64)
+    return 1.0 - predictive.max(axis=1)
+
+
+def _id_and_ood(function: str, id_scores: np.ndarray, ood_scores: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    return (_checks.scores(function, "id_scores", id_scores),
+            _checks.scores(function, "ood_scores", ood_scores))
+
+
+@public
+def aupr(id_scores: np.ndarray, ood_scores: np.ndarray) -> float:
+    """Area under the precision-recall curve of OOD detection, OOD as the positive class.
+
+    Parameters
+    ----------
+    id_scores : ndarray of shape (n_id,), float
+        OOD scores (higher: more OOD) of in-distribution samples.
+    ood_scores : ndarray of shape (n_ood,), float
+        OOD scores of out-of-distribution samples.
+
+    Returns
+    -------
+    float
+        Average precision in [0, 1] (scikit-learn's ``average_precision_score``, the step
+        sum ``sum_t (R_t - R_{t-1}) P_t``, as torchmetrics' ``BinaryAveragePrecision`` that
+        torch-uncertainty reports as AUPR). Higher is better; a detector no better than
+        chance scores ``n_ood / (n_id + n_ood)``.
+    """
+    id_scores, ood_scores = _id_and_ood("aupr", id_scores, ood_scores)
+    truth = np.r_[np.zeros(id_scores.size), np.ones(ood_scores.size)]
+    return float(average_precision_score(truth, np.r_[id_scores, ood_scores]))
+
+
+@public
+def fpr_at_95_recall(id_scores: np.ndarray, ood_scores: np.ndarray) -> float:
+    """False positive rate of OOD detection at 95% recall of the OOD samples (FPR95).
+
+    Follows torch-uncertainty's ``FPR95`` (``FPRx`` with recall 0.95, from Hendrycks'
+    ``anomaly-seg`` code) exactly. The operating points are the thresholds at the distinct
+    scores, from the highest down to the first at which every OOD sample is flagged. Among
+    them, the recall nearest 0.95 is chosen (an exact tie goes to the higher recall: with
+    ``n_ood`` a multiple of 20 the recall is exactly 0.95). At that recall ``k / n_ood`` with
+    ``k < n_ood``, the threshold is the lowest one still giving it: every in-distribution
+    sample scored above the (k+1)-th highest OOD score counts as a false positive (at
+    recall 1, those scored at or above the lowest OOD score).
+
+    Parameters
+    ----------
+    id_scores : ndarray of shape (n_id,), float
+        OOD scores (higher: more OOD) of in-distribution samples (the negatives).
+    ood_scores : ndarray of shape (n_ood,), float
+        OOD scores of out-of-distribution samples (the positives).
+
+    Returns
+    -------
+    float
+        The fraction in [0, 1] of in-distribution samples flagged as OOD. Lower is better.
+    """
+    id_scores, ood_scores = _id_and_ood("fpr_at_95_recall", id_scores, ood_scores)
+    n_ood = ood_scores.size
+    scores = np.r_[ood_scores, id_scores]
+    is_ood = np.r_[np.ones(n_ood, dtype=np.int64), np.zeros(id_scores.size, dtype=np.int64)]
+    order = np.argsort(-scores, kind="stable")
+    ranked = scores[order]
+    # The last position of each run of equal scores: one operating point per distinct score.
+    ends = np.r_[np.flatnonzero(ranked[1:] != ranked[:-1]), ranked.size - 1]
+    true_positives = np.cumsum(is_ood[order])[ends]
+    false_positives = ends + 1 - true_positives
+    # torch-uncertainty drops the thresholds below the first that flags every OOD sample.
+    last = int(np.searchsorted(true_positives, n_ood))
+    true_positives, false_positives = true_positives[:last + 1], false_positives[:last + 1]
+    # 20 n_ood |recall - 0.95| = |20 TP - 19 n_ood|, in integers so that ties are exact.
+    distance = np.abs(20 * true_positives - 19 * n_ood)
+    recalled = true_positives[distance == distance.min()].max()
+    return float(false_positives[true_positives == recalled].max() / id_scores.size)
