@@ -9,6 +9,7 @@ import torch
 from posteriorzoo.collection import evaluate
 from posteriorzoo.collection.evaluation import member_probabilities, normalized_images
 from posteriorzoo.data import load_dataset
+from posteriorzoo.errors import InvalidOptionError, PosteriorZooError
 from posteriorzoo.metrics import accuracy, negative_log_likelihood
 from posteriorzoo.models import build
 from posteriorzoo.zoo import create_zoo, open_zoo
@@ -65,3 +66,55 @@ def test_evaluate_a_collection_against_each_model(three_models, tmp_path):
                                                 rel=1e-5)
     paths = result.write(tmp_path / "out")
     assert sorted(paths) == ["evaluate.json", "members.csv"]
+
+
+def test_evaluate_gives_every_table_1_metric_of_the_predictive(three_models, tmp_path):
+    """ECE, Brier, MI, AUPR, FPR95 and pairwise MI of ``evaluate`` equal the pure metrics
+    on the members' probabilities, with OOD images normalised like the ID ones."""
+    from posteriorzoo.data import Normalize
+    from posteriorzoo.metrics import (
+        aupr,
+        brier_score,
+        expected_calibration_error,
+        fpr_at_95_recall,
+        mean_mutual_information,
+        ood_scores,
+        pairwise_mutual_information,
+    )
+
+    models, path = three_models
+    ood_name = "fashion-mnist"
+    try:
+        ood = load_dataset(ood_name, "test", download=False)
+    except PosteriorZooError:
+        pytest.skip("the Fashion-MNIST files are not installed")
+    test = load_dataset("digits", "test")
+    normalize = Normalize(test.mean, test.std)      # the ID statistics for both sets
+    with torch.no_grad():
+        id_members = np.stack([torch.softmax(m(normalized_images(test)), 1).numpy()
+                               for m in models])
+        ood_members = np.stack([torch.softmax(m(normalize(torch.from_numpy(
+            ood.images[:300]))), 1).numpy() for m in models])
+    result = evaluate(path, ood_dataset=ood_name, ood_score="mutual-information", bins=10,
+                      n_images=300, n_pairs=2, seed=1)
+    labels = test.labels[:300]
+    id_members = id_members[:, :300]
+    predictive = id_members.mean(axis=0)
+    assert result.image_counts == {"id": 300, "ood": 300}
+    assert result.ensemble_brier == pytest.approx(brier_score(predictive, labels), rel=1e-5)
+    assert result.ensemble_ece == pytest.approx(
+        expected_calibration_error(predictive, labels, 10), rel=1e-4, abs=1e-6)
+    assert result.idmi == pytest.approx(mean_mutual_information(id_members), rel=1e-4)
+    assert result.oodmi == pytest.approx(mean_mutual_information(ood_members), rel=1e-4)
+    scores = (ood_scores(id_members, "mutual-information"),
+              ood_scores(ood_members, "mutual-information"))
+    assert result.aupr == pytest.approx(aupr(*scores), rel=1e-4)
+    assert result.fpr95 == pytest.approx(fpr_at_95_recall(*scores), abs=1e-3)
+    assert result.pairs.shape == (2, 2) and (result.pairs[:, 0] < result.pairs[:, 1]).all()
+    expected, _ = pairwise_mutual_information(ood_members, result.pairs)
+    np.testing.assert_allclose(result.pairwise_ood, expected, rtol=1e-4)
+    assert sorted(result.write(tmp_path / "ev")) == ["evaluate.json", "members.csv",
+                                                      "pairwise_mi.csv"]
+    assert evaluate(path, n_pairs=99).pairs.shape == (3, 2)     # all 3 pairs of 3 members
+    with pytest.raises(InvalidOptionError, match="ood_score"):
+        evaluate(path, ood_score="entropy")

@@ -16,8 +16,22 @@ import torch
 from posteriorzoo._api import public
 from posteriorzoo.collection._open import Source, content_digest, model_of, opened, source_path
 from posteriorzoo.data import ArrayDataset, Normalize, load_dataset
-from posteriorzoo.metrics import accuracy, negative_log_likelihood
-from posteriorzoo.options import check_integer
+from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.metrics import (
+    DEFAULT_ECE_BINS,
+    OOD_SCORES,
+    accuracy,
+    aupr,
+    brier_score,
+    expected_calibration_error,
+    fpr_at_95_recall,
+    mean_mutual_information,
+    negative_log_likelihood,
+    ood_scores,
+    pairwise_mutual_information,
+    posterior_predictive,
+)
+from posteriorzoo.options import check_choice, check_integer
 from posteriorzoo.provenance import record
 from posteriorzoo.results import CollectionResult, csv_text
 
@@ -70,16 +84,34 @@ def member_probabilities(source: Source, images: torch.Tensor,
 
 @dataclass
 class EvaluateResult(CollectionResult):
-    """A collection's predictive performance on one dataset split.
+    """A collection's predictive performance: the paper's Table 1 metrics.
+
+    The ensemble is the posterior predictive: the average of the members' softmax outputs.
 
     Attributes
     ----------
     dataset, split : str
+        The in-distribution (ID) images.
     member_accuracy, member_nll : numpy.ndarray
         ``(N,)`` accuracy in [0, 1] and mean negative log-likelihood (nats) of each
         checkpoint.
-    ensemble_accuracy, ensemble_nll : float
-        Of the average of the members' probabilities.
+    ensemble_accuracy, ensemble_nll, ensemble_brier, ensemble_ece : float
+        Of the predictive: accuracy in [0, 1], NLL in nats, Brier score (multi-class
+        sum, in [0, 2]) and top-label ECE in [0, 1] with ``bins`` equal-width bins.
+    idmi : float
+        Mean mutual information between the members' predictions and the label on the ID
+        images, in nats (0 for a single network; at most log(min(N, K))).
+    ood_dataset : str or None
+        The out-of-distribution (OOD) images' dataset, when one was given; then
+        ``oodmi`` (nats), ``aupr`` and ``fpr95`` (OOD is the positive class, scored by
+        ``ood_score``; both in [0, 1]) are set, else None.
+    pairwise_id, pairwise_ood : numpy.ndarray or None
+        ``(P,)`` mutual information of the 2-member ensembles of ``pairs`` (nats), when
+        ``n_pairs`` were asked for (the functional-collapse figure).
+    pairs : numpy.ndarray or None
+        ``(P, 2)`` member indices.
+    image_counts : dict
+        How many ID and OOD images were used.
     """
 
     kind = "evaluate"
@@ -89,33 +121,84 @@ class EvaluateResult(CollectionResult):
     member_nll: np.ndarray
     ensemble_accuracy: float
     ensemble_nll: float
+    ensemble_brier: float
+    ensemble_ece: float
+    idmi: float
+    bins: int
+    image_counts: dict[str, int]
+    ood_dataset: str | None = None
+    ood_score: str | None = None
+    oodmi: float | None = None
+    aupr: float | None = None
+    fpr95: float | None = None
+    pairwise_id: np.ndarray | None = None
+    pairwise_ood: np.ndarray | None = None
+    pairs: np.ndarray | None = None
+
+    def metrics(self) -> dict[str, Any]:
+        """The ensemble's figures by name (those of the paper's Table 1 and NLL)."""
+        return {"accuracy": self.ensemble_accuracy, "nll": self.ensemble_nll,
+                "brier": self.ensemble_brier, "ece": self.ensemble_ece, "aupr": self.aupr,
+                "fpr95": self.fpr95, "idmi": self.idmi, "oodmi": self.oodmi}
 
     def payload(self) -> dict[str, Any]:
-        return {"dataset": self.dataset, "split": self.split,
+        return {"dataset": self.dataset, "split": self.split, "ood_dataset": self.ood_dataset,
+                "ood_score": self.ood_score, "bins": self.bins, "image_counts": self.image_counts,
                 "members": len(self.member_accuracy),
                 "member_accuracy_mean": float(np.mean(self.member_accuracy)),
                 "member_nll_mean": float(np.mean(self.member_nll)),
-                "ensemble_accuracy": self.ensemble_accuracy, "ensemble_nll": self.ensemble_nll}
+                "ensemble_accuracy": self.ensemble_accuracy, "ensemble_nll": self.ensemble_nll,
+                "ensemble_brier": self.ensemble_brier, "ensemble_ece": self.ensemble_ece,
+                "idmi": self.idmi, "oodmi": self.oodmi, "aupr": self.aupr,
+                "fpr95": self.fpr95, "pairs": None if self.pairs is None else len(self.pairs)}
 
     def tables(self) -> dict[str, str]:
-        return {"members.csv": csv_text(
+        tables = {"members.csv": csv_text(
             ["checkpoint", "accuracy", "nll"],
             ([i, float(a), float(n)] for i, (a, n) in
              enumerate(zip(self.member_accuracy, self.member_nll, strict=True))))}
+        if self.pairs is not None:
+            ood = self.pairwise_ood if self.pairwise_ood is not None else [None] * len(self.pairs)
+            tables["pairwise_mi.csv"] = csv_text(
+                ["first", "second", "id_mi", "ood_mi"],
+                ([int(i), int(j), float(a), None if b is None else float(b)]
+                 for (i, j), a, b in zip(self.pairs, self.pairwise_id, ood, strict=True)))
+        return tables
 
 
 @public
 def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
-             data_dir: str | None = None, batch_size: int = 2000, verify: bool = True,
-             command: str | None = None) -> EvaluateResult:
-    """Accuracy and NLL of every checkpoint and of their ensemble on a dataset split.
+             ood_dataset: str | None = None, ood_score: str = "max-probability",
+             bins: int = DEFAULT_ECE_BINS, n_images: int | None = None, n_pairs: int = 0,
+             seed: int = 0, data_dir: str | None = None, batch_size: int = 2000,
+             verify: bool = True, command: str | None = None) -> EvaluateResult:
+    """The posterior predictive's metrics (paper's Table 1) on a dataset split.
+
+    Every image, in and out of distribution, is normalised as the collection's training
+    images were: with the mean and std of the in-distribution dataset.
 
     Parameters
     ----------
     source : path or Zoo
     dataset : str, optional
-        A dataset of :func:`posteriorzoo.data.load_dataset` (default: the collection's).
+        The in-distribution dataset (:func:`posteriorzoo.data.load_dataset`; default: the
+        collection's).
     split : {"train", "test"}
+        Split of the in-distribution and OOD datasets.
+    ood_dataset : str, optional
+        An out-of-distribution dataset of the same image shape, e.g. ``"digits"`` for a
+        Fashion-MNIST collection: adds AUPR, FPR95 and OODMI.
+    ood_score : {"max-probability", "mutual-information"}
+        What ranks images as OOD (:func:`posteriorzoo.metrics.ood_scores`).
+    bins : int, default 15
+        Equal-width confidence bins of the ECE.
+    n_images : int, optional
+        Use only the first ``n_images`` images of each split (default: all).
+    n_pairs : int, default 0
+        Also compute the pairwise mutual information of this many member pairs, drawn
+        without repetition with ``seed`` (all pairs if there are fewer).
+    seed : int
+        Seed of the pairs' draw.
     data_dir : str, optional
         Folder searched first for the dataset files.
     batch_size : int
@@ -125,19 +208,62 @@ def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
     command : str, optional
         Recorded in the provenance.
     """
+    check_choice("ood_score", ood_score, OOD_SCORES)
+    check_integer("bins", bins, 1)
+    check_integer("n_pairs", n_pairs, 0)
+    check_integer("seed", seed, 0)
+    if n_images is not None:
+        check_integer("n_images", n_images, 1)
     with opened(source, verify=verify) as zoo:
         name = dataset or zoo.dataset
         data = load_dataset(name, split, data_dir=data_dir)
-        probabilities = member_probabilities(zoo, normalized_images(data),
-                                             batch_size=batch_size)
+        normalize = Normalize(data.mean, data.std)
+        members = member_probabilities(zoo, normalize(torch.from_numpy(data.images[:n_images])),
+                                       batch_size=batch_size)
+        ood = None
+        if ood_dataset is not None:
+            ood_data = load_dataset(ood_dataset, split, data_dir=data_dir)
+            if ood_data.images.shape[1:] != data.images.shape[1:]:
+                raise InvalidOptionError(
+                    f"the OOD images of {ood_dataset} have shape {ood_data.images.shape[1:]}, "
+                    f"the collection's {name} images {data.images.shape[1:]}")
+            ood = member_probabilities(zoo, normalize(torch.from_numpy(ood_data.images[:n_images])),
+                                       batch_size=batch_size)
         digest = content_digest(zoo)
-    labels = data.labels
-    ensemble = probabilities.mean(axis=0)
+    labels = data.labels[:n_images]
+    predictive = posterior_predictive(members)
+    extra: dict[str, Any] = {}
+    if ood is not None:
+        id_scores, ood_scored = ood_scores(members, ood_score), ood_scores(ood, ood_score)
+        extra.update(ood_dataset=ood_dataset, ood_score=ood_score,
+                     oodmi=mean_mutual_information(ood), aupr=aupr(id_scores, ood_scored),
+                     fpr95=fpr_at_95_recall(id_scores, ood_scored))
+    if n_pairs and len(members) >= 2:
+        chosen = _draw_pairs(len(members), n_pairs, seed)
+        extra["pairwise_id"], extra["pairs"] = pairwise_mutual_information(members, chosen)
+        if ood is not None:
+            extra["pairwise_ood"] = pairwise_mutual_information(ood, chosen)[0]
     return EvaluateResult(
-        name, split, np.array([accuracy(p, labels) for p in probabilities]),
-        np.array([negative_log_likelihood(p, labels) for p in probabilities]),
-        accuracy(ensemble, labels), negative_log_likelihood(ensemble, labels),
+        name, split, np.array([accuracy(p, labels) for p in members]),
+        np.array([negative_log_likelihood(p, labels) for p in members]),
+        accuracy(predictive, labels), negative_log_likelihood(predictive, labels),
+        brier_score(predictive, labels), expected_calibration_error(predictive, labels, bins),
+        mean_mutual_information(members), bins,
+        {"id": len(labels), "ood": 0 if ood is None else ood.shape[1]}, **extra,
         provenance=record("posteriorzoo evaluate", command=command,
                           inputs={"collection": {"path": str(source_path(source)),
                                                  "content_sha256": digest}},
-                          options={"dataset": name, "split": split, "verify": verify}))
+                          seeds={"pairs": seed if n_pairs else None},
+                          options={"dataset": name, "split": split, "ood_dataset": ood_dataset,
+                                   "ood_score": ood_score, "bins": bins, "n_images": n_images,
+                                   "n_pairs": n_pairs, "verify": verify}))
+
+
+def _draw_pairs(members: int, count: int, seed: int) -> np.ndarray:
+    """``count`` distinct pairs i < j of ``members`` (all of them if there are fewer)."""
+    first, second = np.triu_indices(members, k=1)
+    every = np.stack([first, second], axis=1)
+    if count >= len(every):
+        return every
+    chosen = np.random.default_rng(seed).choice(len(every), size=count, replace=False)
+    return every[np.sort(chosen)]
