@@ -12,18 +12,21 @@ from posteriorzoo.zoo import open_zoo, verify_manifest
 def test_demo_runs_and_resumes(tmp_path, capsys, monkeypatch):
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out), "--checkpoints", "2", "--epochs", "1",
-                 "--no-progress"]) == 0
+                 "--n-images", "300", "--no-progress"]) == 0
     text = capsys.readouterr().out
     assert "bit-identical" in text and "[3] trained 2 checkpoint(s)" in text
     assert "CORRUPT" not in text
     assert "[1] reference target: 1000 x optunet on fashion-mnist" in text
-    assert "[5] canonical Deep Ensemble de-canonical.h5: 100 checkpoints, 10 checked" in text
-    assert (out / "mmd-report" / "mmd_report.md").read_text().count("| DE |") >= 1
     if Path("/usr/share/datasets/fashion-mnist").is_dir():
-        ensemble = json.loads((out / "demo-summary.json").read_text())["ensemble"]
-        assert ensemble["members"] == 100
-        # averaging members' probabilities beats the average member
-        assert ensemble["ensemble_nll"] < ensemble["member_nll_mean"]
+        # the report on the whole shipped zoo: every method, its page, Table 1 printed
+        report = json.loads((out / "demo-summary.json").read_text())["report"]
+        assert [row["name"] for row in report["table1"]] == [
+            "DE", "Dropout", "BBB", "SWAG", "Laplace", "SGHMC", "MM-Dropout", "MM-BBB",
+            "MM-SWAG", "MM-Laplace"]
+        assert f"[2] report on the reference zoo (OOD: {report['ood']}): " \
+               f"{out / 'report' / 'report.html'}" in text
+        assert "| MM-Laplace | multi-mode | 100 |" in text
+        assert (out / "report" / "report.html").is_file()
     summary = json.loads((out / "demo-summary.json").read_text())
     provenance = summary["provenance"]
     assert summary["kind"] == "demo" and provenance["command"].startswith("posteriorzoo demo")
@@ -36,9 +39,7 @@ def test_demo_runs_and_resumes(tmp_path, capsys, monkeypatch):
     verify_manifest(out)
     # The reference steps were checked above; the checks below do not need them.
     monkeypatch.setattr("posteriorzoo.cli.demo.reference_step", lambda progress: {})
-    monkeypatch.setattr("posteriorzoo.cli.demo.ensemble_step", lambda: None)
-    monkeypatch.setattr("posteriorzoo.cli.demo.symmetry_step", lambda out, command: {})
-    monkeypatch.setattr("posteriorzoo.cli.demo.mmd_step", lambda out, command, progress: {})
+    monkeypatch.setattr("posteriorzoo.cli.demo.report_step", lambda *a, **k: None)
     # An existing output folder is refused and left as it was ...
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     assert main(["demo", "--out", str(out), "--checkpoints", "2", "--epochs", "1",
@@ -52,7 +53,7 @@ def test_demo_runs_and_resumes(tmp_path, capsys, monkeypatch):
         assert len(zoo) == 3
         assert [str(d) for d in zoo.metadata["sha256"][:2]] == first
         assert list(zoo.metadata["mode_id"]) == [0, 1, 2]
-    assert not (out / "mmd-report").exists()  # the old folder was replaced, not merged
+    assert not (out / "report").exists()  # the old folder was replaced, not merged
     # --json: the summary alone on stdout, the step lines on stderr
     capsys.readouterr()
     assert main(["demo", "--out", str(out), "--checkpoints", "2", "--epochs", "1",

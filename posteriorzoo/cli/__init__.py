@@ -26,6 +26,8 @@ _SUBCOMMAND_MODULES = (
     "posteriorzoo.cli.train_command",
     "posteriorzoo.cli.canonicalize_command",
     "posteriorzoo.cli.mmd_command",
+    "posteriorzoo.cli.report_command",
+    "posteriorzoo.cli.plot_command",
     "posteriorzoo.cli.demo",
 )
 

@@ -1,17 +1,17 @@
 """``posteriorzoo demo``: the main job end to end, with no download.
 
-1. The shipped reference zoo (OptuNet on Fashion-MNIST: 1,000 target checkpoints and a
-   100-member Deep Ensemble): what it holds, and a full integrity check.
-2. The Deep Ensemble's predictions on the Fashion-MNIST test set, members against the
-   ensemble (when Debian's Fashion-MNIST files are installed).
+1. The shipped reference zoo (OptuNet on Fashion-MNIST, the paper's 60-epoch recipe: 1,000
+   target checkpoints, a 100-member Deep Ensemble and the nine method collections): what
+   each holds, and a full integrity check.
+2. The benchmark report on it (``posteriorzoo report``): Table 1 (MMD and NS-MMD to the
+   target, accuracy, ECE, Brier, AUPR, FPR95, IDMI, OODMI) with the noise floor, the
+   Table 2 detail, and the paper's figures, as one HTML page in report/. In-distribution
+   data: Fashion-MNIST; OOD data: MNIST when its files are present, else scikit-learn's
+   digits. (Needs Debian's Fashion-MNIST files; skipped without them.)
 3. The mass trainer on data every machine has: a small OptuNet zoo on scikit-learn's
    digits (resumable: rerunning trains only what is missing).
 4. The store's round trip: export to safetensors, import into a new collection
    (bit-identical check).
-5. Symmetries: the reference Deep Ensemble canonicalized (first + min-mass + softmax,
-   10 checkpoints checked for unchanged logits), and the minimum-mass report.
-6. The posterior comparison: the Deep Ensemble against the 1,000 target checkpoints,
-   MMD and NS-MMD per layer, as CSV, JSON and a Markdown table like the paper's Table 2.
 
 Last, a SHA256SUMS manifest of the output folder.
 """
@@ -51,6 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="seed of every random choice of the command: here, the base seed of "
                              "the digits zoo, whose checkpoint i's seeds derive from (seed, i) "
                              "(default: %(default)s)")
+    parser.add_argument("--n-images", type=positive_int, default=None, metavar="N",
+                        help="the report uses only the first N images of each dataset "
+                             "(default: all; a smaller N gives a faster, noisier demo)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_json_option(parser, "the demo's summary (demo-summary.json) on stdout; the step "
                             "lines go to stderr")
@@ -85,79 +88,38 @@ def reference_step(progress: bool) -> dict[str, Any]:
     return results
 
 
-def ensemble_step() -> dict[str, Any] | None:
-    """The Deep Ensemble's members and their average on the Fashion-MNIST test set."""
-    import numpy as np
-
-    from posteriorzoo.collection.evaluation import member_probabilities, normalized_images
+def report_step(out: Path, final: Path, command: str, progress: bool,
+                n_images: int | None = None) -> dict[str, Any] | None:
+    """[2] The benchmark report on the shipped zoo (Fashion-MNIST in distribution)."""
+    from analysis.report import build_report
+    from analysis.report.page import table1_text
     from posteriorzoo.data import load_dataset
     from posteriorzoo.errors import PosteriorZooError
-    from posteriorzoo.metrics import accuracy, negative_log_likelihood
-    from posteriorzoo.reference import open_reference
+    from posteriorzoo.reference import METHODS, reference_path
 
     try:
-        test = load_dataset("fashion-mnist", "test", download=False)
-        zoo = open_reference("de")
+        load_dataset("fashion-mnist", "test", download=False)
+        methods = [reference_path(name) for name in ("de", *METHODS)]
+        target = reference_path("target")
     except PosteriorZooError as error:
-        print(f"[2] ensemble on Fashion-MNIST: skipped ({error})")
+        print(f"[2] report on the reference zoo: skipped ({error})")
         return None
-    with zoo:
-        members = member_probabilities(zoo, normalized_images(test))
-    labels = test.labels
-    member_accuracy = [accuracy(p, labels) for p in members]
-    member_nll = [negative_log_likelihood(p, labels) for p in members]
-    ensemble = members.mean(axis=0)
-    result = {"members": len(members), "member_accuracy_mean": float(np.mean(member_accuracy)),
-              "member_nll_mean": float(np.mean(member_nll)),
-              "ensemble_accuracy": accuracy(ensemble, labels),
-              "ensemble_nll": negative_log_likelihood(ensemble, labels)}
-    print(f"[2] Deep Ensemble of {result['members']} on Fashion-MNIST test: members "
-          f"accuracy {result['member_accuracy_mean']:.3f} / NLL {result['member_nll_mean']:.3f} "
-          f"(mean), ensemble accuracy {result['ensemble_accuracy']:.3f} / NLL "
-          f"{result['ensemble_nll']:.3f}")
-    return result
-
-
-def symmetry_step(out: Path, command: str) -> dict[str, Any]:
-    """[5] Canonicalize the reference Deep Ensemble; min-mass report of its members."""
-    import numpy as np
-
-    from posteriorzoo.collection import canonicalize, min_mass
-    from posteriorzoo.reference import reference_path
-
-    source = reference_path("de")
-    target = out / "de-canonical.h5"
-    summary = canonicalize(source, target, scaling="minmass", n_verify=10, command=command)
-    masses = min_mass(source)
-    result = {"checkpoints": summary.checkpoints, "verified": len(summary.verified),
-              "largest_logit_change": summary.largest_change,
-              "mass_before_median": float(np.median(masses.mass_before)),
-              "mass_after_median": float(np.median(masses.mass_after))}
-    print(f"[5] canonical Deep Ensemble {target.name}: {summary.checkpoints} checkpoints, "
-          f"{result['verified']} checked, largest logit change "
-          f"{result['largest_logit_change']:.1e}; min-mass median "
-          f"{result['mass_before_median']:.2f} -> {result['mass_after_median']:.2f}")
-    return result
-
-
-def mmd_step(out: Path, command: str, progress: bool) -> dict[str, Any]:
-    """[6] MMD and NS-MMD of the reference Deep Ensemble to the target, per layer."""
-    from posteriorzoo.collection import compare
-    from posteriorzoo.reference import reference_path
-
-    # The canonical copies go inside the demo's (temporary) output folder, not the
-    # system's temporary folder, so a killed demo leaves nothing behind elsewhere.
-    report = compare(reference_path("target"), {"DE": reference_path("de")},
-                     symmetries="both", workdir=out, progress=progress, command=command)
-    report.scale = 100
-    written = report.write(out / "mmd-report")
-    kept, removed = report.summary("DE", "keep"), report.summary("DE", "remove")
-    result = {"mmd_median": kept.median, "ns_mmd_median": removed.median,
-              "files": sorted(path.name for path in written.values())}
-    print(f"[6] Deep Ensemble vs target, MMD^2 x 100 weighted over layers: MMD median "
-          f"{100 * kept.median:.4f}, NS-MMD median {100 * removed.median:.4f}; table in "
-          f"mmd-report/mmd_report.md")
-    return result
+    try:
+        load_dataset("mnist", "test", download=False)
+        ood = "mnist"
+    except PosteriorZooError:
+        ood = "digits"
+    report = build_report(target, methods, id_data="fashion-mnist", ood_data=ood,
+                          n_images=n_images, workdir=out, progress=progress, command=command)
+    report.write(out / "report")
+    print(f"[2] report on the reference zoo (OOD: {ood}): {final / 'report' / 'report.html'}")
+    print(table1_text(report))
+    return {"html": "report/report.html", "ood": ood,
+            "table1": [{key: row.get(key) for key in ("name", "group", "n", "mmd", "ns_mmd",
+                                                      "accuracy", "ece", "brier", "aupr",
+                                                      "fpr95", "idmi", "oodmi")}
+                       for row in report.rows],
+            "noise_band": {k: v.band for k, v in report.noise.items()}}
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -187,7 +149,8 @@ def _run_steps(args: argparse.Namespace, out: Path) -> int:
     from train_zoo.run import train_collection
 
     reference = reference_step(progress=not args.no_progress)
-    ensemble = ensemble_step()
+    benchmark = report_step(out, args.out, args.command_line, progress=not args.no_progress,
+                            n_images=args.n_images)
 
     # The paper's OptuNet recipe with a larger step, milder crops and a constant rate:
     # digits has only 1,347 training images (22 steps per epoch), upscaled from 8x8.
@@ -215,16 +178,13 @@ def _run_steps(args: argparse.Namespace, out: Path) -> int:
     identical = all(torch.equal(original[k], restored[k]) for k in original)
     print(f"[4] safetensors round trip {exported.name} -> {copy_path.name}: "
           f"{'bit-identical' if identical else 'DIFFERENT'}")
-    symmetry = symmetry_step(out, args.command_line)
-    comparison = mmd_step(out, args.command_line, progress=not args.no_progress)
 
     summary = {"kind": "demo",
                "provenance": record("posteriorzoo demo", command=args.command_line,
                                     seeds={"base_seed": args.seed}),
                "recipe": spec.collection_recipe(),
-               "reference": reference, "ensemble": ensemble, "collection": info,
-               "verify_ok": report.ok, "roundtrip_identical": identical,
-               "symmetry": symmetry, "mmd": comparison}
+               "reference": reference, "report": benchmark, "collection": info,
+               "verify_ok": report.ok, "roundtrip_identical": identical}
     (out / "demo-summary.json").write_text(json.dumps(summary, indent=2))
     manifest = write_manifest(out)
     verified = verify_manifest(out)

@@ -21,7 +21,8 @@ features), :mod:`~posteriorzoo.mmd.kernels` (kernel sums and matrices),
 :mod:`~posteriorzoo.mmd.statistics` (bandwidths, :func:`kernel_mmds`),
 :mod:`~posteriorzoo.mmd.aggregated` (:func:`mmdagg`), :mod:`~posteriorzoo.mmd.sources`
 (layers of arrays, read in blocks), :mod:`~posteriorzoo.mmd.comparison` (layer-by-layer
-comparisons and their summaries).
+comparisons and their summaries), :mod:`~posteriorzoo.mmd.noise` (the noise floor: the
+target against disjoint draws of itself).
 """
 
 from posteriorzoo.mmd.aggregated import MMDAggResult, mmdagg, mmdagg_from_distances
@@ -37,6 +38,7 @@ from posteriorzoo.mmd.distances import (
     pooled_distances,
     stream_pooled_distances,
 )
+from posteriorzoo.mmd.noise import NoiseFloor, noise_floor
 from posteriorzoo.mmd.statistics import (
     KernelMMDs,
     bandwidth_collection,
@@ -53,6 +55,7 @@ __all__ = [
     "LayerResult",
     "MMDAggResult",
     "MethodSummary",
+    "NoiseFloor",
     "SharedTargetDistances",
     "bandwidth_collection",
     "bandwidths_from_distances",
@@ -62,6 +65,7 @@ __all__ = [
     "kernel_names",
     "mmdagg",
     "mmdagg_from_distances",
+    "noise_floor",
     "pooled_distances",
     "stream_pooled_distances",
 ]

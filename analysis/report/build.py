@@ -1,0 +1,285 @@
+"""Build the benchmark report: Table 1, the Table 2 detail, the noise floor and figures.
+
+:func:`build_report` runs the collection layer on the target and every method collection
+(:func:`posteriorzoo.collection.compare` for MMD and NS-MMD,
+:func:`posteriorzoo.collection.evaluate` for the predictive metrics,
+:func:`posteriorzoo.collection.min_mass` for the mass figure) and
+:func:`analysis.report.noise.noise_floor` on the target, and returns a
+:class:`ReportResult`, whose :meth:`~ReportResult.write` gives the HTML page, Markdown,
+CSV, JSON and the figures as PNG and PDF.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from analysis.report import tables
+from posteriorzoo.errors import InvalidOptionError, PosteriorZooError
+from posteriorzoo.mmd.noise import NoiseFloor, noise_floor
+from posteriorzoo.options import check_choice, check_integer
+from posteriorzoo.results import CollectionResult, csv_text
+
+#: Display names of the methods (multi-mode versions get "MM-").
+METHOD_LABELS = {"de": "DE", "mc-dropout": "Dropout", "bbb": "BBB", "swag": "SWAG",
+                 "laplace": "Laplace", "sghmc": "SGHMC"}
+
+
+class MixedDatasetsError(PosteriorZooError, ValueError):
+    """A method collection was trained on another dataset than the target's."""
+
+
+@dataclass
+class ReportResult(CollectionResult):
+    """Everything the report shows.
+
+    Attributes
+    ----------
+    rows : list of dict
+        One per method: ``name``, ``path``, ``method``, ``group`` (single-mode /
+        multi-mode; DE is multi-mode, as in the paper), ``n`` and the raw values of
+        Table 1 (``mmd``, ``ns_mmd``: layer-weighted median MMD^2; ``accuracy``,
+        ``ece``, ``brier``, ``aupr``, ``fpr95`` in [0, 1] or [0, 2] for Brier; ``idmi``,
+        ``oodmi`` in nats) and of Table 2 (``mmd_median`` ... ``ns_mmd_max``,
+        ``rejected_layers`` with ``test``).
+    noise : dict
+        Treatment (``"keep"``, ``"remove"``) -> :class:`NoiseFloor`.
+    per_layer : dict
+        Treatment -> method -> layer -> median MMD^2.
+    figures : dict
+        Name -> ``matplotlib.figure.Figure``.
+    datasets : dict
+        ``id`` and ``ood`` dataset names and image counts.
+    """
+
+    kind = "report"
+    target: dict[str, Any]
+    rows: list[dict[str, Any]]
+    noise: dict[str, NoiseFloor]
+    per_layer: dict[str, dict[str, dict[str, float]]]
+    datasets: dict[str, Any]
+    figures: dict[str, Any] = field(default_factory=dict, repr=False)
+    figure_notes: dict[str, str] = field(default_factory=dict)
+
+    def payload(self) -> dict[str, Any]:
+        return {"target": self.target, "datasets": self.datasets, "rows": self.rows,
+                "noise_floor": {k: v.to_dict() for k, v in self.noise.items()},
+                "per_layer": self.per_layer, "figures": sorted(self.figures),
+                "figure_notes": self.figure_notes}
+
+    def tables(self) -> dict[str, str]:
+        from analysis.report.page import html_page, markdown_page
+
+        table1 = csv_text(["name", "group", "n", *(k for k, *_ in tables.TABLE1_COLUMNS)],
+                          ([r["name"], r["group"], r["n"],
+                            *(r.get(k) for k, *_ in tables.TABLE1_COLUMNS)]
+                           for r in self.rows))
+        table2 = csv_text(["name", *(k for k, _ in tables.TABLE2_COLUMNS)],
+                          ([r["name"], *(r.get(k) for k, _ in tables.TABLE2_COLUMNS)]
+                           for r in self.rows))
+        noise = csv_text(["symmetries", "split", "held_out", "median_mmd2"],
+                         ([k, i, v.held_out, float(x)] for k, v in self.noise.items()
+                          for i, x in enumerate(v.splits)))
+        return {"table1.csv": table1, "table2.csv": table2, "noise_floor.csv": noise,
+                "report.md": markdown_page(self), "report.html": html_page(self)}
+
+    def write_into(self, folder: str | os.PathLike) -> dict[str, Path]:
+        """The tables, the JSON, and every figure as ``figures/<name>.png`` and ``.pdf``."""
+        folder = Path(folder)
+        paths = super().write_into(folder)
+        (folder / "figures").mkdir(exist_ok=True)
+        for name, figure in self.figures.items():
+            for suffix in ("png", "pdf"):
+                path = folder / "figures" / f"{name}.{suffix}"
+                figure.savefig(path, format=suffix, dpi=110 if suffix == "png" else None)
+                paths[f"figures/{name}.{suffix}"] = path
+        return paths
+
+
+def _label(zoo: Any, taken: set[str], stem: str) -> str:
+    multi = zoo.annotations.get("posterior") == "multi-mode"
+    label = METHOD_LABELS.get(zoo.method, zoo.method)
+    label = f"MM-{label}" if multi else label
+    return label if label not in taken else stem
+
+
+def _group(zoo: Any) -> str:
+    posterior = zoo.annotations.get("posterior")
+    if posterior in ("single-mode", "multi-mode"):
+        return posterior
+    return "multi-mode" if zoo.method == "de" else "other"
+
+
+def _inputs(target: Path, methods: Sequence[str | os.PathLike] | Mapping[str, Any],
+            allow_mixed: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The target's and the methods' names, groups, datasets; refuses mixed datasets."""
+    from posteriorzoo.zoo import open_zoo
+
+    named = (list(methods.items()) if isinstance(methods, Mapping)
+             else [item if isinstance(item, tuple) else (None, item) for item in methods])
+    if not named:
+        raise InvalidOptionError("no method collection to report on")
+    with open_zoo(target) as zoo:
+        info = {"path": str(target), "dataset": zoo.dataset, "n": len(zoo),
+                "architecture": zoo.architecture}
+    entries, taken = [], set()
+    for name, path in named:
+        with open_zoo(Path(path)) as zoo:
+            name = name or _label(zoo, taken, Path(path).stem)
+            if name in taken:
+                raise InvalidOptionError(f"two methods are named {name!r}")
+            taken.add(name)
+            entries.append({"name": name, "path": str(path), "method": zoo.method,
+                            "group": _group(zoo), "n": len(zoo), "dataset": zoo.dataset})
+    mixed = [e["name"] for e in entries if e["dataset"] != info["dataset"]]
+    if mixed and not allow_mixed:
+        raise MixedDatasetsError(
+            f"{', '.join(mixed)} trained on another dataset than the target's "
+            f"({info['dataset']}); pass allow_mixed=True (--allow-mixed) to compare anyway")
+    return info, entries
+
+
+def build_report(target: str | os.PathLike,
+                 methods: Sequence[str | os.PathLike] | Mapping[str, str | os.PathLike], *,
+                 id_data: str | None = None, ood_data: str | None = None,
+                 allow_mixed: bool = False, test: bool = False, bins: int = 15,
+                 ood_score: str = "max-probability", n_images: int | None = None,
+                 splits: int = 50, n_pairs: int = 300, collapse: str | None = None,
+                 seed: int = 0, figures: bool = True, workdir: str | os.PathLike | None = None,
+                 progress: bool = False, command: str | None = None) -> ReportResult:
+    """The benchmark report of method collections against a target collection.
+
+    Parameters
+    ----------
+    target : path-like
+        The target posterior (e.g. 1000 independently trained checkpoints).
+    methods : sequence of path-like or (name, path) pairs, or mapping of name to path
+        The method collections; a missing name (a bare path, or None) defaults to the
+        method and its posterior annotation (``SWAG``, ``MM-SWAG``), else the file stem.
+    id_data : str, optional
+        In-distribution dataset of the predictive metrics (default: the target's).
+    ood_data : str, optional
+        Out-of-distribution dataset (same image shape): AUPR, FPR95 and OODMI.
+    allow_mixed : bool
+        Compare collections trained on another dataset than the target's (refused
+        otherwise with :class:`MixedDatasetsError`).
+    test : bool
+        Also run the MMDAgg test on every layer (decisions and p-values).
+    bins : int
+        ECE bins.
+    ood_score : {"max-probability", "mutual-information"}
+        The OOD score of AUPR and FPR95.
+    n_images : int, optional
+        Use only the first ``n_images`` images of each split.
+    splits : int
+        Random splits of the noise floor.
+    n_pairs : int
+        Member pairs of the functional-collapse figure.
+    collapse : str, optional
+        The method whose pairwise MI the collapse figure shows (default: DE if present,
+        else the first method).
+    seed : int
+        Seed of the noise floor's splits, the pairs and the MMDAgg test.
+    figures : bool
+        Draw the figures (matplotlib).
+    workdir : path-like, optional
+        Where the temporary canonical copies go (deleted at the end).
+    progress : bool
+        Show progress bars.
+    command : str, optional
+        Recorded in the provenance.
+    """
+    from posteriorzoo.collection import compare, evaluate
+    from posteriorzoo.collection.comparison import parameter_keys
+    from posteriorzoo.provenance import describe_input, record
+    from posteriorzoo.zoo import open_zoo
+
+    check_integer("bins", bins, 1)
+    check_integer("splits", splits, 1)
+    check_integer("n_pairs", n_pairs, 0)
+    check_integer("seed", seed, 0)
+    from posteriorzoo.metrics import OOD_SCORES
+
+    check_choice("ood_score", ood_score, OOD_SCORES)
+    target = Path(target)
+    info, entries = _inputs(target, methods, allow_mixed)
+    names = [e["name"] for e in entries]
+    if collapse is not None and collapse not in names:
+        raise InvalidOptionError(f"collapse must name a method ({', '.join(names)}), "
+                                 f"not {collapse!r}")
+    collapse = collapse or ("DE" if "DE" in names else names[0])
+    id_data = id_data or info["dataset"]
+    with tempfile.TemporaryDirectory(prefix="report-", dir=workdir) as scratch:
+        canonical = Path(scratch) / "canonical"
+        canonical.mkdir()
+        comparison = compare(target, {e["name"]: e["path"] for e in entries},
+                             symmetries="both", test=test, seed=seed, canonical_dir=canonical,
+                             progress=progress, command=command)
+        treatments = sorted({r.symmetries for r in comparison.results})
+        target_arrays = {}
+        with open_zoo(target) as zoo:
+            keys = parameter_keys(zoo)
+            target_arrays["keep"] = {key: zoo.layer(key) for key in keys}
+        copy = canonical / f"{target.stem}-canonical.h5"
+        source = copy if copy.is_file() else target        # an already-canonical target
+        with open_zoo(source) as zoo:
+            target_arrays["remove"] = {key: zoo.layer(key) for key in keys}
+        held_out = int(np.median([e["n"] for e in entries]))
+        held_out = min(held_out, info["n"] - 2)
+        noise = {t: noise_floor(target_arrays[t], symmetries=t, held_out=held_out,
+                                splits=splits, seed=seed) for t in treatments}
+        per_layer: dict[str, dict[str, dict[str, float]]] = {}
+        for result in comparison.results:
+            per_layer.setdefault(result.symmetries, {}).setdefault(
+                result.method, {})[result.layer] = result.median
+        evaluations = {}
+        for entry in entries:
+            evaluations[entry["name"]] = evaluate(
+                entry["path"], dataset=id_data, ood_dataset=ood_data, ood_score=ood_score,
+                bins=bins, n_images=n_images, seed=seed,
+                n_pairs=n_pairs if entry["name"] == collapse else 0)
+        rows = [_row(entry, comparison, evaluations[entry["name"]]) for entry in entries]
+        drawn, notes = ({}, {})
+        if figures:
+            from analysis.report.figures import report_figures
+
+            drawn, notes = report_figures(target, target_arrays, per_layer, noise,
+                                          evaluations[collapse], collapse, entries)
+    first = evaluations[entries[0]["name"]]
+    return ReportResult(
+        info, rows, noise, per_layer,
+        {"id": id_data, "ood": ood_data, "images": first.image_counts, "bins": bins,
+         "ood_score": ood_score, "collapse": collapse},
+        drawn, notes,
+        provenance=record(
+            "posteriorzoo report", command=command,
+            inputs={"target": describe_input(target),
+                    **{f"method {e['name']}": describe_input(Path(e["path"]))
+                       for e in entries}},
+            seeds={"noise_floor": seed, "pairs": seed, "test": seed if test else None},
+            options={"id_data": id_data, "ood_data": ood_data, "allow_mixed": allow_mixed,
+                     "test": test, "bins": bins, "ood_score": ood_score,
+                     "n_images": n_images, "splits": splits, "n_pairs": n_pairs,
+                     "collapse": collapse, "held_out": held_out}))
+
+
+def _row(entry: Mapping[str, Any], comparison: Any, evaluation: Any) -> dict[str, Any]:
+    row = {key: entry[key] for key in ("name", "path", "method", "group", "n")}
+    for treatment, prefix in (("keep", "mmd"), ("remove", "ns_mmd")):
+        try:
+            summary = comparison.summary(entry["name"], treatment)
+        except (KeyError, InvalidOptionError):
+            continue
+        row.update({prefix: summary.median, f"{prefix}_median": summary.median,
+                    f"{prefix}_mean": summary.mean, f"{prefix}_max": summary.max})
+        if summary.rejected_layers is not None:
+            row["rejected_layers"] = (row.get("rejected_layers") or 0) + summary.rejected_layers
+    row.update({key: value for key, value in evaluation.metrics().items()
+                if key != "nll"}, nll=evaluation.ensemble_nll)
+    return row

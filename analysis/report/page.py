@@ -1,0 +1,182 @@
+"""The report as one self-contained HTML page (figures embedded as PNG) and as Markdown."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from typing import TYPE_CHECKING, Any
+
+from analysis.report import tables
+
+if TYPE_CHECKING:
+    from analysis.report.build import ReportResult
+
+_STYLE = """
+body { font-family: sans-serif; max-width: 1100px; margin: 2em auto; color: #222; }
+table { border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }
+caption { text-align: left; font-size: 0.9em; color: #444; padding-bottom: 0.4em; }
+th, td { border: 1px solid #bbb; padding: 0.25em 0.6em; text-align: right; }
+th:first-child, td:first-child { text-align: left; }
+tr.noise td { background: #eef3fb; font-style: italic; }
+.note { background: #f7f7f2; border-left: 4px solid #99a; padding: 0.6em 1em; }
+figure { margin: 1.5em 0; } figure img { max-width: 100%; border: 1px solid #ddd; }
+figcaption { font-size: 0.9em; color: #444; }
+pre { background: #f4f4f4; padding: 0.8em; overflow-x: auto; font-size: 0.8em; }
+"""
+
+FIGURE_CAPTIONS = {
+    "marginals": "Layer marginals of the target: one weight position per unit, raw "
+                 "(symmetries kept) and canonical (symmetries removed). Two-sample "
+                 "Kolmogorov-Smirnov p-values between units: Proposition 1 says the raw "
+                 "marginals are equal (large p-values); removing the permutation symmetry "
+                 "separates them (small p-values). Paper Fig. 9.",
+    "mass": "Mass (sum of squared weights) of every target checkpoint before and after "
+            "min-mass, and each layer's largest absolute weight. Paper Fig. 2.",
+    "collapse": "Functional collapse: mutual information (nats) of pairs of members, on "
+                "in-distribution and OOD images, and their scatter with Pearson's r. "
+                "Paper Figs. 3 and 7.",
+    "mmd": "Median MMD^2 per layer and method, symmetries kept; the shaded band is the "
+           "noise floor (5th to 95th percentile of the target against held-out draws of "
+           "itself).",
+    "ns-mmd": "The same with symmetries removed (NS-MMD, canonical forms).",
+    "pca": "Cumulative explained variance of the weights' principal components, per "
+           "collection (stored weights).",
+}
+
+
+def _noise_rows(report: ReportResult) -> list[list[str]]:
+    """Two reference rows of Table 1: the target's halves and the noise band."""
+    keep, remove = report.noise.get("keep"), report.noise.get("remove")
+    width = len(tables.TABLE1_COLUMNS) - 2
+
+    def band(noise: Any) -> str:
+        if noise is None:
+            return "-"
+        low, high = noise.band
+        return f"[{100 * low:.3f}, {100 * high:.3f}]"
+
+    def halves(noise: Any) -> str:
+        return "-" if noise is None else f"{100 * noise.halves['median']:.3f}"
+
+    any_noise = keep or remove
+    split_n = any_noise.held_out if any_noise else 0
+    half_n = any_noise.halves["n"] if any_noise else 0
+    return [["target halves", "noise floor", str(half_n), halves(keep), halves(remove)]
+            + ["-"] * width,
+            ["target splits (5-95%)", "noise floor", str(split_n), band(keep), band(remove)]
+            + ["-"] * width]
+
+
+def _verdicts(report: ReportResult) -> list[str]:
+    lines = []
+    for row in report.rows:
+        parts = []
+        for key, treatment, label in (("mmd", "keep", "MMD"), ("ns_mmd", "remove", "NS-MMD")):
+            noise, value = report.noise.get(treatment), row.get(key)
+            if noise is None or value is None:
+                continue
+            inside = noise.contains(value)
+            parts.append(f"{label} {100 * value:.3f} is "
+                         f"{'inside' if inside else 'outside'} the noise band")
+        if parts:
+            lines.append(f"{row['name']}: " + "; ".join(parts))
+    return lines
+
+
+def _captions(report: ReportResult) -> tuple[str, str]:
+    data = report.datasets
+    images = data.get("images") or {}
+    ood = (f"OOD: {data['ood']} ({images.get('ood', 0)} images, score "
+           f"{data['ood_score']})" if data.get("ood") else "no OOD set")
+    table1 = (f"Table 1. MMD and NS-MMD: layer-weighted median over the 20 MMDAgg kernels "
+              f"of the unbiased MMD^2 to the target, x 100. Predictive metrics of each "
+              f"collection's posterior predictive (average softmax) on {data['id']} "
+              f"({images.get('id', 0)} images; ECE with {data['bins']} bins); {ood}. "
+              f"Acc, ECE, AUPR, FPR95 in %; Brier x 100; IDMI and OODMI in nats x 100. "
+              f"Blue rows: the target against itself (the noise floor).")
+    table2 = ("Table 2 detail: the median, mean and maximum over the 20 kernels, each "
+              "averaged over layers with their parameter counts, MMD^2 x 100; n is the "
+              "method's number of samples (the target has "
+              f"{report.target['n']}).")
+    return table1, table2
+
+
+def _png(figure: Any) -> str:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def html_page(report: ReportResult) -> str:
+    """The self-contained HTML page."""
+    caption1, caption2 = _captions(report)
+    table1 = tables.html_table(tables.TABLE1_HEADER,
+                               tables.table1_rows(report.rows), caption=caption1,
+                               table_id="table1", titles=tables.TABLE1_TITLES)
+    noise_html = "".join('<tr class="noise">' + "".join(f"<td>{html.escape(c)}</td>"
+                                                        for c in row) + "</tr>"
+                         for row in _noise_rows(report))
+    table1 = table1.replace("</tbody>", noise_html + "</tbody>")
+    table2 = tables.html_table(tables.TABLE2_HEADER, tables.table2_rows(report.rows),
+                               caption=caption2, table_id="table2")
+    figures = "".join(
+        f'<figure id="figure-{name}"><img alt="{name}" src="data:image/png;base64,'
+        f'{_png(figure)}"><figcaption>{html.escape(FIGURE_CAPTIONS.get(name, name))} '
+        f"{html.escape(report.figure_notes.get(name, ''))} (PDF: figures/{name}.pdf)"
+        "</figcaption></figure>" for name, figure in report.figures.items())
+    verdicts = "".join(f"<li>{html.escape(line)}</li>" for line in _verdicts(report))
+    provenance = html.escape(json.dumps(report.provenance, indent=1, default=str))
+    target = report.target
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<title>posteriorzoo report: {html.escape(target['path'])}</title>
+<style>{_STYLE}</style></head><body>
+<h1>How close is each approximate posterior to the target?</h1>
+<p>Target: <code>{html.escape(target['path'])}</code>, {target['n']} checkpoints of
+{html.escape(target['architecture'])} trained on {html.escape(target['dataset'])}.</p>
+<div class="note"><p><b>How to read this page.</b> <b>MMD</b> is the maximum mean
+discrepancy between a method's samples and the target's checkpoints, layer by layer, as
+the unbiased estimate of MMD<sup>2</sup> (it can be slightly negative when the two are
+alike), shown x 100. <b>NS-MMD</b> ("no symmetries") is the same after every collection
+is put in canonical form: permutations of hidden units sorted, ReLU scalings normalised,
+the softmax shift removed, so that checkpoints which compute the same function compare
+as equal. The <b>noise floor</b> is the same statistic between disjoint draws of the
+target itself: a method whose value lies inside the band cannot be told from another
+draw of the target with as many samples. Lower is better for MMD, ECE, Brier, FPR95;
+higher for accuracy and AUPR.</p></div>
+<h2>Table 1</h2>
+{table1}
+<ul id="verdicts">{verdicts}</ul>
+<h2>MMD detail (Table 2)</h2>
+{table2}
+<h2>Figures</h2>
+{figures}
+<h2>Provenance</h2>
+<pre id="provenance">{provenance}</pre>
+</body></html>
+"""
+
+
+def markdown_page(report: ReportResult) -> str:
+    """The same tables as Markdown, with the figures linked."""
+    caption1, caption2 = _captions(report)
+    lines = [f"# posteriorzoo report: {report.target['path']}", "", caption1, "",
+             tables.markdown_table(tables.TABLE1_HEADER,
+                                   tables.table1_rows(report.rows) + _noise_rows(report)),
+             *[f"- {line}" for line in _verdicts(report)], "", caption2, "",
+             tables.markdown_table(tables.TABLE2_HEADER, tables.table2_rows(report.rows))]
+    lines += [f"![{name}](figures/{name}.png)\n\n{FIGURE_CAPTIONS.get(name, name)}\n"
+              for name in report.figures]
+    lines += ["## Provenance", "", "```json",
+              json.dumps(report.provenance, indent=1, default=str), "```", ""]
+    return "\n".join(lines)
+
+
+def table1_text(report: ReportResult) -> str:
+    """Table 1 with its noise rows and verdicts, as printed by ``posteriorzoo report``."""
+    caption, _ = _captions(report)
+    return "\n".join([caption, "", tables.markdown_table(
+        tables.TABLE1_HEADER, tables.table1_rows(report.rows) + _noise_rows(report)),
+        *_verdicts(report)])

@@ -1,0 +1,83 @@
+"""The report's tables: Table 1 (one row per method) and the Table 2 detail.
+
+Rows are plain dicts of raw values (MMD^2, fractions in [0, 1], nats); the display
+scales are applied only when a table is rendered, and each rendered table says its
+scale in its caption.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+#: Table 1's columns: (key, header, display multiplier, what the header means).
+TABLE1_COLUMNS = (
+    ("mmd", "MMD", 100.0, "MMD^2 x 100, symmetries kept (layer-weighted median over kernels)"),
+    ("ns_mmd", "NS-MMD", 100.0, "MMD^2 x 100 with symmetries removed (No Symmetries)"),
+    ("accuracy", "Acc", 100.0, "accuracy of the posterior predictive, %"),
+    ("ece", "ECE", 100.0, "expected calibration error (top label), %"),
+    ("brier", "Brier", 100.0, "Brier score x 100 (sum over classes; 0 is perfect)"),
+    ("aupr", "AUPR", 100.0, "area under the precision-recall curve for OOD detection, %"),
+    ("fpr95", "FPR95", 100.0, "false positive rate at 95% OOD recall, %"),
+    ("idmi", "IDMI", 100.0, "mutual information on in-distribution images, nats x 100"),
+    ("oodmi", "OODMI", 100.0, "mutual information on OOD images, nats x 100"),
+)
+#: The Table 2 detail: (key, header); MMD^2 x 100 like Table 1.
+TABLE2_COLUMNS = (("n", "n"), ("mmd_median", "MMD median"), ("mmd_mean", "MMD mean"),
+                  ("mmd_max", "MMD max"), ("ns_mmd_median", "NS-MMD median"),
+                  ("ns_mmd_mean", "NS-MMD mean"), ("ns_mmd_max", "NS-MMD max"),
+                  ("rejected_layers", "layers rejected"))
+GROUPS = ("single-mode", "multi-mode", "other")
+
+
+def shown(value: Any, scale: float = 1.0, digits: int = 2) -> str:
+    """A number as the tables show it ("-" when absent)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, int | bool) and scale == 1.0:
+        return str(value)
+    return f"{value * scale:.{digits}f}"
+
+
+def table1_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    """Table 1 as text cells, grouped: single-mode methods, then multi-mode ones."""
+    cells = []
+    for group in GROUPS:
+        for row in (r for r in rows if r["group"] == group):
+            cells.append([row["name"], group, str(row["n"])]
+                         + [shown(row.get(key), scale) for key, _, scale, _ in TABLE1_COLUMNS])
+    return cells
+
+
+def table2_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    """The MMD detail as text cells (MMD^2 x 100, four digits)."""
+    return [[row["name"]] + [shown(row.get(key), 1.0 if key in ("n", "rejected_layers")
+                                   else 100.0, 4) for key, _ in TABLE2_COLUMNS]
+            for row in rows]
+
+
+def markdown_table(header: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
+    return "\n".join(lines) + "\n"
+
+
+def html_table(header: Sequence[str], cells: Sequence[Sequence[str]], *, caption: str,
+               table_id: str, titles: Sequence[str] | None = None) -> str:
+    """An HTML table; ``titles`` are tooltips of the header cells."""
+    titles = titles or [""] * len(header)
+    head = "".join(f'<th title="{html.escape(t)}">{html.escape(h)}</th>'
+                   for h, t in zip(header, titles, strict=True))
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+                   for row in cells)
+    return (f'<table id="{table_id}"><caption>{html.escape(caption)}</caption>'
+            f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+
+
+TABLE1_HEADER = ["Method", "Group", "n"] + [header for _, header, _, _ in TABLE1_COLUMNS]
+TABLE1_TITLES = ["", "single-mode: samples around one network; multi-mode: around 10 "
+                 "(DE: independent networks)", "samples"] + [t for *_, t in TABLE1_COLUMNS]
+TABLE2_HEADER = ["Method"] + [header for _, header in TABLE2_COLUMNS]

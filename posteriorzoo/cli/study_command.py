@@ -1,0 +1,203 @@
+"""``posteriorzoo study``: studies that train their own networks (paper Fig. 1 and Fig. 4)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from posteriorzoo.cli._types import (
+    add_json_option,
+    add_overwrite_option,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
+
+_DESCRIPTION = """\
+Studies that need their own training runs, each written with its figure into a new
+folder --out (built under a temporary name and renamed into place when complete; refused
+if it exists unless --overwrite): a JSON with every reported number and the provenance
+(command, versions, git commit, seeds, options), CSV tables of the data behind the figure
+(pandas reads them as they are) and the figure as PNG and PDF.
+
+  toy                     paper Fig. 1: 10,000 2-2-1 ReLU perceptrons, their output weights
+                          raw, rescaled and sorted (about 10 s)
+  permutation-stability   paper Fig. 4: Kendall's tau between successive sorting
+                          permutations during training (about 3 minutes)
+"""
+
+_TOY_DESCRIPTION = """\
+The toy example of the paper's Fig. 1 (appendix A). Two classes of --points points each
+(default 200) drawn from normal distributions with identity covariance and means
+(-2, -2) and (2, 2), fully separable (a point on the wrong side of x1 + x2 = 0 is drawn
+again). --networks perceptrons Linear(2, 2) -> ReLU -> Linear(2, 1) are trained at once
+(stacked parameters, batched products) with SGD (lr 2, batches of 10, 10 epochs, a new
+random order per network and epoch) on the binary cross-entropy, from PyTorch's default
+initialisation. Networks whose mean mini-batch loss over the last epoch exceeds 0.01 are
+dropped (the paper: fewer than 1%).
+
+The figure shows the density (networks per hexagon) of the two output weights (w1, w2),
+unitless, in the window [-4, 4]^2, in three panels: raw; after removing the ReLU scaling
+symmetry (every hidden unit's incoming weights, bias excluded, rescaled to L2 norm --norm,
+3 in the paper, the output weight divided by the same factor); after also removing the
+permutation symmetry (hidden units ordered by output weight, so w1 <= w2). The
+transformations are applied with the canonicalizer (posteriorzoo.symmetry) and checked:
+every network computes the same outputs on the training points.
+
+Writes into --out: study-toy.json, toy_output_weights.csv (one row per network: kept,
+last-epoch loss, raw / rescaled / sorted w1 and w2), toy_data.csv (the training points),
+toy_output_weights.png and .pdf. Every random choice derives from --seed. Runtime: about
+10 s for 10,000 networks on one CPU core.
+"""
+
+_PERMUTATION_DESCRIPTION = """\
+Permutation stability during training (the paper's section 5.2 and Fig. 4). --runs
+OptuNets (392 parameters) are trained with the mass trainer on --dataset with the paper's
+OptuNet recipe (SGD lr 0.04, batch 64, weight decay 2e-4, random crop; the learning rate
+halved at 1/4 and 1/2 of the epochs: at epochs 15 and 30 of the paper's 60); run i
+uses the seeds of mode i of a collection with base seed --seed. A trainer callback keeps
+the weights after every --every SGD steps; for each snapshot the canonicalizer gives the
+sorting permutation of every permuted layer (conv1: 2 channels, conv2: 10 channels): the
+units' scales normalised first, then units sorted by --key ('max': largest incoming
+weight, the paper's statistic for this figure; 'first': first incoming weight). Kendall's
+tau (scipy.stats.kendalltau) between the positions two successive permutations give the
+units is 1 when the order did not change and -1 when it reversed (unitless). When the two
+conv1 channels swap, conv2's groups move with them, so conv2's tau drops too.
+
+The figure shows, per layer, tau against the epoch, in 400 bins of consecutive snapshots:
+the mean over runs and the bin's steps, with a band from the minimum to the maximum;
+dotted lines mark the learning-rate drops. The JSON adds, per layer and learning-rate
+phase, the fraction of steps whose permutation changed and the mean tau.
+
+Writes into --out: study-permutation-stability.json, tau_by_step.csv (one row per
+snapshot: step, epoch, then tau of every layer and run), tau_binned.csv (what the figure
+plots: per layer and bin of snapshots, the mean, minimum and maximum of tau and the
+fraction of changed permutations), permutation_stability.png and .pdf.
+
+Runtime: the default (the paper's 60 epochs, 5 runs, Fashion-MNIST, every step; the numba
+fast engine) takes about 3 minutes on 2 CPU cores; --epochs 20 about 1 minute. --dataset
+auto uses Fashion-MNIST when its files are on this machine (no download; the paper used
+MNIST), else scikit-learn's digits (1347 training images: seconds).
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "study", help="studies with their own training runs: the toy example (Fig. 1), "
+                      "permutation stability (Fig. 4)",
+        description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    studies = parser.add_subparsers(dest="study", metavar="STUDY", required=True)
+
+    toy = studies.add_parser(
+        "toy", help="paper Fig. 1: output weights of 10,000 toy perceptrons, raw, "
+                    "rescaled and sorted", description=_TOY_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  posteriorzoo study toy --out toy-study")
+    toy.add_argument("--networks", type=positive_int, default=10_000,
+                     help="networks trained (default: %(default)s)")
+    toy.add_argument("--norm", type=positive_float, default=3.0,
+                     help="incoming L2 norm of every hidden unit after the scaling "
+                          "symmetry is removed (default: %(default)s, the paper's)")
+    toy.add_argument("--points", type=positive_int, default=200,
+                     help="training points per class (default: %(default)s)")
+    _common_options(toy, "toy-study")
+    toy.set_defaults(func=run_toy)
+
+    stability = studies.add_parser(
+        "permutation-stability", help="paper Fig. 4: Kendall's tau between successive "
+                                      "sorting permutations during training",
+        description=_PERMUTATION_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  posteriorzoo study permutation-stability --out stability\n"
+               "  posteriorzoo study permutation-stability --epochs 60 --runs 10 "
+               "--out stability-60")
+    stability.add_argument("--runs", type=positive_int, default=5,
+                           help="independent training runs (default: %(default)s)")
+    stability.add_argument("--epochs", type=positive_int, default=60,
+                           help="epochs per run; the learning-rate milestones (15 and 30 "
+                                "of 60) scale with it (default: %(default)s, the paper's)")
+    stability.add_argument("--dataset", default="auto", metavar="NAME",
+                           help="training data: a dataset name (fashion-mnist, mnist, "
+                                "digits, ...) or auto (default: %(default)s)")
+    stability.add_argument("--data-dir", metavar="DIR",
+                           help="folder searched first for the dataset's files")
+    stability.add_argument("--key", choices=["max", "first"], default="max",
+                           help="sort key of the units (default: %(default)s)")
+    stability.add_argument("--scaling", choices=["norm", "std", "none"], default="norm",
+                           help="scale normalisation before sorting (default: %(default)s)")
+    stability.add_argument("--every", type=positive_int, default=1, metavar="K",
+                           help="snapshot every K SGD steps (default: %(default)s, every "
+                                "step as in the paper)")
+    stability.add_argument("--engine", choices=["auto", "fast", "torch"], default="auto",
+                           help="trainer engine: auto picks the numba fast path for "
+                                "OptuNet (default: %(default)s)")
+    _common_options(stability, "permutation-stability")
+    stability.set_defaults(func=run_permutation_stability)
+
+
+def _common_options(parser: argparse.ArgumentParser, default_out: str) -> None:
+    parser.add_argument("--seed", type=nonnegative_int, default=0,
+                        help="seed of every random choice (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=Path(default_out), metavar="DIR",
+                        help="output folder, built under a temporary name and renamed into "
+                             "place when complete; refused if it exists unless --overwrite "
+                             "(default: %(default)s)")
+    add_overwrite_option(parser)
+    add_json_option(parser, "the result's JSON instead of the summary")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+
+def _report(args: argparse.Namespace, result: object, lines: list[str]) -> None:
+    """Print the summary lines, or the result's JSON with --json."""
+    if args.json:
+        sys.stdout.write(result.to_json())
+    else:
+        print("\n".join(lines))
+
+
+def run_toy(args: argparse.Namespace) -> int:
+    from analysis.studies.toy import run_toy_study
+    from posteriorzoo.outputs import atomic_directory
+
+    with atomic_directory(args.out, overwrite=args.overwrite) as partial:
+        result = run_toy_study(args.networks, args.seed, norm=args.norm,
+                               points_per_class=args.points, progress=not args.no_progress,
+                               command=getattr(args, "command_line", None))
+        selection = result.summary["selection"]
+        checks = result.summary["symmetry_removal"]["checks"]
+        lines = [
+            f"trained {selection['networks']} networks, kept {selection['kept']} "
+            f"(dropped {selection['dropped']}: last-epoch loss > "
+            f"{selection['loss_threshold']:g})",
+            "symmetry removal keeps every function: max relative output change "
+            f"{max(checks[f'max_relative_output_change_{p}'] for p in ('rescaled', 'sorted')):.1e}",
+            f"wrote {args.out}/ (study-toy.json, toy_output_weights.csv, toy_data.csv, "
+            f"toy_output_weights.png/.pdf)"]
+        result.write_into(partial)
+    _report(args, result, lines)
+    return 0
+
+
+def run_permutation_stability(args: argparse.Namespace) -> int:
+    from analysis.studies.permutation_stability import run_permutation_stability as run
+    from posteriorzoo.outputs import atomic_directory
+
+    with atomic_directory(args.out, overwrite=args.overwrite) as partial:
+        result = run(args.runs, args.epochs, args.dataset, args.seed, key=args.key,
+                     scaling=args.scaling, every=args.every, engine=args.engine,
+                     data_dir=args.data_dir, progress=not args.no_progress,
+                     command=getattr(args, "command_line", None))
+        lines = [f"{args.runs} runs x {args.epochs} epochs on "
+                 f"{result.provenance['options']['dataset']}, key {args.key!r}:"]
+        for layer, values in result.summary["layers"].items():
+            phases = ", ".join(
+                f"epochs {p['epochs'][0]}-{p['epochs'][1]}: {p['fraction_changed']:.2%}"
+                for p in values["phases"] if p["fraction_changed"] is not None)
+            lines.append(f"  {layer}: mean tau {values['mean_tau']:.4f}; steps whose order "
+                         f"changed: {phases}")
+        lines.append(f"wrote {args.out}/ (study-permutation-stability.json, "
+                     "tau_by_step.csv, tau_binned.csv, permutation_stability.png/.pdf)")
+        result.write_into(partial)
+    _report(args, result, lines)
+    return 0

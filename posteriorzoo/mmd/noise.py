@@ -1,0 +1,129 @@
+"""The MMD noise floor: the same statistic between disjoint draws of the target itself.
+
+A method's MMD to the target is only meaningful next to what "another draw of the
+target" scores. Two references, both computed with the MMD engine of the report
+(:func:`posteriorzoo.mmd.compare_arrays`, the same 20 kernels and layer weights):
+
+- **halves**: the target split once into two disjoint halves (m/2 against m/2);
+- **splits**: ``splits`` random disjoint splits into a held-out part of ``n`` checkpoints
+  (the methods' sample size) and the remaining m - n, each scored like a method. Their
+  5th to 95th percentile is the noise band: a method inside it cannot be told from
+  another draw of the target with n samples.
+
+Every split derives from ``seed``. The statistic is the unbiased MMD^2, so values near 0
+can be negative.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from posteriorzoo._api import public
+from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.mmd.comparison import compare_arrays
+from posteriorzoo.options import check_integer
+
+#: Percentiles of the split statistics that bound the noise band.
+BAND_PERCENTILES = (5.0, 95.0)
+
+
+@dataclass
+class NoiseFloor:
+    """The target-against-itself statistics of one treatment (``"keep"`` or ``"remove"``).
+
+    Attributes
+    ----------
+    symmetries : {"keep", "remove"}
+    held_out : int
+        n of the random splits (the methods' sample size).
+    halves : dict
+        Model-level ``median``, ``mean``, ``max`` (MMD^2, layer-weighted) of the halves.
+    splits : numpy.ndarray
+        ``(splits,)`` model-level median MMD^2 of each random split.
+    layers : dict
+        Layer -> ``(splits,)`` median MMD^2 of each split on that layer.
+    """
+
+    symmetries: str
+    held_out: int
+    halves: dict[str, float]
+    splits: np.ndarray
+    layers: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def band(self) -> tuple[float, float]:
+        """The 5th and 95th percentiles of the splits' model-level medians."""
+        low, high = np.percentile(self.splits, BAND_PERCENTILES)
+        return float(low), float(high)
+
+    def layer_band(self, layer: str) -> tuple[float, float]:
+        low, high = np.percentile(self.layers[layer], BAND_PERCENTILES)
+        return float(low), float(high)
+
+    def contains(self, value: float) -> bool:
+        """Whether a method's model-level median lies inside the band."""
+        low, high = self.band
+        return low <= value <= high
+
+    def to_dict(self) -> dict[str, Any]:
+        low, high = self.band
+        return {"symmetries": self.symmetries, "held_out": self.held_out,
+                "halves": self.halves, "splits": self.splits.tolist(),
+                "band": {"percentiles": list(BAND_PERCENTILES), "low": low, "high": high},
+                "layers": {name: values.tolist() for name, values in self.layers.items()}}
+
+
+@public
+def noise_floor(target: Mapping[str, np.ndarray], *, symmetries: str, held_out: int,
+                splits: int = 50, seed: int = 0, number_bandwidths: int = 10) -> NoiseFloor:
+    """The noise floor of the MMD against ``target``.
+
+    Parameters
+    ----------
+    target : mapping of str to array of shape (m, *shape)
+        The target's samples per layer (stored weights, or canonical forms).
+    symmetries : {"keep", "remove"}
+        What ``target`` holds (a label of the result).
+    held_out : int
+        n of the random splits, 2 <= n <= m - 2.
+    splits : int
+        Number of random splits.
+    seed : int
+        Seed of the halves and of every split.
+    number_bandwidths : int
+        Bandwidths per kernel family, as in the report's comparison.
+    """
+    check_integer("splits", splits, 1)
+    check_integer("seed", seed, 0)
+    count = len(next(iter(target.values())))
+    check_integer("held_out", held_out, 2)
+    if held_out > count - 2:
+        raise InvalidOptionError(f"held_out must leave at least 2 of the target's {count} "
+                                 f"checkpoints, not {held_out}")
+    rng = np.random.default_rng(seed)
+
+    def score(first: np.ndarray, second: np.ndarray) -> Any:
+        comparison = compare_arrays({k: v[first] for k, v in target.items()},
+                                    {"draw": {k: v[second] for k, v in target.items()}},
+                                    symmetries=symmetries,
+                                    number_bandwidths=number_bandwidths)
+        return comparison
+
+    order = rng.permutation(count)
+    halves = score(order[:count // 2], order[count // 2:])
+    summary = halves.summary("draw", symmetries)
+    medians, layers = [], {}
+    for _ in range(splits):
+        order = rng.permutation(count)
+        comparison = score(order[held_out:], order[:held_out])
+        medians.append(comparison.summary("draw", symmetries).median)
+        for result in comparison.results:
+            layers.setdefault(result.layer, []).append(result.median)
+    return NoiseFloor(symmetries, held_out,
+                      {"median": summary.median, "mean": summary.mean, "max": summary.max,
+                       "m": summary.m, "n": summary.n},
+                      np.array(medians), {k: np.array(v) for k, v in layers.items()})

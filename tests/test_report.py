@@ -1,0 +1,167 @@
+"""The benchmark report: its noise floor, its numbers against the collection layer's, its
+files, its refusals, and its page rendered in a headless browser."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from zoo_helpers import assert_one_line_error, checkpoint, run
+
+from analysis.report import MixedDatasetsError, build_report
+from posteriorzoo.collection import compare, evaluate
+from posteriorzoo.mmd import compare_arrays
+from posteriorzoo.mmd.noise import noise_floor
+from posteriorzoo.zoo import create_zoo
+
+
+def _collection(path: Path, seeds: range, dataset: str = "digits", method: str = "de",
+                scale: float = 1.0) -> Path:
+    states = [checkpoint(seed) for seed in seeds]
+    with create_zoo(path, architecture="optunet", dataset=dataset, method=method,
+                    num_classes=10, template=states[0]) as zoo:
+        for state in states:
+            zoo.append({key: value * scale for key, value in state.items()})
+    return path
+
+
+@pytest.fixture(scope="module")
+def collections(tmp_path_factory):
+    """A 40-checkpoint target, a 10-member ensemble of the same distribution, a method
+    whose weights are three times larger, and one trained on another dataset."""
+    folder = tmp_path_factory.mktemp("report")
+    return {"target": _collection(folder / "target.h5", range(40)),
+            "de": _collection(folder / "de.h5", range(100, 110)),
+            "wide": _collection(folder / "wide.h5", range(200, 210), method="swag",
+                                scale=3.0),
+            "other": _collection(folder / "other.h5", range(300, 310),
+                                 dataset="fashion-mnist")}
+
+
+def test_noise_floor_halves_are_the_engines_mmd_on_the_seeded_split():
+    rng = np.random.default_rng(3)
+    target = {"w": rng.normal(size=(60, 4)), "b": rng.normal(size=(60, 2))}
+    floor = noise_floor(target, symmetries="keep", held_out=10, splits=7, seed=5)
+    order = np.random.default_rng(5).permutation(60)   # the first draw of the seed
+    expected = compare_arrays({k: v[order[:30]] for k, v in target.items()},
+                              {"x": {k: v[order[30:]] for k, v in target.items()}})
+    assert floor.halves["median"] == pytest.approx(expected.summary("x").median, rel=1e-12)
+    assert floor.splits.shape == (7,) and set(floor.layers) == {"w", "b"}
+    low, high = floor.band
+    assert low <= np.median(floor.splits) <= high
+    # another draw of the same distribution sits in the band; a shifted one far above it
+    assert high < compare_arrays(target, {"s": {k: v[:10] + 3 for k, v in target.items()}}
+                                 ).summary("s").median
+    with pytest.raises(Exception, match="held_out"):
+        noise_floor(target, symmetries="keep", held_out=59)
+
+
+def test_report_rows_are_the_collection_layers_numbers(collections, tmp_path):
+    report = build_report(collections["target"], {"DE": collections["de"],
+                                                  "Wide": collections["wide"]},
+                          ood_data="fashion-mnist" if _fashion() else None, splits=5,
+                          n_images=200, n_pairs=10, figures=False)
+    direct = compare(collections["target"], {"DE": collections["de"],
+                                             "Wide": collections["wide"]})
+    rows = {row["name"]: row for row in report.rows}
+    for name in ("DE", "Wide"):
+        assert rows[name]["mmd"] == pytest.approx(direct.summary(name, "keep").median)
+        assert rows[name]["ns_mmd"] == pytest.approx(direct.summary(name, "remove").median)
+        assert rows[name]["n"] == 10
+    evaluation = evaluate(collections["de"], n_images=200)
+    assert rows["DE"]["accuracy"] == pytest.approx(evaluation.ensemble_accuracy)
+    assert rows["DE"]["ece"] == pytest.approx(evaluation.ensemble_ece)
+    assert rows["DE"]["group"] == "multi-mode" and rows["Wide"]["group"] == "other"
+    # the same distribution scores far below three-times-larger weights
+    assert rows["DE"]["mmd"] < report.noise["keep"].band[1] * 10 < rows["Wide"]["mmd"]
+    paths = report.write(tmp_path / "out")
+    assert {"report.html", "report.md", "report.json", "table1.csv", "table2.csv",
+            "noise_floor.csv"} <= set(paths)
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert data["kind"] == "report" and data["provenance"]["inputs"]["method DE"]["sha256"]
+    table1 = (tmp_path / "out" / "table1.csv").read_text().splitlines()
+    assert table1[0].startswith("name,group,n,mmd,ns_mmd,accuracy") and len(table1) == 3
+
+
+def test_report_refuses_mixed_datasets_unless_asked(collections):
+    with pytest.raises(MixedDatasetsError, match="other"):
+        build_report(collections["target"], [collections["other"]], figures=False)
+    report = build_report(collections["target"], [collections["other"]], allow_mixed=True,
+                          id_data="digits", splits=2, n_images=50, figures=False)
+    assert [row["name"] for row in report.rows] == ["DE"]
+
+
+def test_cli_report_writes_everything_and_refuses_an_existing_output(collections, tmp_path,
+                                                                     capsys):
+    out = tmp_path / "r"
+    code, text, err = run(capsys, "report", collections["target"], f"DE={collections['de']}",
+                          collections["wide"], "--splits", "3", "--n-images", "100",
+                          "--n-pairs", "5", "--out", out, "--no-progress")
+    assert code == 0, err
+    assert "| DE | multi-mode | 10 |" in text and str(out / "report.html") in text
+    figures = {p.name for p in (out / "figures").iterdir()}
+    assert {"marginals.png", "marginals.pdf", "mass.png", "mmd.png", "ns-mmd.png",
+            "pca.png"} <= figures
+    before = (out / "report.html").read_bytes()
+    code, _, err = run(capsys, "report", collections["target"], collections["de"],
+                       "--out", out, "--no-progress")
+    assert_one_line_error(code, err, "exists")
+    assert (out / "report.html").read_bytes() == before
+    code, _, err = run(capsys, "report", collections["target"], collections["other"],
+                       "--out", tmp_path / "mixed", "--no-progress")
+    assert_one_line_error(code, err, "--allow-mixed")
+    assert not (tmp_path / "mixed").exists()
+
+
+def _fashion() -> bool:
+    return Path("/usr/share/datasets/fashion-mnist").is_dir()
+
+
+_CHECK = """<script>
+window.addEventListener("load", () => {
+  const images = [...document.images];
+  const ok = images.filter(i => i.complete && i.naturalWidth > 0).length;
+  const rows = document.querySelectorAll("#table1 tbody tr").length;
+  const detail = document.querySelectorAll("#table2 tbody tr").length;
+  const out = document.createElement("pre");
+  out.id = "render-check";
+  out.textContent = JSON.stringify({images: images.length, loaded: ok, rows, detail});
+  document.body.appendChild(out);
+});
+</script></body>"""
+
+
+def test_the_page_renders_in_a_headless_browser(collections, tmp_path, capsys):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no headless browser: install Debian's chromium package "
+                    "(.ci/run does) to check that the page renders")
+    out = tmp_path / "r"
+    code, _, err = run(capsys, "report", collections["target"], collections["de"],
+                       collections["wide"], "--splits", "3", "--n-images", "100",
+                       "--n-pairs", "5", "--out", out, "--no-progress")
+    assert code == 0, err
+    page = (out / "report.html").read_text()
+    checked = tmp_path / "checked.html"      # the report itself is left as written
+    checked.write_text(page.replace("</body>", _CHECK))
+    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
+                          "--virtual-time-budget=10000", "--dump-dom", checked.as_uri()],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    marker = dom.split('<pre id="render-check">', 1)[1].split("</pre>", 1)[0]
+    result = json.loads(marker)
+    assert result["images"] == page.count("data:image/png;base64,") >= 5
+    assert result["loaded"] == result["images"]       # every figure decodes and shows
+    assert result["rows"] == 2 + 2 and result["detail"] == 2   # methods + noise rows
+    screenshot = tmp_path / "page.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
+                    f"--screenshot={screenshot}", "--window-size=1200,2000",
+                    (out / "report.html").as_uri()], capture_output=True, timeout=120,
+                   check=True)
+    from PIL import Image
+
+    pixels = np.asarray(Image.open(screenshot).convert("L"), dtype=float)
+    assert pixels.std() > 10          # not a blank page
