@@ -8,6 +8,7 @@ expected, overflowing literals.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -60,6 +61,21 @@ def _options(files: dict[str, Path]) -> list[tuple[list[str], str, str]]:
         (["demo", "--out", out + "/d"], "--checkpoints", "positive_int"),
         (["demo", "--out", out + "/d"], "--epochs", "positive_int"),
         (["demo", "--out", out + "/d"], "--seed", "nonnegative_int"),
+        (["demo", "--out", out + "/d"], "--n-images", "positive_int"),
+        (["report", zoo, zoo, "--out", out + "/p"], "--bins", "positive_int"),
+        (["report", zoo, zoo, "--out", out + "/p"], "--n-images", "positive_int"),
+        (["report", zoo, zoo, "--out", out + "/p"], "--splits", "positive_int"),
+        (["report", zoo, zoo, "--out", out + "/p"], "--n-pairs", "nonnegative_int"),
+        (["report", zoo, zoo, "--out", out + "/p"], "--seed", "nonnegative_int"),
+        (["plot", "marginals", zoo, "--out", out + "/f"], "--units", "positive_int"),
+        (["plot", "collapse", zoo, "--ood-data", "digits", "--out", out + "/f"],
+         "--n-images", "positive_int"),
+        (["plot", "collapse", zoo, "--ood-data", "digits", "--out", out + "/f"],
+         "--n-pairs", "positive_int"),
+        (["plot", "collapse", zoo, "--ood-data", "digits", "--out", out + "/f"], "--seed",
+         "nonnegative_int"),
+        (["plot", "mmd", zoo, zoo, "--out", out + "/f"], "--noise-splits", "nonnegative_int"),
+        (["plot", "mmd", zoo, zoo, "--out", out + "/f"], "--seed", "nonnegative_int"),
         (["import", "--out", out + "/i.h5", str(files["zoo"])], "--checkpoints-per-batch",
          "positive_int"),
         (["import", "--out", out + "/i.h5", str(files["zoo"])], "--num-classes", "positive_int"),
@@ -113,9 +129,14 @@ def test_every_numeric_option_is_covered(files):
     """The table above names every option whose value is a number (read from --help)."""
     from posteriorzoo.cli import build_parser
 
-    covered = {(words[0], option) for words, option, _ in _options(files)}
+    covered = {(" ".join(words[:2]) if words[0] == "plot" else words[0], option)
+               for words, option, _ in _options(files)}
     parser = build_parser()
-    subcommands = parser._subparsers._group_actions[0].choices
+    subcommands = dict(parser._subparsers._group_actions[0].choices)
+    for name, sub in list(subcommands.items()):     # and the subcommands' own, e.g. plot mmd
+        nested = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]
+        for action in nested:
+            subcommands.update({f"{name} {n}": p for n, p in action.choices.items()})
     for name, sub in subcommands.items():
         for action in sub._actions:
             numeric = getattr(action.type, "__module__", "") == "posteriorzoo.cli._types"

@@ -355,8 +355,8 @@ def test_cli_pca(zoos, tmp_path, capsys):
 
 def test_cli_collapse(zoos, tmp_path, capsys):
     target, _ = zoos
-    result = _plot_json(capsys, "collapse", target, "--ood-data", "digits", "--images", "40",
-                        "--pairs", "10", "--seed", "3", "--out", tmp_path / "collapse")
+    result = _plot_json(capsys, "collapse", target, "--ood-data", "digits", "--n-images", "40",
+                        "--n-pairs", "10", "--seed", "3", "--out", tmp_path / "collapse")
     numbers = result["numbers"]
     assert numbers["pairs"] == 10 and numbers["images"] == {"digits": 40}
     assert 0 <= numbers["id"]["min"] <= numbers["id"]["max"] <= np.log(2)

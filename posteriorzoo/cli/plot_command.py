@@ -40,7 +40,7 @@ _EPILOG = """\
 examples:
   posteriorzoo plot marginals target.h5 --layers conv2.weight fc.weight --out marginals
   posteriorzoo plot mass target.h5 --out mass.png
-  posteriorzoo plot collapse target.h5 --ood-data mnist --pairs 5000 --seed 1
+  posteriorzoo plot collapse target.h5 --ood-data mnist --n-pairs 5000 --seed 1
   posteriorzoo plot mmd target.h5 DE=de.h5 SWAG=swag.h5 --symmetries remove
   posteriorzoo plot pca target.h5 de.h5 --symmetries both
 """
@@ -129,10 +129,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="in-distribution dataset (default: the collection's)")
     parser.add_argument("--data-dir", type=Path, metavar="DIR",
                         help="folder searched first for the dataset files")
-    parser.add_argument("--images", type=positive_int, default=2000, metavar="N",
+    parser.add_argument("--n-images", type=positive_int, default=2000, metavar="N",
                         help="at most N test images of each dataset, drawn with --seed "
                              "(default: %(default)s)")
-    parser.add_argument("--pairs", type=positive_int, default=2000, metavar="P",
+    parser.add_argument("--n-pairs", type=positive_int, default=2000, metavar="P",
                         help="at most P member pairs, drawn with --seed (default: "
                              "%(default)s)")
     parser.add_argument("--seed", type=nonnegative_int, default=0,
@@ -299,8 +299,8 @@ def run_collapse(args: argparse.Namespace) -> int:
 
     inputs = [args.zoo]
     _check_outputs(args, inputs)
-    data = collapse_data(args.zoo, args.ood_data, id_data=args.id_data, images=args.images,
-                         pairs=args.pairs, seed=args.seed, data_dir=args.data_dir,
+    data = collapse_data(args.zoo, args.ood_data, id_data=args.id_data, images=args.n_images,
+                         pairs=args.n_pairs, seed=args.seed, data_dir=args.data_dir,
                          verify=not args.no_verify)
     figure = collapse_figure(data.id_mi, data.ood_mi, id_name=data.id_name,
                              ood_name=data.ood_name)
