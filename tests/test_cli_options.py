@@ -76,6 +76,15 @@ def _options(files: dict[str, Path]) -> list[tuple[list[str], str, str]]:
          "nonnegative_int"),
         (["plot", "mmd", zoo, zoo, "--out", out + "/f"], "--noise-splits", "nonnegative_int"),
         (["plot", "mmd", zoo, zoo, "--out", out + "/f"], "--seed", "nonnegative_int"),
+        (["study", "toy", "--out", out + "/s"], "--networks", "positive_int"),
+        (["study", "toy", "--out", out + "/s"], "--norm", "positive_float"),
+        (["study", "toy", "--out", out + "/s"], "--points", "positive_int"),
+        (["study", "toy", "--out", out + "/s"], "--seed", "nonnegative_int"),
+        (["study", "permutation-stability", "--out", out + "/s"], "--runs", "positive_int"),
+        (["study", "permutation-stability", "--out", out + "/s"], "--epochs", "positive_int"),
+        (["study", "permutation-stability", "--out", out + "/s"], "--every", "positive_int"),
+        (["study", "permutation-stability", "--out", out + "/s"], "--seed",
+         "nonnegative_int"),
         (["import", "--out", out + "/i.h5", str(files["zoo"])], "--checkpoints-per-batch",
          "positive_int"),
         (["import", "--out", out + "/i.h5", str(files["zoo"])], "--num-classes", "positive_int"),
@@ -129,7 +138,7 @@ def test_every_numeric_option_is_covered(files):
     """The table above names every option whose value is a number (read from --help)."""
     from posteriorzoo.cli import build_parser
 
-    covered = {(" ".join(words[:2]) if words[0] == "plot" else words[0], option)
+    covered = {(" ".join(words[:2]) if words[0] in ("plot", "study") else words[0], option)
                for words, option, _ in _options(files)}
     parser = build_parser()
     subcommands = dict(parser._subparsers._group_actions[0].choices)

@@ -19,7 +19,7 @@ from posteriorzoo._numba import MESSAGE
 
 HEAVY = ("torch", "numpy", "h5py", "numba", "scipy", "huggingface_hub", "train_zoo")
 COMMANDS = ["info", "verify", "export", "import", "download", "upload", "train",
-            "canonicalize", "min-mass", "mmd", "report", "plot", "demo"]
+            "canonicalize", "min-mass", "mmd", "report", "plot", "study", "demo"]
 
 
 def _loaded_after(argv: list[str]) -> list[str]:

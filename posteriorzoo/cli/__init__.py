@@ -28,6 +28,7 @@ _SUBCOMMAND_MODULES = (
     "posteriorzoo.cli.mmd_command",
     "posteriorzoo.cli.report_command",
     "posteriorzoo.cli.plot_command",
+    "posteriorzoo.cli.study_command",
     "posteriorzoo.cli.demo",
 )
 
