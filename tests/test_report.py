@@ -165,3 +165,17 @@ def test_the_page_renders_in_a_headless_browser(collections, tmp_path, capsys):
 
     pixels = np.asarray(Image.open(screenshot).convert("L"), dtype=float)
     assert pixels.std() > 10          # not a blank page
+
+
+def test_report_with_the_mmdagg_test_shows_each_decision(collections, tmp_path):
+    report = build_report(collections["target"], {"DE": collections["de"],
+                                                  "Wide": collections["wide"]},
+                          test=True, splits=2, n_images=50, figures=False)
+    decisions = {(t["method"], t["symmetries"], t["layer"]): t["reject"]
+                 for t in report.tests}
+    assert len(decisions) == 2 * 2 * 4                    # methods x treatments x layers
+    # weights three times larger are told apart on every layer with symmetries kept
+    assert all(decisions[("Wide", "keep", layer)] for layer in
+               ("conv1.weight", "conv2.weight", "fc.weight", "fc.bias"))
+    page = report.tables()["report.html"]
+    assert 'id="tests"' in page and "mmdagg_tests.csv" in report.tables()

@@ -64,13 +64,15 @@ class ReportResult(CollectionResult):
     noise: dict[str, NoiseFloor]
     per_layer: dict[str, dict[str, dict[str, float]]]
     datasets: dict[str, Any]
+    tests: list[dict[str, Any]] = field(default_factory=list)
     figures: dict[str, Any] = field(default_factory=dict, repr=False)
     figure_notes: dict[str, str] = field(default_factory=dict)
 
     def payload(self) -> dict[str, Any]:
         return {"target": self.target, "datasets": self.datasets, "rows": self.rows,
                 "noise_floor": {k: v.to_dict() for k, v in self.noise.items()},
-                "per_layer": self.per_layer, "figures": sorted(self.figures),
+                "per_layer": self.per_layer, "mmdagg_tests": self.tests,
+                "figures": sorted(self.figures),
                 "figure_notes": self.figure_notes}
 
     def tables(self) -> dict[str, str]:
@@ -86,8 +88,12 @@ class ReportResult(CollectionResult):
         noise = csv_text(["symmetries", "split", "held_out", "median_mmd2"],
                          ([k, i, v.held_out, float(x)] for k, v in self.noise.items()
                           for i, x in enumerate(v.splits)))
-        return {"table1.csv": table1, "table2.csv": table2, "noise_floor.csv": noise,
-                "report.md": markdown_page(self), "report.html": html_page(self)}
+        files = {"table1.csv": table1, "table2.csv": table2, "noise_floor.csv": noise,
+                 "report.md": markdown_page(self), "report.html": html_page(self)}
+        if self.tests:
+            files["mmdagg_tests.csv"] = csv_text(list(self.tests[0]),
+                                                 (list(t.values()) for t in self.tests))
+        return files
 
     def write_into(self, folder: str | os.PathLike) -> dict[str, Path]:
         """The tables, the JSON, and every figure as ``figures/<name>.png`` and ``.pdf``."""
@@ -235,6 +241,10 @@ def build_report(target: str | os.PathLike,
         noise = {t: noise_floor(target_arrays[t], symmetries=t, held_out=held_out,
                                 splits=splits, seed=seed) for t in treatments}
         per_layer: dict[str, dict[str, dict[str, float]]] = {}
+        tests = [{"method": r.method, "symmetries": r.symmetries, "layer": r.layer,
+                  "reject": bool(r.test.reject), "min_p_value": float(np.min(r.test.p_values)),
+                  "alpha": float(r.test.alpha)}
+                 for r in comparison.results if r.test is not None]
         for result in comparison.results:
             per_layer.setdefault(result.symmetries, {}).setdefault(
                 result.method, {})[result.layer] = result.median
@@ -256,7 +266,7 @@ def build_report(target: str | os.PathLike,
         info, rows, noise, per_layer,
         {"id": id_data, "ood": ood_data, "images": first.image_counts, "bins": bins,
          "ood_score": ood_score, "collapse": collapse},
-        drawn, notes,
+        tests=tests, figures=drawn, figure_notes=notes,
         provenance=record(
             "posteriorzoo report", command=command,
             inputs={"target": describe_input(target),

@@ -151,6 +151,7 @@ higher for accuracy and AUPR.</p></div>
 <ul id="verdicts">{verdicts}</ul>
 <h2>MMD detail (Table 2)</h2>
 {table2}
+{_tests_html(report)}
 <h2>Figures</h2>
 {figures}
 <h2>Provenance</h2>
@@ -180,3 +181,18 @@ def table1_text(report: ReportResult) -> str:
     return "\n".join([caption, "", tables.markdown_table(
         tables.TABLE1_HEADER, tables.table1_rows(report.rows) + _noise_rows(report)),
         *_verdicts(report)])
+
+
+def _tests_html(report: ReportResult) -> str:
+    """The MMDAgg test per method, treatment and layer (with --test)."""
+    if not report.tests:
+        return ""
+    cells = [[t["method"], t["symmetries"], t["layer"], "reject" if t["reject"] else "keep",
+              f"{t['min_p_value']:.4f}"] for t in report.tests]
+    alpha = report.tests[0]["alpha"]
+    return "<h2>MMDAgg test</h2>" + tables.html_table(
+        ["Method", "symmetries", "layer", "decision", "min p-value"], cells, table_id="tests",
+        caption=f"The aggregated MMD test (Schrab et al.) at level {alpha} per layer: reject "
+                "means the method's samples and the target's differ; min p-value is the "
+                "smallest over the 20 kernels (each kernel's threshold is corrected for "
+                "the aggregation).")
