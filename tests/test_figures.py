@@ -200,7 +200,8 @@ def test_pca_figure():
     figure = pca_figure(curves)
     _labelled(figure, 1)
     assert len(figure.axes[0].get_lines()) == 3  # two curves and the 90% line
-    assert "a: 3 of 4" in _texts(figure) and "b: 9 of 10" in _texts(figure)
+    labels = [t.get_text() for legend in figure.legends for t in legend.get_texts()]
+    assert labels == ["a: 3 of 4", "b: 9 of 10"]   # components reaching 90% of the variance
 
 
 # ----------------------------------------------------------------------------- saving

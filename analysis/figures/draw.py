@@ -380,22 +380,22 @@ def pca_figure(curves: Mapping[str, np.ndarray], *, threshold: float = 0.9) -> F
     """
     if not curves:
         raise InvalidOptionError("no curve to draw")
-    figure = _figure(6.5, 4.2)
+    figure = _figure(8.5, 4.2)
     ax = figure.subplots()
-    notes = []
-    for name, curve in curves.items():
+    for index, (name, curve) in enumerate(curves.items()):
         curve = np.asarray(curve, dtype=np.float64).ravel()
         components = np.arange(1, curve.size + 1)
-        ax.plot(components, curve, marker="." if curve.size <= 60 else None, label=name)
         reached = np.flatnonzero(curve >= threshold)
-        notes.append(f"{name}: {reached[0] + 1 if reached.size else '>' + str(curve.size)} "
-                     f"of {curve.size}")
+        needed = reached[0] + 1 if reached.size else f">{curve.size}"
+        # the legend says how many components each collection needs to reach the threshold
+        ax.plot(components, curve, marker="." if curve.size <= 60 else None,
+                linestyle="-" if index < 10 else "--",   # the 10 colours repeat after 10
+                label=f"{name}: {needed} of {curve.size}")
     ax.axhline(threshold, color="0.5", linestyle="--", linewidth=0.8)
     ax.set_ylim(0.0, 1.02)
     ax.set_xlabel("number of principal components")
     ax.set_ylabel("cumulative explained variance (fraction of the total)")
     ax.set_title("PCA of the flattened weights")
-    _note(ax, f"components for {threshold:.0%} of the variance:\n" + "\n".join(notes),
-          "lower right")
-    ax.legend(fontsize=8, loc="center right")
+    figure.legend(fontsize=8, loc="outside right upper",
+                  title=f"components for {threshold:.0%}", title_fontsize=8)
     return figure
