@@ -136,7 +136,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="at most P member pairs, drawn with --seed (default: "
                              "%(default)s)")
     parser.add_argument("--seed", type=nonnegative_int, default=0,
-                        help="seed of the images and pairs drawn (default: %(default)s)")
+                        help="seed of every random choice of the command: here, the images "
+                             "and pairs drawn (default: %(default)s)")
     _add_common(parser, "collapse", "Pearson's r and the MI summaries")
     parser.set_defaults(func=run_collapse)
 
@@ -165,7 +166,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="random target splits for the noise band; 0: no band "
                              "(default: %(default)s)")
     parser.add_argument("--seed", type=nonnegative_int, default=0,
-                        help="seed of the noise band's splits (default: %(default)s)")
+                        help="seed of every random choice of the command: here, the noise "
+                             "band's splits (default: %(default)s)")
     _add_common(parser, "mmd", "the MMD^2 values and noise band")
     parser.set_defaults(func=run_mmd)
 
