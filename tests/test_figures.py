@@ -31,7 +31,6 @@ from analysis.figures import (
     pca_figure,
     pearson,
     png_base64,
-    random_pairs,
     save_figure,
     unit_ks_pvalues,
     unit_marginals,
@@ -116,6 +115,8 @@ def test_pearson_is_numpys_correlation():
 
 
 def test_random_pairs_are_distinct_and_seeded():
+    from posteriorzoo.metrics import draw_pairs as random_pairs
+
     pairs = random_pairs(30, 100, seed=5)
     assert pairs.shape == (100, 2) and np.all(pairs[:, 0] < pairs[:, 1])
     assert pairs.max() < 30 and len({tuple(p) for p in pairs}) == 100

@@ -31,12 +31,11 @@ from analysis.figures.statistics import (
     ks_summary,
     pca_explained_variance,
     pearson,
-    random_pairs,
     unit_ks_pvalues,
     unit_marginals,
 )
 
 __all__ = ["collapse_figure", "figure_paths", "gram_explained_variance", "ks_summary",
            "marginals_figure", "mass_figure", "mmd_figure", "pca_explained_variance",
-           "pca_figure", "pearson", "png_base64", "random_pairs", "save_figure",
+           "pca_figure", "pearson", "png_base64", "save_figure",
            "unit_ks_pvalues", "unit_marginals"]

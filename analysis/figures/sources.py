@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.figures.statistics import gram_explained_variance, random_pairs
+from analysis.figures.statistics import gram_explained_variance
 from posteriorzoo.errors import InvalidOptionError
 
 __all__ = ["CollapseData", "MarginalLayers", "canonical_copy", "collapse_data",
@@ -153,77 +153,45 @@ class CollapseData:
     images: dict[str, int]
 
 
-def _images(name: str, count: int, seed: int, data_dir: PathLike | None, reference=None):
-    """Up to ``count`` test images of a dataset drawn with ``seed``, normalised with the
-    ``reference`` dataset's statistics (default: its own)."""
-    import torch
-
-    from posteriorzoo.data import Normalize, load_dataset
-
-    data = load_dataset(name, "test", data_dir=data_dir)
-    chosen = np.arange(len(data.images))
-    if chosen.size > count:
-        chosen = np.sort(np.random.default_rng(seed).choice(chosen.size, count, replace=False))
-    reference = reference or data
-    images = torch.from_numpy(np.ascontiguousarray(data.images[chosen]))
-    return Normalize(reference.mean, reference.std)(images), data
-
-
 def collapse_data(path: PathLike, ood_data: str, *, id_data: str | None = None,
                   images: int = 2000, pairs: int = 2000, seed: int = 0,
                   data_dir: PathLike | None = None, verify: bool = True) -> CollapseData:
-    """Pairwise mutual information of random member pairs on ID and OOD test images.
+    """Pairwise mutual information of random member pairs on ID and OOD test images:
+    :func:`posteriorzoo.collection.evaluate` with ``n_pairs`` (the same numbers as the
+    report's collapse figure).
 
     Parameters
     ----------
     path : path-like
-        The collection (diverged checkpoints are left out).
+        The collection.
     ood_data : str
         Out-of-distribution dataset (:func:`posteriorzoo.data.load_dataset` name).
     id_data : str, optional
         In-distribution dataset (default: the collection's). Both are normalised with the
         in-distribution dataset's mean and std, as the networks were trained.
     images : int
-        At most this many test images of each dataset, drawn with ``seed``.
+        The first ``images`` test images of each dataset.
     pairs : int
-        At most this many member pairs, drawn with ``seed``.
+        At most this many member pairs, drawn with ``seed``
+        (:func:`posteriorzoo.metrics.draw_pairs`).
     seed : int
-        Seed of both draws.
+        Seed of the pairs.
     data_dir : path-like, optional
         Folder searched first for the dataset files.
     verify : bool
         Check every checkpoint's SHA-256 as it is read.
     """
-    from posteriorzoo.collection.evaluation import member_probabilities
-    from posteriorzoo.metrics import pairwise_mutual_information
-    from posteriorzoo.models import input_shape
-    from posteriorzoo.zoo import open_zoo
+    from posteriorzoo.collection import evaluate
 
-    if images < 1 or pairs < 1 or seed < 0:
-        raise InvalidOptionError("images and pairs must be positive, seed non-negative")
-    with open_zoo(path, verify=verify) as zoo:
-        id_name = id_data or zoo.dataset
-        diverged = np.asarray(zoo.metadata["diverged"], dtype=bool)
-        members = np.flatnonzero(~diverged)
-        if members.size < 2:
-            raise InvalidOptionError(f"{path}: pairwise MI needs 2 checkpoints that did not "
-                                     f"diverge, not {members.size}")
-        shape = tuple(input_shape(zoo.architecture, **zoo.model_options))
-        id_images, id_set = _images(id_name, images, seed, data_dir)
-        ood_images, _ = _images(ood_data, images, seed + 1, data_dir, reference=id_set)
-        for name, batch in ((id_name, id_images), (ood_data, ood_images)):
-            if tuple(batch.shape[1:]) != shape:
-                raise InvalidOptionError(f"{name} images are {tuple(batch.shape[1:])}; "
-                                         f"{zoo.architecture} takes {shape}")
-        chosen = random_pairs(members.size, pairs, seed)
-        used = np.unique(chosen)
-        local = np.searchsorted(used, chosen)
-        indices = members[used].tolist()
-        values = [pairwise_mutual_information(
-            member_probabilities(zoo, batch, indices=indices), local)[0]
-            for batch in (id_images, ood_images)]
-    return CollapseData(values[0], values[1], members[chosen], id_name, ood_data,
-                        {id_name: len(id_images), ood_data: len(ood_images)})
+    result = evaluate(path, dataset=id_data, ood_dataset=ood_data, n_images=images,
+                      n_pairs=pairs, seed=seed,
+                      data_dir=None if data_dir is None else str(data_dir), verify=verify)
+    if result.pairs is None:
+        raise InvalidOptionError(f"{path}: pairwise MI needs at least 2 checkpoints")
+    counts = result.image_counts
+    return CollapseData(result.pairwise_id, result.pairwise_ood, result.pairs,
+                        result.dataset, ood_data,
+                        {result.dataset: counts["id"], ood_data: counts["ood"]})
 
 
 # ------------------------------------------------------------------------------- MMD

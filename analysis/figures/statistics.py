@@ -3,8 +3,8 @@
 - :func:`unit_marginals` takes one weight position per unit of a layer (what the paper's
   Fig. 9 plots), :func:`unit_ks_pvalues` compares those marginals two by two with the
   two-sample Kolmogorov-Smirnov test and :func:`ks_summary` condenses the p-values.
-- :func:`pearson` is the correlation of the functional-collapse scatter (Figs. 3 and 7),
-  :func:`random_pairs` draws the member pairs it is measured on.
+- :func:`pearson` is the correlation of the functional-collapse scatter (Figs. 3 and 7);
+  its member pairs are drawn by :func:`posteriorzoo.metrics.draw_pairs`.
 - :func:`pca_explained_variance` (and :func:`gram_explained_variance`, for many more
   weights than checkpoints) gives the explained-variance curve of the weights.
 
@@ -19,7 +19,7 @@ from scipy import stats
 from posteriorzoo.errors import InvalidOptionError
 
 __all__ = ["gram_explained_variance", "ks_summary", "pca_explained_variance", "pearson",
-           "random_pairs", "unit_ks_pvalues", "unit_marginals", "unit_position"]
+           "unit_ks_pvalues", "unit_marginals", "unit_position"]
 
 
 def unit_position(axis: int, ndim: int) -> str:
@@ -148,43 +148,6 @@ def pearson(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         return float("nan"), float("nan")
     result = stats.pearsonr(x, y)
     return float(result.statistic), float(result.pvalue)
-
-
-def random_pairs(members: int, count: int, seed: int) -> np.ndarray:
-    """Distinct unordered member pairs drawn uniformly without replacement.
-
-    Parameters
-    ----------
-    members : int
-        m, the number of members (m >= 2).
-    count : int
-        Pairs wanted; all ``m (m - 1) / 2`` of them if fewer exist.
-    seed : int
-        Seed of :func:`numpy.random.default_rng`.
-
-    Returns
-    -------
-    ndarray of shape (P, 2), int64
-        Pairs ``(i, j)`` with ``i < j``, sorted; ``P = min(count, m (m - 1) / 2)``.
-    """
-    if members < 2:
-        raise InvalidOptionError(f"pairs need at least 2 members, not {members}")
-    if count < 1:
-        raise InvalidOptionError(f"count must be at least 1, not {count}")
-    total = members * (members - 1) // 2
-    if count >= total:
-        return np.stack(np.triu_indices(members, 1), axis=1).astype(np.int64)
-    rng = np.random.default_rng(seed)
-    chosen: np.ndarray = np.empty(0, dtype=np.int64)
-    while chosen.size < count:
-        i = rng.integers(0, members, 2 * count)
-        j = rng.integers(0, members, 2 * count)
-        keep = i != j
-        low, high = np.minimum(i, j)[keep], np.maximum(i, j)[keep]
-        codes = np.unique(np.concatenate([chosen, low * members + high]))
-        chosen = codes if codes.size <= count else rng.choice(codes, count, replace=False)
-    chosen = np.sort(chosen)
-    return np.stack([chosen // members, chosen % members], axis=1)
 
 
 def _cumulative(variances: np.ndarray) -> np.ndarray:

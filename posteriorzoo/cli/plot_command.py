@@ -120,8 +120,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "two-member ensemble averaged over test images (nats, in [0, log 2]), on "
                     "the in-distribution and on the out-of-distribution dataset: two "
                     "histograms and their scatter with Pearson's r. Both datasets are "
-                    "normalised with the in-distribution dataset's mean and std. Diverged "
-                    "checkpoints are left out.")
+                    "normalised with the in-distribution dataset's mean and std, as in "
+                    "'posteriorzoo report' (a checkpoint with non-finite outputs is an "
+                    "error).")
     parser.add_argument("zoo", type=Path, metavar="ZOO", help="collection file (.h5)")
     parser.add_argument("--ood-data", required=True, metavar="NAME",
                         help="out-of-distribution dataset, e.g. mnist for Fashion-MNIST nets")
@@ -130,14 +131,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data-dir", type=Path, metavar="DIR",
                         help="folder searched first for the dataset files")
     parser.add_argument("--n-images", type=positive_int, default=2000, metavar="N",
-                        help="at most N test images of each dataset, drawn with --seed "
-                             "(default: %(default)s)")
+                        help="the first N test images of each dataset (default: "
+                             "%(default)s)")
     parser.add_argument("--n-pairs", type=positive_int, default=2000, metavar="P",
                         help="at most P member pairs, drawn with --seed (default: "
                              "%(default)s)")
     parser.add_argument("--seed", type=nonnegative_int, default=0,
-                        help="seed of every random choice of the command: here, the images "
-                             "and pairs drawn (default: %(default)s)")
+                        help="seed of every random choice of the command: here, the member "
+                             "pairs drawn (default: %(default)s)")
     _add_common(parser, "collapse", "Pearson's r and the MI summaries")
     parser.set_defaults(func=run_collapse)
 

@@ -23,6 +23,7 @@ from posteriorzoo.metrics import (
     accuracy,
     aupr,
     brier_score,
+    draw_pairs,
     expected_calibration_error,
     fpr_at_95_recall,
     mean_mutual_information,
@@ -239,7 +240,7 @@ def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
                      oodmi=mean_mutual_information(ood), aupr=aupr(id_scores, ood_scored),
                      fpr95=fpr_at_95_recall(id_scores, ood_scored))
     if n_pairs and len(members) >= 2:
-        chosen = _draw_pairs(len(members), n_pairs, seed)
+        chosen = draw_pairs(len(members), n_pairs, seed)
         extra["pairwise_id"], extra["pairs"] = pairwise_mutual_information(members, chosen)
         if ood is not None:
             extra["pairwise_ood"] = pairwise_mutual_information(ood, chosen)[0]
@@ -258,12 +259,3 @@ def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
                                    "ood_score": ood_score, "bins": bins, "n_images": n_images,
                                    "n_pairs": n_pairs, "verify": verify}))
 
-
-def _draw_pairs(members: int, count: int, seed: int) -> np.ndarray:
-    """``count`` distinct pairs i < j of ``members`` (all of them if there are fewer)."""
-    first, second = np.triu_indices(members, k=1)
-    every = np.stack([first, second], axis=1)
-    if count >= len(every):
-        return every
-    chosen = np.random.default_rng(seed).choice(len(every), size=count, replace=False)
-    return every[np.sort(chosen)]

@@ -22,6 +22,7 @@ collection's checkpoints to get the probabilities is the collection layer's job
 """
 
 from posteriorzoo.metrics.information import (
+    draw_pairs,
     entropy,
     mean_mutual_information,
     mutual_information,
@@ -43,6 +44,7 @@ __all__ = [
     "accuracy",
     "aupr",
     "brier_score",
+    "draw_pairs",
     "entropy",
     "expected_calibration_error",
     "fpr_at_95_recall",

@@ -20,6 +20,7 @@ from scipy.special import entr
 
 from posteriorzoo._api import public
 from posteriorzoo.metrics import _checks
+from posteriorzoo.options import check_integer
 
 #: Largest float64 working array (elements) of :func:`pairwise_mutual_information`: pairs
 #: are processed in chunks of this many ``n * K`` values (32 MiB).
@@ -126,6 +127,34 @@ def _pairs(function: str, pairs: np.ndarray | Sequence[Sequence[int]] | None,
         _checks.fail(function, f"a pair must join two different members, not "
                                f"{tuple(int(i) for i in array[same[0]])}")
     return array.astype(np.int64, copy=False)
+
+
+@public
+def draw_pairs(members: int, count: int, seed: int) -> np.ndarray:
+    """Distinct member pairs ``i < j``, drawn uniformly without replacement.
+
+    Parameters
+    ----------
+    members : int
+        m >= 2, the number of members.
+    count : int
+        Pairs wanted (>= 1); all ``m (m - 1) / 2`` of them, in order, if there are fewer.
+    seed : int
+        Seed of :func:`numpy.random.default_rng`.
+
+    Returns
+    -------
+    ndarray of shape (min(count, m (m - 1) / 2), 2), int64
+        The pairs, sorted.
+    """
+    check_integer("members", members, 2)
+    check_integer("count", count, 1)
+    check_integer("seed", seed, 0)
+    every = np.stack(np.triu_indices(members, k=1), axis=1).astype(np.int64)
+    if count >= len(every):
+        return every
+    chosen = np.random.default_rng(seed).choice(len(every), size=count, replace=False)
+    return every[np.sort(chosen)]
 
 
 @public
