@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 
 def _integer(text: str) -> int:
@@ -95,3 +96,34 @@ def add_no_verify_option(parser: argparse.ArgumentParser) -> None:
 def add_json_option(parser: argparse.ArgumentParser, what: str) -> None:
     """``--json``: print ``what`` (the command's result as JSON) instead of the text."""
     parser.add_argument("--json", action="store_true", help=f"print {what}")
+
+
+def named_paths(arguments: Sequence[str]) -> list[tuple[str | None, Path]]:
+    """``NAME=PATH`` or ``PATH`` arguments as (name, or None when not given, path).
+
+    An argument that is an existing file is a path even if it contains ``=``.
+    """
+    from posteriorzoo.errors import InvalidOptionError
+
+    named: list[tuple[str | None, Path]] = []
+    for argument in arguments:
+        if "=" in argument and not Path(argument).exists():
+            name, _, path = argument.partition("=")
+            if not name or not path:
+                raise InvalidOptionError(f"expected NAME=PATH or PATH, got {argument!r}")
+            if any(name == other for other, _ in named):
+                raise InvalidOptionError(f"the name {name!r} is given twice")
+            named.append((name, Path(path)))
+        else:
+            named.append((None, Path(argument)))
+    return named
+
+
+def file_stem_names(arguments: Sequence[str]) -> dict[str, Path]:
+    """:func:`named_paths` with unnamed files named by their stems (made unique)."""
+    from posteriorzoo.collection.comparison import display_name
+
+    pairs = named_paths(arguments)
+    taken = {name for name, _ in pairs if name is not None}
+    return {name if name is not None else display_name(path, taken): path
+            for name, path in pairs}

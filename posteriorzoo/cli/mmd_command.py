@@ -9,6 +9,7 @@ from posteriorzoo.cli._types import (
     add_json_option,
     add_no_verify_option,
     add_overwrite_option,
+    file_stem_names,
     nonnegative_int,
     open_unit_interval,
     positive_float,
@@ -117,31 +118,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_mmd)
 
 
-def _methods(arguments: list[str]) -> dict[str, Path]:
-    from posteriorzoo.collection.comparison import display_name
-    from posteriorzoo.errors import InvalidOptionError
-
-    named: dict[str, Path] = {}
-    taken: set[str] = set()
-    for argument in arguments:
-        if "=" in argument and not Path(argument).exists():
-            name, _, path = argument.partition("=")
-            if not name or not path:
-                raise InvalidOptionError(f"expected NAME=PATH or PATH, got {argument!r}")
-            if name in taken:
-                raise InvalidOptionError(f"method name {name!r} given twice")
-            taken.add(name)
-            named[name] = Path(path)
-        else:
-            named[display_name(Path(argument), taken)] = Path(argument)
-    return named
-
-
 def run_mmd(args: argparse.Namespace) -> int:
     from posteriorzoo.collection import compare
     from posteriorzoo.outputs import atomic_directory
 
-    methods = _methods(args.methods)
+    methods = file_stem_names(args.methods)
     inputs = [args.target, *methods.values()]
     # Everything, canonical copies included, is built inside the temporary output folder:
     # a killed run leaves nothing behind but that folder, which the next run reclaims.

@@ -17,6 +17,7 @@ from posteriorzoo.cli._types import (
     add_json_option,
     add_no_verify_option,
     add_overwrite_option,
+    file_stem_names,
     nonnegative_int,
     positive_int,
 )
@@ -235,12 +236,6 @@ def _finish(args: argparse.Namespace, figure, inputs: list[Path], numbers: dict,
     return 0
 
 
-def _named(arguments: list[str]) -> dict[str, Path]:
-    from posteriorzoo.cli.mmd_command import _methods
-
-    return _methods(arguments)
-
-
 # ---------------------------------------------------------------------------- figures
 def run_marginals(args: argparse.Namespace) -> int:
     from analysis.figures.draw import marginals_figure
@@ -331,7 +326,7 @@ def run_mmd(args: argparse.Namespace) -> int:
     from analysis.figures.sources import mmd_noise_band, mmd_values
     from posteriorzoo.collection import compare
 
-    methods = _named(args.methods)
+    methods = file_stem_names(args.methods)
     inputs = [args.target, *methods.values()]
     _check_outputs(args, inputs)
     with tempfile.TemporaryDirectory(prefix="posteriorzoo-plot-") as folder:
@@ -366,7 +361,7 @@ def run_pca(args: argparse.Namespace) -> int:
     from analysis.figures.draw import pca_figure
     from analysis.figures.sources import canonical_copy, pca_curve
 
-    zoos = _named(args.zoos)
+    zoos = file_stem_names(args.zoos)
     inputs = list(zoos.values())
     _check_outputs(args, inputs)
     curves = {}

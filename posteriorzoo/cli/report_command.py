@@ -8,6 +8,7 @@ from pathlib import Path
 from posteriorzoo.cli._types import (
     add_json_option,
     add_overwrite_option,
+    named_paths,
     nonnegative_int,
     positive_int,
 )
@@ -99,28 +100,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_report)
 
 
-def method_arguments(arguments: list[str]) -> list[tuple[str | None, Path]]:
-    """``NAME=PATH`` or ``PATH`` arguments as (name or None, path)."""
-    from posteriorzoo.errors import InvalidOptionError
-
-    methods: list[tuple[str | None, Path]] = []
-    for argument in arguments:
-        if "=" in argument and not Path(argument).exists():
-            name, _, path = argument.partition("=")
-            if not name or not path:
-                raise InvalidOptionError(f"expected NAME=PATH or PATH, got {argument!r}")
-            methods.append((name, Path(path)))
-        else:
-            methods.append((None, Path(argument)))
-    return methods
-
-
 def run_report(args: argparse.Namespace) -> int:
     from analysis.report import build_report
     from analysis.report.page import table1_text
     from posteriorzoo.outputs import atomic_directory
 
-    methods = method_arguments(args.methods)
+    methods = named_paths(args.methods)
     inputs = [args.target, *(path for _, path in methods)]
     with atomic_directory(args.out, overwrite=args.overwrite, inputs=inputs) as partial:
         report = build_report(
