@@ -93,6 +93,7 @@ def report_step(out: Path, final: Path, command: str, progress: bool,
     """[2] The benchmark report on the shipped zoo (Fashion-MNIST in distribution)."""
     from analysis.report import build_report
     from analysis.report.page import table1_text
+    from analysis.report.tables import TABLE1_COLUMNS
     from posteriorzoo.data import load_dataset
     from posteriorzoo.errors import PosteriorZooError
     from posteriorzoo.reference import METHODS, reference_path
@@ -115,10 +116,8 @@ def report_step(out: Path, final: Path, command: str, progress: bool,
     print(f"[2] report on the reference zoo (OOD: {ood}): {final / 'report' / 'report.html'}")
     print(table1_text(report))
     return {"html": "report/report.html", "ood": ood,
-            "table1": [{key: row.get(key) for key in ("name", "group", "n", "mmd", "ns_mmd",
-                                                      "accuracy", "ece", "brier", "aupr",
-                                                      "fpr95", "idmi", "oodmi")}
-                       for row in report.rows],
+            "table1": [{key: row.get(key) for key in ("name", "group", "n", *(
+                column for column, *_ in TABLE1_COLUMNS))} for row in report.rows],
             "noise_band": {k: v.band for k, v in report.noise.items()}}
 
 
