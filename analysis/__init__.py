@@ -1,7 +1,9 @@
-"""The report, figures and studies (the paper's Table 1 and figures): not written yet.
+"""The report, the paper's figures and the studies, built on the collection layer.
 
-This package holds no code today. The Table-2 MMD reports already exist
-(:func:`posteriorzoo.collection.compare`, ``posteriorzoo mmd``); the benchmark report, the
-paper's figures and the seeds' studies will be built here on the collection layer
-(:mod:`posteriorzoo.collection`).
+- :mod:`analysis.report`: the benchmark report (``posteriorzoo report``): Table 1 with the
+  MMD noise floor, the Table 2 detail, the figures, one HTML page;
+- :mod:`analysis.figures`: the paper's figures as functions of arrays, and the data
+  loading of ``posteriorzoo plot``;
+- :mod:`analysis.studies`: the studies that need runs of their own (``posteriorzoo
+  study toy|permutation-stability``).
 """
