@@ -203,6 +203,7 @@ def build_report(target: str | os.PathLike,
     """
     from posteriorzoo.collection import compare, evaluate
     from posteriorzoo.collection.comparison import parameter_keys
+    from posteriorzoo.metrics import OOD_SCORES
     from posteriorzoo.provenance import describe_input, record
     from posteriorzoo.zoo import open_zoo
 
@@ -210,8 +211,6 @@ def build_report(target: str | os.PathLike,
     check_integer("splits", splits, 1)
     check_integer("n_pairs", n_pairs, 0)
     check_integer("seed", seed, 0)
-    from posteriorzoo.metrics import OOD_SCORES
-
     check_choice("ood_score", ood_score, OOD_SCORES)
     target = Path(target)
     info, entries = _inputs(target, methods, allow_mixed)
