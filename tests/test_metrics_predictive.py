@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -253,31 +254,50 @@ def test_fpr95_torch_uncertainty_cases():
                             np.full(100, 0.9)) == 0.5
 
 
-def test_fpr95_takes_the_lowest_threshold_of_the_chosen_recall():
-    # 20 OOD scored 20, 19, ..., 1: recall 19/20 = 0.95 exactly for thresholds in (1, 2].
-    # torch-uncertainty counts every ID sample above the 20th OOD score (1): 19.5 and 1.5,
-    # not 0.5: FPR = 2/3 (a threshold of 2 would flag 19.5 only, 1/3).
+def test_fpr95_takes_the_first_threshold_reaching_the_recall():
+    # 20 OOD scored 20, 19, ..., 1: recall 19/20 = 0.95 exactly from the threshold 2 on.
+    # Only the ID sample 19.5 is at or above 2: FPR = 1/3 (the lower thresholds in (1, 2)
+    # keep the recall at 0.95 but would also flag 1.5: 2/3).
     assert fpr_at_95_recall(np.array([19.5, 1.5, 0.5]),
-                            np.arange(20, 0, -1, dtype=float)) == pytest.approx(2 / 3)
+                            np.arange(20, 0, -1, dtype=float)) == pytest.approx(1 / 3)
 
 
-def test_fpr95_breaks_an_exact_recall_tie_upwards():
-    # 10 OOD scored 10..1: recalls 0.9 and 1.0 are both 0.05 from 0.95; 1.0 is chosen.
-    # At recall 1 (threshold 1) the ID samples 11, 5.5 and 1.0 are flagged: 3/4
-    # (recall 0.9 would flag 11 and 5.5 only: 2/4).
+def test_fpr95_needs_at_least_95_percent_recall():
+    # 10 OOD scored 10..1: recall 0.9 is as far from 0.95 as 1.0, but below it; recall 1
+    # (threshold 1) flags the ID samples 11, 5.5 and 1.0: 3/4.
     assert fpr_at_95_recall(np.array([11.0, 5.5, 1.0, 0.5]),
                             np.arange(10, 0, -1, dtype=float)) == pytest.approx(3 / 4)
 
 
+def test_fpr95_with_450_ood_samples_stops_at_the_428th():
+    # 0.95 x 450 = 427.5: the audit's case. OOD scored 450..1, one ID sample between each
+    # pair of OOD scores (449.5, ..., 0.5). The first threshold with recall >= 0.95 is the
+    # 428th OOD score (23): the ID samples 449.5 ... 23.5 are flagged, 427 of 450.
+    ood = np.arange(450, 0, -1, dtype=float)
+    assert fpr_at_95_recall(ood - 0.5, ood) == pytest.approx(427 / 450)
+
+
 def _fpr95_from_roc_curve(id_scores, ood):
-    """torch-uncertainty's rule, recomputed from scikit-learn's ROC curve."""
+    """scikit-learn's ROC curve read at the first true positive rate >= 0.95."""
     truth = np.r_[np.zeros(id_scores.size), np.ones(ood.size)]
     fpr, tpr, _ = roc_curve(truth, np.r_[id_scores, ood], drop_intermediate=False)
-    distance = np.abs(tpr - 0.95)
-    recall = tpr[distance == distance.min()].max()
-    at_recall = fpr[tpr == recall]
-    # recall 1: the first (highest) threshold reaching it; else the last (lowest) one
-    return at_recall.min() if recall == 1.0 else at_recall.max()
+    return fpr[np.flatnonzero(tpr >= 0.95)[0]]
+
+
+def _torch_uncertainty_fpr95():
+    """torch-uncertainty's own FPR95 (0.13), loaded from its module file alone: the package's
+    ``__init__`` imports torchvision, which has no working CPU build here. Skips when the
+    oracle is not installed (``make test`` installs it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch_uncertainty")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("torch-uncertainty (test oracle) is not installed")
+    path = Path(spec.submodule_search_locations[0]) / "metrics/classification/fpr.py"
+    module_spec = importlib.util.spec_from_file_location("_tu_fpr", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.FPR95
 
 
 @pytest.mark.parametrize(("seed", "n_id", "n_ood", "decimals"),
@@ -292,6 +312,24 @@ def test_fpr95_against_roc_curve(seed, n_id, n_ood, decimals):
     expected = _fpr95_from_roc_curve(id_scores, ood)
     assert fpr_at_95_recall(id_scores, ood) == pytest.approx(expected, abs=1e-12)
     assert 0.0 < expected < 1.0
+
+
+@pytest.mark.parametrize(("seed", "n_id", "n_ood", "decimals"),
+                         [(0, 300, 137, None), (2, 200, 97, 1), (3, 400, 140, 1),
+                          (4, 50, 33, 0), (5, 10000, 450, None), (6, 1000, 450, 2),
+                          (7, 100, 20, 0)])
+def test_fpr95_equals_torch_uncertainty(seed, n_id, n_ood, decimals):
+    torch = pytest.importorskip("torch")
+    metric = _torch_uncertainty_fpr95()(pos_label=1)
+    rng = np.random.default_rng(seed)
+    id_scores = rng.normal(0.0, 1.0, n_id)
+    ood = rng.normal(1.5, 1.0, n_ood)
+    if decimals is not None:
+        id_scores, ood = id_scores.round(decimals), ood.round(decimals)
+    metric.update(torch.as_tensor(np.r_[id_scores, ood]),
+                  torch.as_tensor(np.r_[np.zeros(n_id), np.ones(n_ood)]).long())
+    expected = float(metric.compute())
+    assert fpr_at_95_recall(id_scores, ood) == pytest.approx(expected, abs=1e-6)
 
 
 # --- bad input ------------------------------------------------------------------------------

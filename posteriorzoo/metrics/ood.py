@@ -89,14 +89,15 @@ def aupr(id_scores: np.ndarray, ood_scores: np.ndarray) -> float:
 def fpr_at_95_recall(id_scores: np.ndarray, ood_scores: np.ndarray) -> float:
     """False positive rate of OOD detection at 95% recall of the OOD samples (FPR95).
 
-    Follows torch-uncertainty's ``FPR95`` (``FPRx`` with recall 0.95, from Hendrycks'
-    ``anomaly-seg`` code) exactly. The operating points are the thresholds at the distinct
-    scores, from the highest down to the first at which every OOD sample is flagged. Among
-    them, the recall nearest 0.95 is chosen (an exact tie goes to the higher recall: with
-    ``n_ood`` a multiple of 20 the recall is exactly 0.95). At that recall ``k / n_ood`` with
-    ``k < n_ood``, the threshold is the lowest one still giving it: every in-distribution
-    sample scored above the (k+1)-th highest OOD score counts as a false positive (at
-    recall 1, those scored at or above the lowest OOD score).
+    Follows torch-uncertainty's ``FPR95`` (``FPRx`` with recall 0.95; its tie-aware form
+    since 0.13, which equals Hendrycks' ``anomaly-seg`` rule whenever no in-distribution
+    score equals an OOD score) and scikit-learn's ROC curve read at the first true
+    positive rate of at least 0.95. The operating points are the thresholds at the
+    distinct scores, from the highest down; the chosen one is the **first** (highest)
+    threshold whose recall ``k / n_ood`` is at least 0.95, and every in-distribution
+    sample scored at or above it counts as a false positive. With 450 OOD samples, for
+    example, the threshold is the 428th highest OOD score (recall 428/450 >= 0.95 >
+    427/450).
 
     Parameters
     ----------
@@ -120,10 +121,6 @@ def fpr_at_95_recall(id_scores: np.ndarray, ood_scores: np.ndarray) -> float:
     ends = np.r_[np.flatnonzero(ranked[1:] != ranked[:-1]), ranked.size - 1]
     true_positives = np.cumsum(is_ood[order])[ends]
     false_positives = ends + 1 - true_positives
-    # torch-uncertainty drops the thresholds below the first that flags every OOD sample.
-    last = int(np.searchsorted(true_positives, n_ood))
-    true_positives, false_positives = true_positives[:last + 1], false_positives[:last + 1]
-    # 20 n_ood |recall - 0.95| = |20 TP - 19 n_ood|, in integers so that ties are exact.
-    distance = np.abs(20 * true_positives - 19 * n_ood)
-    recalled = true_positives[distance == distance.min()].max()
-    return float(false_positives[true_positives == recalled].max() / id_scores.size)
+    # recall >= 0.95 as 20 TP >= 19 n_ood, in integers so that an exact 0.95 is exact.
+    first = int(np.flatnonzero(20 * true_positives >= 19 * n_ood)[0])
+    return float(false_positives[first] / id_scores.size)
