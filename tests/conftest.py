@@ -33,6 +33,20 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_gzip_bombs_fail_fast_with_bounded_memory": ("import", "hostile archive"),
         "test_bad_key_maps_are_refused": ("import", "bad key map"),
     },
+    "test_hub.py": {
+        "test_download_out_refuses_a_different_file_before_any_transfer": ("download",
+                                                                           "output policy"),
+        "test_download_out_compares_fetched_bytes_when_the_list_cannot_tell": (
+            "download", "output policy"),
+        "test_download_that_fails_verification_publishes_nothing": ("download", "content"),
+        "test_repo_file_names_outside_the_folder_are_one_line": ("download",
+                                                                 "hub fake endpoint"),
+        "test_non_utf8_manifest_is_one_line": ("download", "hub fake endpoint"),
+        "test_non_utf8_manifest_beside_a_collection_is_reported": ("verify", "content"),
+        "test_unexpected_create_repo_answer_is_one_line": ("upload", "hub fake endpoint"),
+        "test_fake_hub_download_errors_are_one_line": ("download", "hub fake endpoint"),
+        "test_fake_hub_upload_errors_are_one_line": ("upload", "hub fake endpoint"),
+    },
     "test_train_robustness.py": {
         "test_bad_spec_is_refused_before_anything_is_created": ("train", "bad spec"),
         "test_spec_path_that_is_no_file": ("train", "bad spec"),

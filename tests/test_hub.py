@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx2
 import numpy as np
 import pytest
+from fake_hub import FakeHub
 from huggingface_hub import constants
 from huggingface_hub.errors import (
     GatedRepoError,
@@ -57,6 +58,32 @@ def _set_offline(monkeypatch: pytest.MonkeyPatch, offline: bool) -> None:
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
 
 
+def _set_endpoint(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
+    """Point huggingface_hub at ``endpoint``: its API calls and its file URLs (a template
+    huggingface_hub builds from ``HF_ENDPOINT`` once, when it is imported)."""
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+
+
+@pytest.fixture(autouse=True)
+def loopback_only(monkeypatch: pytest.MonkeyPatch):
+    """Fail any attempt to resolve a host other than the loopback interface."""
+    real = socket.getaddrinfo
+    attempts: list[str] = []
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host not in ("127.0.0.1", "localhost", b"127.0.0.1", b"localhost"):
+            attempts.append(str(host))
+            raise socket.gaierror(socket.EAI_NONAME, f"tests contact 127.0.0.1 only, not {host}")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    yield
+    assert attempts == [], f"a test tried to reach {attempts}"
+
+
 @pytest.fixture(autouse=True)
 def isolated_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Offline by default, a private HF cache, and an endpoint that refuses connections."""
@@ -67,7 +94,7 @@ def isolated_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    _set_endpoint(monkeypatch, f"http://127.0.0.1:{_closed_port()}")
     _set_offline(monkeypatch, True)
     return cache
 
@@ -199,12 +226,28 @@ def test_single_pattern_string(fake_download: FakeSnapshotDownload) -> None:
     assert patterns[0] == "a.h5" and MANIFEST_NAME in patterns
 
 
-def test_download_to_local_dir(fake_download: FakeSnapshotDownload, tmp_path: Path) -> None:
+def test_download_to_local_dir(fake_download: FakeSnapshotDownload, tmp_path: Path,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    _set_offline(monkeypatch, False)
     path = download(REPO, local_dir=tmp_path / "here", cache_dir=tmp_path / "c")
     assert path == tmp_path / "here"
-    assert fake_download.calls[0]["local_dir"] == tmp_path / "here"
-    assert fake_download.calls[0]["cache_dir"] == tmp_path / "c"
-    assert (path / "a.h5").is_file()
+    # fetched into a temporary folder next to the output, then moved into place
+    staging = fake_download.calls[0]["local_dir"]
+    assert staging.parent == tmp_path and staging.name.startswith(".here.partial-")
+    assert not staging.exists()
+    assert snapshot_names(path) == ["README.md", MANIFEST_NAME, "a.h5", "sub/b.h5"]
+    # offline, the files come from the cache instead
+    _set_offline(monkeypatch, True)
+    again = download(REPO, local_dir=tmp_path / "there", cache_dir=tmp_path / "c")
+    assert fake_download.calls[1]["local_dir"] is None
+    assert fake_download.calls[1]["cache_dir"] == tmp_path / "c"
+    assert snapshot_names(again) == snapshot_names(path)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def snapshot_names(folder: Path) -> list[str]:
+    """Every file under ``folder``, hidden ones included, as sorted relative paths."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
 
 
 def test_offline_env_set_after_import_is_honoured(
@@ -666,3 +709,195 @@ def test_cli_download_several_patterns_to_local_dir(
     patterns = fake_download.calls[0]["allow_patterns"]
     assert patterns[:2] == ["a.h5", "sub/*"] and MANIFEST_NAME in patterns
     assert str(target) in out and "  ok  a.h5" in out and "  ok  sub/b.h5" in out
+
+
+# ---------------------------------------------------------------- (e) a fake Hub on 127.0.0.1
+# Real huggingface_hub against tests/fake_hub.py: repository info, file tree, downloads,
+# repository creation and commits, all on the loopback interface.
+
+
+@pytest.fixture
+def hub(repo_source: Path, monkeypatch: pytest.MonkeyPatch):
+    """A fake Hub serving ``repo_source`` as ``org/zoo``; online, with a (fake) token."""
+    files = {p.relative_to(repo_source).as_posix(): p.read_bytes()
+             for p in sorted(repo_source.rglob("*")) if p.is_file()}
+    with FakeHub(REPO, files) as server:
+        _set_endpoint(monkeypatch, server.endpoint)
+        monkeypatch.setenv("HF_TOKEN", "hf_fake_token_for_the_loopback_hub")
+        _set_offline(monkeypatch, False)
+        yield server
+
+
+def transfers(server: FakeHub) -> list[str]:
+    """The file downloads (GET .../resolve/...) the fake Hub answered."""
+    return [path for method, path in server.requests if method == "GET" and "/resolve/" in path]
+
+
+def files_under(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (hidden ones too) and its bytes."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_fake_hub_round_trip(run_cli, hub: FakeHub, collections: Path, tmp_path: Path) -> None:
+    code, out, err = run_cli("upload", REPO, str(collections), "--path-in-repo", "runs")
+    assert code == 0, err
+    assert sorted(op["path"] for op in hub.commits[0]) == [
+        f"runs/{MANIFEST_NAME}", "runs/a.h5", "runs/deep/b.h5"]
+    target = tmp_path / "mirror"
+    code, out, err = run_cli("download", REPO, "--include", "runs/*", "--out", str(target))
+    assert code == 0, err
+    assert "  ok  runs/a.h5" in out and "  ok  runs/deep/b.h5" in out
+    assert files_under(target) == {name: data for name, data in hub.files.items()
+                                   if name.startswith("runs/") or name == MANIFEST_NAME}
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_download_out_refuses_a_different_file_before_any_transfer(
+    run_cli, hub: FakeHub, tmp_path: Path
+) -> None:
+    target = tmp_path / "mine"
+    target.mkdir()
+    (target / "a.h5").write_bytes(b"my own a.h5, not the repository's")
+    (target / "notes.txt").write_text("kept")
+    before = files_under(target)
+    code, out, err = run_cli("download", REPO, "--out", str(target))
+    assert code == 2 and out == ""
+    assert len(err) == 1 and "a.h5 already exists and differs" in err[0], err
+    assert "--overwrite" in err[0]
+    assert files_under(target) == before
+    assert transfers(hub) == []  # refused from the file list, before any download
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    # an identical file is accepted as done; the rest is added, other files stay
+    (target / "a.h5").write_bytes(hub.files["a.h5"])
+    code, out, err = run_cli("download", REPO, "--out", str(target))
+    assert code == 0, err
+    assert files_under(target) == {**hub.files, "notes.txt": b"kept"}
+    # --overwrite replaces a differing file
+    (target / "sub" / "b.h5").write_bytes(b"stale")
+    code, out, err = run_cli("download", REPO, "--out", str(target), "--overwrite")
+    assert code == 0, err
+    assert files_under(target) == {**hub.files, "notes.txt": b"kept"}
+
+
+def test_download_out_compares_fetched_bytes_when_the_list_cannot_tell(
+    run_cli, hub: FakeHub, tmp_path: Path
+) -> None:
+    # the listing by branch (the pre-check's) fails, the one by commit (the download's) works
+    hub.fail["tree:main"] = (404, b'{"error": "no listing by branch name today"}')
+    target = tmp_path / "mine"
+    target.mkdir()
+    (target / "a.h5").write_bytes(b"precious")
+    code, _, err = run_cli("download", REPO, "--out", str(target))
+    assert code == 2 and len(err) == 1 and "a.h5 already exists and differs" in err[0], err
+    assert transfers(hub) != []  # this time the fetched bytes told
+    assert (target / "a.h5").read_bytes() == b"precious"
+    assert sorted(p.name for p in target.iterdir()) == ["a.h5"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_download_that_fails_verification_publishes_nothing(
+    run_cli, hub: FakeHub, tmp_path: Path
+) -> None:
+    data = bytearray(hub.files["sub/b.h5"])
+    data[-20] ^= 0xFF
+    hub.files["sub/b.h5"] = bytes(data)  # the manifest still lists the original digest
+    new, existing = tmp_path / "new", tmp_path / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    for target in (new, existing):
+        code, out, err = run_cli("download", REPO, "--out", str(target))
+        assert code == 2 and out == ""
+        assert len(err) == 1 and "sub/b.h5: SHA-256 mismatch" in err[0], err
+    assert not new.exists()
+    assert files_under(existing) == {"keep.txt": b"mine"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["existing", "hf-cache", "repo"])
+
+
+@pytest.mark.parametrize("name", ["../x.h5", "/abs/x.h5", "sub/../../x.h5"])
+@pytest.mark.parametrize("into", ["cache", "out"])
+def test_repo_file_names_outside_the_folder_are_one_line(
+    run_cli, hub: FakeHub, tmp_path: Path, name: str, into: str
+) -> None:
+    hub.files[name] = b"escapes"
+    hub.commit = hashlib.sha1(name.encode()).hexdigest()  # no tree cached from another case
+    argv = ["--out", str(tmp_path / "out" / "here")] if into == "out" else []
+    (tmp_path / "out").mkdir()
+    code, out, err = run_cli("download", REPO, *argv)
+    assert code == 2 and out == "", err
+    assert len(err) == 1 and err[0].startswith("posteriorzoo download: error: "), err
+    assert "x.h5" in err[0] and "Traceback" not in err[0]
+    assert not (tmp_path / "x.h5").exists() and not Path("/abs/x.h5").exists()
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_non_utf8_manifest_is_one_line(run_cli, hub: FakeHub, tmp_path: Path) -> None:
+    hub.files[MANIFEST_NAME] = NOT_UTF8
+    for argv in ([], ["--out", str(tmp_path / "here")]):
+        code, out, err = run_cli("download", REPO, *argv)
+        assert code == 2 and out == ""
+        assert len(err) == 1 and f"{MANIFEST_NAME}: not a sha256sum manifest (not UTF-8" in err[0]
+        assert ".partial-" not in err[0]  # names the output, not its temporary folder
+    assert not (tmp_path / "here").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+NOT_UTF8 = b"\xff\xfe\x00 not text " + bytes(range(128, 256))
+
+
+def test_non_utf8_manifest_beside_a_collection_is_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "published"
+    make_h5(folder / "a.h5", 0)
+    (folder / MANIFEST_NAME).write_bytes(NOT_UTF8)
+    before = files_under(folder)
+    monkeypatch.setattr(cli, "_SUBCOMMAND_MODULES", ("posteriorzoo.cli.zoo_commands",))
+    code = cli.main(["verify", str(folder / "a.h5")])
+    out, err = capsys.readouterr()
+    assert code == 2 and "Traceback" not in err
+    assert "not UTF-8" in out + err
+    assert files_under(folder) == before
+    with pytest.raises(ZooFormatError, match="not UTF-8"):
+        verify_snapshot(folder)
+
+
+@pytest.mark.parametrize("answer", [{"url": "not a repository url"}, {"no": "url"}, [1, 2]],
+                         ids=["bad-url", "no-url", "not-an-object"])
+def test_unexpected_create_repo_answer_is_one_line(
+    run_cli, hub: FakeHub, collections: Path, answer
+) -> None:
+    hub.create_repo_answer = answer
+    code, out, err = run_cli("upload", REPO, str(collections))
+    assert code == 2 and out == ""
+    assert len(err) == 1 and err[0].startswith("posteriorzoo upload: error: "), err
+    assert "org/zoo" in err[0]
+    assert hub.commits == []
+
+
+@pytest.mark.parametrize(("route", "failure", "fragment"), [
+    ("resolve", (403, b"{}"), "org/zoo"),
+    ("info", (404, b"{}", {"X-Error-Code": "RepoNotFound"}), "not found"),
+    ("tree", (400, b'{"error": "bad request"}'), "org/zoo")])
+def test_fake_hub_download_errors_are_one_line(
+    run_cli, hub: FakeHub, tmp_path: Path, route: str, failure: tuple, fragment: str
+) -> None:
+    hub.fail[route] = failure
+    for argv in ([], ["--out", str(tmp_path / "here")]):
+        code, out, err = run_cli("download", REPO, *argv)
+        assert code == 2 and out == "" and len(err) == 1 and fragment in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf-cache", "repo"]
+
+
+@pytest.mark.parametrize(("route", "failure", "fragment"), [
+    ("create", (500, b"not json at all"), "org/zoo"),
+    ("preupload", (400, b'{"error": "bad request"}'), "refused"),
+    ("commit", (403, b'{"error": "no"}'), "permission")])
+def test_fake_hub_upload_errors_are_one_line(
+    run_cli, hub: FakeHub, collections: Path, route: str, failure: tuple, fragment: str
+) -> None:
+    hub.fail[route] = failure
+    code, out, err = run_cli("upload", REPO, str(collections))
+    assert code == 2 and out == "" and len(err) == 1 and fragment in err[0], err
+    assert hub.commits == []

@@ -7,7 +7,10 @@ commands runs, so other commands start fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
+from collections.abc import Iterator
 
 from posteriorzoo.cli._types import add_json_option
 
@@ -30,7 +33,11 @@ def _register_download(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Download the collection files of a Hugging Face Hub dataset repository into the "
             "Hugging Face cache (or --out) and check them against the repository's "
-            "SHA256SUMS manifest, which is always fetched. "
+            "SHA256SUMS manifest, which is always fetched. With --out, the files are "
+            "fetched and verified under a temporary name next to DIR and only then moved "
+            "into it (the manifests last): a file that fails verification never appears "
+            "there. A file already in DIR is kept if identical and refused if it differs, "
+            "unless --overwrite. "
             + _NETWORK_NOTE
             + " Private or gated repositories need HF_TOKEN."
         ),
@@ -51,7 +58,13 @@ def _register_download(subparsers: argparse._SubParsersAction) -> None:
         "--out",
         dest="local_dir",
         metavar="DIR",
-        help="put the files in DIR instead of the Hugging Face cache",
+        help="put the files in DIR instead of the Hugging Face cache (DIR may exist; if "
+        "not, its parent folder must)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="with --out, replace files of DIR that differ from the repository's",
     )
     parser.add_argument(
         "--cache-dir", metavar="DIR", help="Hugging Face cache to use (default: HF_HUB_CACHE)"
@@ -117,20 +130,44 @@ def _register_upload(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_upload)
 
 
+@contextlib.contextmanager
+def _progress_bars_on_terminals_only() -> Iterator[None]:
+    """huggingface_hub's progress bars only when stderr is a terminal: in a log or a pipe
+    they would be lines around the one-line error."""
+    from huggingface_hub.utils import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
+
+    hide = not sys.stderr.isatty() and not are_progress_bars_disabled()
+    if hide:
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        if hide:
+            enable_progress_bars()
+
+
 def run_download(args: argparse.Namespace) -> int:
     """Download, then report where the files are and what was verified."""
-    from posteriorzoo.hub import download, verify_snapshot
+    from posteriorzoo.errors import InvalidOptionError
+    from posteriorzoo.hub.fetch import fetch
 
-    path = download(
-        args.repo_id,
-        revision=args.revision,
-        include=args.include,
-        local_dir=args.local_dir,
-        cache_dir=args.cache_dir,
-        verify=False,
-    )
+    if args.overwrite and args.local_dir is None:
+        raise InvalidOptionError("--overwrite applies to the files of --out DIR; give --out")
+    with _progress_bars_on_terminals_only():
+        path, report = fetch(
+            args.repo_id,
+            revision=args.revision,
+            include=args.include,
+            local_dir=args.local_dir,
+            cache_dir=args.cache_dir,
+            verify=not args.no_verify,
+            overwrite=args.overwrite,
+        )
     revision = args.revision or "main"
-    report = None if args.no_verify else verify_snapshot(path, args.include)
     if args.json:
         print(json.dumps({
             "kind": "download", "repo_id": args.repo_id, "revision": revision,

@@ -12,6 +12,8 @@ import sys
 from huggingface_hub import constants
 from huggingface_hub.errors import (
     DisabledRepoError,
+    EntryNotFoundError,
+    FileMetadataError,
     GatedRepoError,
     HfHubHTTPError,
     HFValidationError,
@@ -57,14 +59,27 @@ def network_errors() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
+#: What huggingface_hub raises on an answer it cannot use: a file name that would leave
+#: the download folder (``ValueError``), an unexpected repository URL (``HfUriError``, a
+#: ValueError), malformed JSON (``ValueError``), a missing field (``KeyError``) or JSON of
+#: another shape (``TypeError``), a file without metadata.
+UNEXPECTED_ANSWER_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError, KeyError, TypeError, EntryNotFoundError, FileMetadataError)
+
+
 def handled_errors() -> tuple[type[BaseException], ...]:
-    """Every exception type :func:`to_hub_error` knows how to explain."""
+    """Every exception type :func:`to_hub_error` knows how to explain.
+
+    Catch them only around huggingface_hub calls: ``ValueError`` and ``KeyError`` there
+    mean an answer of the Hub that cannot be used.
+    """
     return (
         HfHubHTTPError,
         HFValidationError,
         LocalEntryNotFoundError,
         LocalTokenNotFoundError,
         *network_errors(),
+        *UNEXPECTED_ANSWER_ERRORS,
     )
 
 
@@ -159,5 +174,11 @@ def to_hub_error(
             f"network error while trying to {action} {where} "
             f"({type(error).__name__}: {_first_line(error)}): "
             "check your network connection (and HF_ENDPOINT) and try again"
+        )
+    if isinstance(error, UNEXPECTED_ANSWER_ERRORS):
+        return HubError(
+            f"the Hub's answer cannot be used to {action} {where} "
+            f"({type(error).__name__}: {_first_line(error)})"[:600]
+            + ": check HF_ENDPOINT, or ask the repository owner"
         )
     return HubError(f"could not {action} {where}: {_first_line(error)}")

@@ -2,31 +2,51 @@
 
 The transfer itself is :func:`huggingface_hub.snapshot_download`: files land in the
 standard Hugging Face cache (``HF_HUB_CACHE``, shared with every other tool) unless a
-``local_dir`` is given, downloads resume, and with ``HF_HUB_OFFLINE=1`` only the cache is
-used, without any network access.
+``local_dir`` is given, downloads into the cache resume, and with ``HF_HUB_OFFLINE=1``
+only the cache is used, without any network access.
+
+A ``local_dir`` follows :mod:`posteriorzoo.outputs`: the files are fetched into a
+temporary folder next to it, verified there against the ``SHA256SUMS`` manifests, and
+only then published into ``local_dir`` (the manifests last). A file already there is
+kept when it is identical, refused when it differs (unless ``overwrite``): checked
+against the repository's file list before anything is transferred when the Hub can be
+asked, and against the fetched bytes before anything is published in any case.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import filecmp
+import hashlib
+import os
+import shutil
 from collections.abc import Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-from huggingface_hub import constants, snapshot_download
+from huggingface_hub import HfApi, constants, snapshot_download
 
 from posteriorzoo._api import public
-from posteriorzoo.errors import HubError
+from posteriorzoo.errors import HubError, InvalidOptionError, OutputExistsError
+from posteriorzoo.hashing import sha256_file
 from posteriorzoo.hub._errors import handled_errors, is_offline, to_hub_error
 from posteriorzoo.hub.verify import (
     MANIFEST_PATTERNS,
+    VerificationReport,
+    check_snapshot,
+    is_safe_name,
     matching,
     normalize_patterns,
     snapshot_files,
     verify_snapshot,
 )
+from posteriorzoo.outputs import new_partial, publish
+from posteriorzoo.zoo.manifest import MANIFEST_NAME
 
 REPO_TYPES = ("dataset", "model")
 #: Seconds to wait for the Hub's answer about each file (huggingface_hub's, env-configurable).
 ETAG_TIMEOUT = float(getattr(constants, "HF_HUB_ETAG_TIMEOUT", 10))
+#: huggingface_hub's bookkeeping inside a ``local_dir``; never published.
+_BOOKKEEPING = ".cache"
 
 
 def allow_patterns(include: str | Iterable[str] | None) -> list[str] | None:
@@ -50,6 +70,7 @@ def download(
     repo_type: str = "dataset",
     token: str | bool | None = None,
     verify: bool = True,
+    overwrite: bool = False,
 ) -> Path:
     """Download (or find in the cache) a snapshot of ``repo_id`` and return its folder.
 
@@ -58,21 +79,60 @@ def download(
         revision: branch, tag or commit hash to pin (default: the main branch).
         include: glob pattern(s) of the files to fetch, e.g. ``"mlp/*.h5"`` (default: all).
             The ``SHA256SUMS`` manifests are always fetched too.
-        local_dir: copy the files into this folder instead of the Hugging Face cache.
-        cache_dir: Hugging Face cache to use (default: ``HF_HUB_CACHE``).
+        local_dir: put the files into this folder instead of the Hugging Face cache. It
+            may exist (other files in it are left alone); if not, its parent folder must.
+            The files are fetched and verified under a temporary name next to it first,
+            so nothing that fails verification appears in it.
+        cache_dir: Hugging Face cache to use (default: ``HF_HUB_CACHE``); with
+            ``local_dir`` it is only read, when offline.
         repo_type: ``"dataset"`` (zoos are published as datasets) or ``"model"``.
         token: Hugging Face token (default: ``HF_TOKEN`` or the saved login).
         verify: check the fetched files listed in the manifests against their SHA-256
             digests; a snapshot without any manifest is then an error.
+        overwrite: replace files of ``local_dir`` that differ from the repository's
+            (identical ones are kept in any case).
 
     Raises:
-        HubError: the repository, revision or network is unavailable (the message says
-            what to do), or no file matches ``include``.
+        HubError: the repository, revision or network is unavailable, the repository
+            lists an unusable file name, or no file matches ``include`` (the message
+            says what to do).
         ChecksumError: a file is corrupt, missing, or there is no manifest.
+        OutputExistsError: a file of ``local_dir`` differs from the repository's and
+            ``overwrite`` is False.
+        InvalidOptionError: ``local_dir`` is a file, or its parent folder is missing.
     """
+    path, _ = fetch(repo_id, revision, include, local_dir, cache_dir, repo_type, token,
+                    verify, overwrite)
+    return path
+
+
+def fetch(
+    repo_id: str,
+    revision: str | None = None,
+    include: str | Iterable[str] | None = None,
+    local_dir: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+    repo_type: str = "dataset",
+    token: str | bool | None = None,
+    verify: bool = True,
+    overwrite: bool = False,
+) -> tuple[Path, VerificationReport | None]:
+    """:func:`download`, also returning what was verified (``None`` without ``verify``)."""
     if repo_type not in REPO_TYPES:
         raise HubError(f"repo_type must be one of {', '.join(REPO_TYPES)}, not {repo_type!r}")
     patterns = normalize_patterns(include)
+    if local_dir is not None:
+        return _fetch_into(Path(local_dir), repo_id, revision, patterns, cache_dir, repo_type,
+                           token, verify, overwrite)
+    path = _snapshot(repo_id, revision, patterns, repo_type, token, cache_dir=cache_dir)
+    _require_match(path, patterns, repo_id, repo_type)
+    return path, verify_snapshot(path, patterns) if verify else None
+
+
+def _snapshot(repo_id: str, revision: str | None, patterns: list[str] | None, repo_type: str,
+              token: str | bool | None, *, cache_dir: str | Path | None = None,
+              local_dir: Path | None = None, offline: bool | None = None) -> Path:
+    """huggingface_hub's snapshot download, its errors as one-line HubErrors."""
     try:
         folder = snapshot_download(
             repo_id=repo_id,
@@ -82,19 +142,137 @@ def download(
             local_dir=local_dir,
             token=token,
             allow_patterns=allow_patterns(patterns),
-            local_files_only=is_offline(),
+            local_files_only=is_offline() if offline is None else offline,
             etag_timeout=ETAG_TIMEOUT,
         )
     except handled_errors() as error:
         raise to_hub_error(
             error, repo_id=repo_id, revision=revision, repo_type=repo_type
         ) from error
-    path = Path(folder)
+    return Path(folder)
+
+
+def _require_match(path: Path, patterns: list[str] | None, repo_id: str,
+                   repo_type: str) -> None:
     if patterns is not None and not matching(snapshot_files(path), patterns):
         raise HubError(
             f"no file of {repo_type} '{repo_id}' matches {' '.join(patterns)}: "
             "check the include patterns against the repository's file list"
         )
-    if verify:
-        verify_snapshot(path, patterns)
-    return path
+
+
+# ---------------------------------------------------------------------- into a folder
+def _check_folder(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise InvalidOptionError(f"{out} is a file; the download needs a folder")
+    if not out.exists() and not out.parent.is_dir():
+        raise InvalidOptionError(f"{out}: the folder {out.parent} does not exist")
+
+
+def _git_blob_id(path: Path) -> str:
+    """The git object id of ``path``'s bytes (what the Hub lists for a non-LFS file)."""
+    digest = hashlib.sha1(b"blob %d\0" % path.stat().st_size, usedforsecurity=False)
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _same_as_listed(path: Path, entry: object) -> bool:
+    """Whether the local file ``path`` has the bytes of the Hub's tree ``entry``: the
+    SHA-256 of an LFS file, the git blob id of any other."""
+    size = path.stat().st_size
+    lfs = getattr(entry, "lfs", None)
+    if lfs is not None:
+        return size == lfs.size and sha256_file(path) == lfs.sha256
+    return size == getattr(entry, "size", None) and \
+        _git_blob_id(path) == getattr(entry, "blob_id", None)
+
+
+def _conflict(out: Path, name: str) -> OutputExistsError:
+    return OutputExistsError(
+        f"{out / name} already exists and differs from the repository's {name}; "
+        "it is replaced only when overwriting is asked for (--overwrite)")
+
+
+def _precheck(out: Path, repo_id: str, revision: str | None, patterns: list[str] | None,
+              repo_type: str, token: str | bool | None, overwrite: bool) -> None:
+    """Refuse, before any transfer, a file of ``out`` that differs from the repository's.
+
+    Asks the Hub for the repository's file list; when that fails, the download itself
+    reports why, and the fetched bytes are compared before anything is published.
+    """
+    if overwrite or is_offline() or not out.is_dir() or not any(out.iterdir()):
+        return
+    try:
+        entries = {entry.path: entry for entry in HfApi(token=token).list_repo_tree(
+            repo_id, recursive=True, revision=revision, repo_type=repo_type)
+            if hasattr(entry, "blob_id")}
+    except handled_errors():
+        return
+    for name in matching(entries, allow_patterns(patterns)):
+        if not is_safe_name(name):
+            raise HubError(f"{repo_type} '{repo_id}' lists a file outside its folder, "
+                           f"{name!r}: ask the repository owner to rename it")
+        target = out / name
+        if target.is_file() and not _same_as_listed(target, entries[name]):
+            raise _conflict(out, name)
+
+
+def _copy_from_cache(staging: Path, repo_id: str, revision: str | None,
+                     patterns: list[str] | None, cache_dir: str | Path | None, repo_type: str,
+                     token: str | bool | None) -> None:
+    """Offline: the selected files of the cached snapshot, copied into ``staging``."""
+    cached = _snapshot(repo_id, revision, patterns, repo_type, token, cache_dir=cache_dir,
+                       offline=True)
+    for name in matching(snapshot_files(cached), allow_patterns(patterns)):
+        (staging / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(cached / name, staging / name)
+
+
+def _publish_order(names: list[str]) -> list[str]:
+    """Data files first, the manifests that vouch for them last."""
+    return sorted(names, key=lambda name: (PurePosixPath(name).name == MANIFEST_NAME, name))
+
+
+def _fetch_into(out: Path, repo_id: str, revision: str | None, patterns: list[str] | None,
+                cache_dir: str | Path | None, repo_type: str, token: str | bool | None,
+                verify: bool, overwrite: bool) -> tuple[Path, VerificationReport | None]:
+    """Fetch into a temporary folder next to ``out``, verify, then publish into ``out``."""
+    _check_folder(out)
+    _precheck(out, repo_id, revision, patterns, repo_type, token, overwrite)
+    staging, lock = new_partial(out, directory=True)
+    try:
+        if is_offline():
+            _copy_from_cache(staging, repo_id, revision, patterns, cache_dir, repo_type, token)
+        else:
+            _snapshot(repo_id, revision, patterns, repo_type, token, local_dir=staging,
+                      offline=False)
+        shutil.rmtree(staging / _BOOKKEEPING, ignore_errors=True)
+        _require_match(staging, patterns, repo_id, repo_type)
+        report = check_snapshot(staging, patterns, shown_as=out) if verify else None
+        names = snapshot_files(staging)
+        fresh: list[str] = []
+        for name in names:
+            target = out / name
+            if target.is_dir() or any(parent.is_file() for parent in target.parents
+                                      if parent.is_relative_to(out) and parent != out):
+                raise InvalidOptionError(f"{target}: a folder or file of that name is in the "
+                                         f"way of the repository's {name}")
+            if target.exists() and filecmp.cmp(staging / name, target, shallow=False):
+                continue  # already there, identical
+            if target.exists() and not overwrite:
+                raise _conflict(out, name)
+            fresh.append(name)
+        if not out.exists():
+            publish(staging, out, overwrite=False)
+        else:
+            for name in _publish_order(fresh):
+                (out / name).parent.mkdir(parents=True, exist_ok=True)
+                publish(staging / name, out / name, overwrite=overwrite)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.close(lock)
+    if report is not None:
+        report = dataclasses.replace(report, directory=out)
+    return out, report

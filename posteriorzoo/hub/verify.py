@@ -16,7 +16,7 @@ from pathlib import Path, PurePosixPath
 from huggingface_hub.utils import filter_repo_objects
 
 from posteriorzoo._api import public
-from posteriorzoo.errors import ChecksumError
+from posteriorzoo.errors import ChecksumError, ZooFormatError
 from posteriorzoo.zoo.manifest import MANIFEST_NAME, read_manifest, verify_manifest
 
 #: Patterns that select every manifest of a repository (root and sub-folders).
@@ -63,7 +63,8 @@ def snapshot_files(directory: str | Path) -> list[str]:
     return sorted(names)
 
 
-def _is_safe(name: str) -> bool:
+def is_safe_name(name: str) -> bool:
+    """Whether a repository path stays inside its folder (relative, without ``..``)."""
     path = PurePosixPath(name)
     return not path.is_absolute() and ".." not in path.parts
 
@@ -76,15 +77,22 @@ def verify_snapshot(
 
     Raises :class:`ChecksumError` if there is no manifest at all, or naming every
     selected listed file that is missing or whose SHA-256 digest differs; raises
-    :class:`~posteriorzoo.errors.ZooFormatError` for a malformed manifest.
+    :class:`~posteriorzoo.errors.ZooFormatError` for a malformed manifest (one that is
+    not UTF-8 text, or a line that is not ``<digest>  <name>``).
     """
-    directory = Path(directory)
-    patterns = normalize_patterns(include)
+    return check_snapshot(Path(directory), normalize_patterns(include))
+
+
+def check_snapshot(directory: Path, patterns: list[str] | None,
+                   shown_as: Path | None = None) -> VerificationReport:
+    """:func:`verify_snapshot`; messages name ``shown_as`` (default ``directory``), e.g. the
+    folder a temporary download is for."""
+    shown = directory if shown_as is None else shown_as
     files = snapshot_files(directory)
     manifests = [name for name in files if PurePosixPath(name).name == MANIFEST_NAME]
     if not manifests:
         raise ChecksumError(
-            f"no {MANIFEST_NAME} manifest in {directory}, so its files cannot be verified: "
+            f"no {MANIFEST_NAME} manifest in {shown}, so its files cannot be verified: "
             "use them unverified with verify=False (--no-verify on the command line) "
             "only if you trust the source"
         )
@@ -93,10 +101,13 @@ def verify_snapshot(
     for manifest in manifests:
         folder = PurePosixPath(manifest).parent
         prefix = "" if folder == PurePosixPath(".") else f"{folder.as_posix()}/"
-        listed = read_manifest(directory / manifest)
-        unsafe = sorted(name for name in listed if not _is_safe(name))
+        try:
+            listed = read_manifest(directory / manifest)
+        except ZooFormatError as error:
+            raise ZooFormatError(str(error).replace(str(directory), str(shown))) from None
+        unsafe = sorted(name for name in listed if not is_safe_name(name))
         problems += [f"{manifest}: refuses path outside its folder: {name}" for name in unsafe]
-        by_repo_path = {prefix + name: name for name in listed if _is_safe(name)}
+        by_repo_path = {prefix + name: name for name in listed if is_safe_name(name)}
         selected = matching(by_repo_path, patterns)
         if not selected:
             continue
@@ -107,7 +118,7 @@ def verify_snapshot(
         verified.update(selected)
     if problems:
         raise ChecksumError(
-            f"verification of {directory} failed: "
+            f"verification of {shown} failed: "
             + "; ".join(problems)
             + " (delete the local copy and download again; if it persists, the repository's "
             f"{MANIFEST_NAME} and files disagree)"

@@ -25,6 +25,8 @@ def read_manifest(path: str | Path) -> dict[str, str]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except FileNotFoundError as error:
         raise ZooFormatError(f"manifest not found: {path}") from error
+    except UnicodeDecodeError:
+        raise ZooFormatError(f"{path}: not a sha256sum manifest (not UTF-8 text)") from None
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
