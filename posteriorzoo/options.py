@@ -30,22 +30,30 @@ def is_integer(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_integer(what: str, value: object, minimum: int) -> int:
-    """``value`` if it is an integer >= ``minimum``."""
-    if not is_integer(value) or value < minimum:
-        raise InvalidOptionError(f"{what} must be an integer >= {minimum}, not {show(value)}")
+def check_integer(what: str, value: object, minimum: int, maximum: int | None = None) -> int:
+    """``value`` if it is an integer >= ``minimum`` (and <= ``maximum`` when given)."""
+    if not is_integer(value) or value < minimum or (maximum is not None and value > maximum):
+        wanted = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise InvalidOptionError(f"{what} must be an integer {wanted}, not {show(value)}")
     return int(value)
 
 
-def check_number(what: str, value: object, minimum: float, *, strict: bool = False) -> Any:
-    """``value`` if it is a finite real number >= ``minimum`` (> with ``strict``)."""
+def check_number(what: str, value: object, minimum: float, *, strict: bool = False,
+                 maximum: float | None = None, strict_maximum: bool = False) -> Any:
+    """``value`` if it is a finite real number >= ``minimum`` (> with ``strict``) and, when
+    given, <= ``maximum`` (< with ``strict_maximum``)."""
     ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
-          and math.isfinite(value)
-          and (value > minimum if strict else value >= minimum))
+          # an integer is finite however large (math.isfinite would overflow on 10**400)
+          and (isinstance(value, numbers.Integral) or math.isfinite(value))
+          and (value > minimum if strict else value >= minimum)
+          and (maximum is None or (value < maximum if strict_maximum else value <= maximum)))
     if not ok:
-        relation = ">" if strict else ">="
-        raise InvalidOptionError(f"{what} must be a finite number {relation} {minimum:g}, "
-                                 f"not {show(value)}")
+        low = f"{'(' if strict else '['}{minimum:g}"
+        if maximum is None:
+            wanted = f"{'>' if strict else '>='} {minimum:g}"
+        else:
+            wanted = f"in {low}, {maximum:g}{')' if strict_maximum else ']'}"
+        raise InvalidOptionError(f"{what} must be a finite number {wanted}, not {show(value)}")
     return value
 
 

@@ -26,14 +26,28 @@ from posteriorzoo.options import (
 )
 
 SCHEDULES = ("constant", "multistep", "cosine")
+#: The ranges of the recipe's numbers. Epochs (and milestones): time, the paper's longest
+#: recipe has 200.
+MAX_EPOCHS = 10_000
+#: Examples per step: one batch's activations are held at once (65,536 CIFAR images are
+#: already 0.8 GB of pixels before the first layer).
+MAX_BATCH_SIZE = 65_536
+#: Zero padding of the random crop, in pixels: the images here are 8 to 64 pixels wide,
+#: and a crop out of more padding than image is mostly padding.
+MAX_CROP_PADDING = 64
+# lr and weight_decay are any finite numbers > 0 (>= 0): a value that makes training
+# diverge is detected and reported per checkpoint (train's "diverged" count; Laplace names
+# the mode), so no upper bound is needed. momentum is below 1 (at 1 SGD never forgets a
+# gradient and its steps grow without bound); gamma is a decay factor in (0, 1].
 
 
 # Field checks are posteriorzoo.options (shared with train_zoo.spec and the library).
 def check_milestones(value: object) -> tuple[int, ...]:
     """A list or tuple of integers >= 0 as a tuple."""
-    if not isinstance(value, list | tuple) or not all(is_integer(m) and m >= 0 for m in value):
-        raise InvalidOptionError(f"recipe field 'milestones' must be a list of integers >= 0 "
-                                 f"(epochs), not {show(value)}")
+    if not isinstance(value, list | tuple) or not all(is_integer(m) and 0 <= m <= MAX_EPOCHS
+                                                      for m in value):
+        raise InvalidOptionError(f"recipe field 'milestones' must be a list of integers in "
+                                 f"[0, {MAX_EPOCHS}] (epochs), not {show(value)}")
     return tuple(int(m) for m in value)
 
 
@@ -46,26 +60,29 @@ class Recipe:
     architecture, dataset : str
         Defaults of a zoo spec that uses this recipe (a spec may override them).
     epochs : int
-        Passes over the training set; training runs to the last step (no early stopping).
+        Passes over the training set, 0 to :data:`MAX_EPOCHS`; training runs to the last
+        step (no early stopping).
     batch_size : int
-        Examples per step; the last, smaller batch of an epoch is kept.
+        Examples per step, 1 to :data:`MAX_BATCH_SIZE`; the last, smaller batch of an
+        epoch is kept.
     lr : float
-        Initial learning rate of SGD.
+        Initial learning rate of SGD, any finite number > 0 (divergence is reported).
     momentum : float
-        SGD momentum (0 for plain SGD).
+        SGD momentum in [0, 1) (0 for plain SGD).
     nesterov : bool
         Nesterov momentum.
     weight_decay : float
-        L2 coefficient added to the gradient (PyTorch SGD's ``weight_decay``).
+        L2 coefficient added to the gradient (PyTorch SGD's ``weight_decay``), finite, >= 0.
     schedule : {"constant", "multistep", "cosine"}
         ``multistep``: lr multiplied by ``gamma`` at each epoch in ``milestones``;
         ``cosine``: lr * (1 + cos(pi * epoch / epochs)) / 2, per epoch.
     milestones : tuple of int
-        Epochs at which a multistep schedule decays.
+        Epochs at which a multistep schedule decays, each 0 to :data:`MAX_EPOCHS`.
     gamma : float
-        Multistep decay factor.
+        Multistep decay factor, in (0, 1].
     crop_padding : int
-        Zero padding of the random crop back to the input size (0: no crop).
+        Zero padding of the random crop back to the input size, 0 (no crop) to
+        :data:`MAX_CROP_PADDING`.
     horizontal_flip : bool
         Random horizontal flips with probability 0.5.
     """
@@ -92,13 +109,14 @@ class Recipe:
         for name in ("architecture", "dataset"):
             check_name(field_name(name), getattr(self, name))
         check_name(field_name("schedule"), self.schedule, SCHEDULES)
-        check_integer(field_name("epochs"), self.epochs, 0)
-        check_integer(field_name("batch_size"), self.batch_size, 1)
-        check_integer(field_name("crop_padding"), self.crop_padding, 0)
+        check_integer(field_name("epochs"), self.epochs, 0, MAX_EPOCHS)
+        check_integer(field_name("batch_size"), self.batch_size, 1, MAX_BATCH_SIZE)
+        check_integer(field_name("crop_padding"), self.crop_padding, 0, MAX_CROP_PADDING)
         check_number(field_name("lr"), self.lr, 0, strict=True)
-        check_number(field_name("gamma"), self.gamma, 0, strict=True)
-        for name in ("weight_decay", "momentum"):
-            check_number(field_name(name), getattr(self, name), 0)
+        check_number(field_name("gamma"), self.gamma, 0, strict=True, maximum=1)
+        check_number(field_name("weight_decay"), self.weight_decay, 0)
+        check_number(field_name("momentum"), self.momentum, 0, maximum=1,
+                     strict_maximum=True)
         for name in ("nesterov", "horizontal_flip"):
             check_bool(field_name(name), getattr(self, name))
         if self.nesterov and self.momentum == 0:
@@ -170,7 +188,8 @@ def apply_overrides(recipe: Recipe, overrides: Mapping[str, Any]) -> Recipe:
         raise UnknownNameError(
             f"unknown recipe field(s) {sorted(unknown)}; fields: {', '.join(sorted(fields))}")
     if "epochs" in overrides and "milestones" not in overrides:
-        epochs = check_integer("recipe field 'epochs'", overrides.pop("epochs"), 0)
+        epochs = check_integer("recipe field 'epochs'", overrides.pop("epochs"), 0,
+                               MAX_EPOCHS)
         recipe = recipe.with_epochs(epochs)
     if "milestones" in overrides:
         overrides["milestones"] = check_milestones(overrides["milestones"])

@@ -50,6 +50,16 @@ from posteriorzoo.zoo.schema import recipe_hash
 from train_zoo.method_options import METHODS, resolve_kl_weight, resolve_method_options
 from train_zoo.recipes import Recipe, apply_overrides, get_recipe
 
+#: The ranges of the spec's numbers. A collection's checkpoints (modes x samples per
+#: mode): its metadata table and the list of missing modes are held in memory, and the
+#: reference target has 1,000.
+MAX_CHECKPOINTS = 1_000_000
+#: Base seeds are words of numpy's SeedSequence; 2**32 distinct collections are plenty.
+MAX_SEED = 2**32 - 1
+#: Output classes: the last layer holds num_classes x features weights (ImageNet-21k has
+#: 21,841 classes).
+MAX_CLASSES = 100_000
+
 _SPEC_KEYS = {"name", "recipe", "architecture", "dataset", "method", "checkpoints", "modes",
               "samples_per_mode", "base_seed", "num_classes", "data_dir", "recipe_overrides",
               "model_options", "method_options"}
@@ -119,9 +129,9 @@ class ZooSpec:
                 f"unknown method {show(self.method)}; the trainer implements "
                 f"{', '.join(METHODS)}")
         self._resolve_counts()
-        check_integer(_field("base_seed"), self.base_seed, 0)
+        check_integer(_field("base_seed"), self.base_seed, 0, MAX_SEED)
         if self.num_classes is not None:
-            check_integer(_field("num_classes"), self.num_classes, 1)
+            check_integer(_field("num_classes"), self.num_classes, 1, MAX_CLASSES)
         if self.data_dir is not None:
             if not isinstance(self.data_dir, str | os.PathLike):
                 raise InvalidOptionError(
@@ -135,6 +145,11 @@ class ZooSpec:
         method_options = check_table(_field("method_options"), self.method_options)
         object.__setattr__(self, "method_options", resolve_method_options(
             self.method, method_options, self.architecture, self.recipe))
+        chains = self.method_options.get("chains", 1)
+        if self.samples_per_mode % chains:
+            raise InvalidOptionError(
+                f"spec field 'samples_per_mode' ({self.samples_per_mode}) must be a multiple "
+                f"of the {self.method} option 'chains' ({chains})")
 
     def _resolve_counts(self) -> None:
         """Fill in whichever of checkpoints, modes and samples_per_mode is missing."""
@@ -142,7 +157,7 @@ class ZooSpec:
         for name, value in (("checkpoints", total), ("modes", modes),
                             ("samples_per_mode", per_mode)):
             if value is not None:
-                check_integer(_field(name), value, 1)
+                check_integer(_field(name), value, 1, MAX_CHECKPOINTS)
         if modes is None and per_mode is None:
             total = 1 if total is None else total
             modes, per_mode = (total, 1) if self.method == "de" else (1, total)
@@ -160,6 +175,10 @@ class ZooSpec:
             raise InvalidOptionError(
                 f"spec field 'checkpoints' ({total}) must be modes x samples_per_mode "
                 f"({modes} x {per_mode})")
+        if modes * per_mode > MAX_CHECKPOINTS:
+            raise InvalidOptionError(
+                f"spec fields 'modes' x 'samples_per_mode' ({modes} x {per_mode}) must be at "
+                f"most {MAX_CHECKPOINTS} checkpoints")
         for name, value in (("checkpoints", modes * per_mode), ("modes", modes),
                             ("samples_per_mode", per_mode)):
             object.__setattr__(self, name, value)

@@ -26,6 +26,12 @@ from posteriorzoo.mmd.noise import NoiseFloor, noise_floor
 from posteriorzoo.options import check_choice, check_integer
 from posteriorzoo.results import CollectionResult, csv_text
 
+#: The ranges of the numeric options (``posteriorzoo report`` parses the same): ECE bins
+#: (with more bins than test images most are empty), noise-floor splits (each is one more
+#: MMD on every layer: time), collapse pairs (each pair's MI is computed on every image).
+MAX_BINS = 10_000
+MAX_SPLITS = 1_000
+MAX_PAIRS = 100_000
 #: Display names of the methods (multi-mode versions get "MM-").
 METHOD_LABELS = {"de": "DE", "mc-dropout": "Dropout", "bbb": "BBB", "swag": "SWAG",
                  "laplace": "Laplace", "sghmc": "SGHMC"}
@@ -178,15 +184,15 @@ def build_report(target: str | os.PathLike,
     test : bool
         Also run the MMDAgg test on every layer (decisions and p-values).
     bins : int
-        ECE bins.
+        ECE bins, 1 to :data:`MAX_BINS`.
     ood_score : {"max-probability", "mutual-information"}
         The OOD score of AUPR and FPR95.
     n_images : int, optional
         Use only the first ``n_images`` images of each split.
     splits : int
-        Random splits of the noise floor.
+        Random splits of the noise floor, 1 to :data:`MAX_SPLITS`.
     n_pairs : int
-        Member pairs of the functional-collapse figure.
+        Member pairs of the functional-collapse figure, 0 to :data:`MAX_PAIRS`.
     collapse : str, optional
         The method whose pairwise MI the collapse figure shows (default: DE if present,
         else the first method).
@@ -207,9 +213,9 @@ def build_report(target: str | os.PathLike,
     from posteriorzoo.provenance import describe_input, record
     from posteriorzoo.zoo import open_zoo
 
-    check_integer("bins", bins, 1)
-    check_integer("splits", splits, 1)
-    check_integer("n_pairs", n_pairs, 0)
+    check_integer("bins", bins, 1, MAX_BINS)
+    check_integer("splits", splits, 1, MAX_SPLITS)
+    check_integer("n_pairs", n_pairs, 0, MAX_PAIRS)
     check_integer("seed", seed, 0)
     check_choice("ood_score", ood_score, OOD_SCORES)
     target = Path(target)

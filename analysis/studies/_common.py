@@ -77,13 +77,13 @@ class StudyResult(CollectionResult):
         return paths
 
 
-def summary_stats(values: Any) -> Mapping[str, float]:
-    """min, median, mean, max of an array (floats)."""
+def summary_stats(values: Any) -> Mapping[str, float | None]:
+    """min, median, mean, max of an array (floats); None each (unavailable) when it is
+    empty."""
     import numpy as np
 
     values = np.asarray(values, dtype=np.float64)
     if values.size == 0:
-        return {"min": float("nan"), "median": float("nan"), "mean": float("nan"),
-                "max": float("nan")}
+        return {"min": None, "median": None, "mean": None, "max": None}
     return {"min": float(values.min()), "median": float(np.median(values)),
             "mean": float(values.mean()), "max": float(values.max())}

@@ -31,6 +31,7 @@ import numpy as np
 
 from analysis.studies._common import StudyResult
 from posteriorzoo.errors import DataNotFoundError, InvalidOptionError
+from posteriorzoo.options import check_integer
 from posteriorzoo.results import csv_text
 
 RECIPE = "optunet-mnist"
@@ -43,6 +44,16 @@ FIGURE_BINS = 400
 TAU_TOLERANCE = 1e-9
 #: Snapshots canonicalized at once (bounds memory on long runs).
 CHUNK = 4096
+#: The ranges of the options (``posteriorzoo study permutation-stability`` parses the
+#: same): runs and epochs bound the time (a 60-epoch Fashion-MNIST run takes about 40 s).
+MAX_RUNS = 100
+MAX_EPOCHS = 1_000
+#: --every is at most the SGD steps of one epoch (known once the dataset is loaded): the
+#: figure's bins and the phases need a snapshot in every epoch.
+MAX_EVERY = 100_000
+#: A run keeps every snapshot until it ends (about 3 kB each for OptuNet's 392 weights
+#: with their arrays' overhead): at most this many per run (about 0.6 GB).
+MAX_SNAPSHOTS = 200_000
 
 
 def kendall_tau(previous: Sequence[int], current: Sequence[int]) -> float:
@@ -285,6 +296,21 @@ def _phases(milestones: Sequence[int], epochs: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
 
 
+def check_snapshots(every: int, epochs: int, steps_per_epoch: int, dataset: str) -> None:
+    """Refuse, once the dataset is known and before any training, an ``every`` larger than
+    one epoch's SGD steps, or more than :data:`MAX_SNAPSHOTS` snapshots per run."""
+    if every > steps_per_epoch:
+        raise InvalidOptionError(
+            f"every ({every}) must be at most the {steps_per_epoch} SGD steps of one epoch "
+            f"on {dataset}: the figure needs a snapshot in every epoch")
+    snapshots = epochs * steps_per_epoch // every + 1
+    if snapshots > MAX_SNAPSHOTS:
+        raise InvalidOptionError(
+            f"epochs x steps per epoch / every = {epochs} x {steps_per_epoch} / {every} gives "
+            f"{snapshots:,} snapshots per run, more than {MAX_SNAPSHOTS:,} (each is kept in "
+            f"memory until the run ends): raise every or lower epochs")
+
+
 def run_permutation_stability(runs: int = 5, epochs: int = 60, dataset: str = "auto",
                               seed: int = 0, *, key: str = "max", scaling: str = "norm",
                               every: int = 1, engine: str = "auto", data_dir: str | None = None,
@@ -303,9 +329,9 @@ def run_permutation_stability(runs: int = 5, epochs: int = 60, dataset: str = "a
     from train_zoo.job import resolve_engine
     from train_zoo.torch_engine import initial_model
 
-    for name, value in (("runs", runs), ("epochs", epochs), ("every", every)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise InvalidOptionError(f"{name} must be an integer >= 1, not {value!r}")
+    check_integer("runs", runs, 1, MAX_RUNS)
+    check_integer("epochs", epochs, 1, MAX_EPOCHS)
+    check_integer("every", every, 1, MAX_EVERY)
     if key not in SORT_KEYS:
         raise InvalidOptionError(f"key must be one of {', '.join(SORT_KEYS)}, not {key!r}")
     check_options(key, scaling)
@@ -319,6 +345,7 @@ def run_permutation_stability(runs: int = 5, epochs: int = 60, dataset: str = "a
                                  "engine auto, fast or torch")
     data = load_training_data(spec.dataset, spec.data_dir)
     steps_per_epoch = math.ceil(len(data.train.labels) / spec.recipe.batch_size)
+    check_snapshots(every, epochs, steps_per_epoch, spec.dataset)
     template = initial_model(spec, 0).state_dict()
     model_options = {} if spec.num_classes is None else {"num_classes": spec.num_classes}
     structure = symmetry_structure(ARCHITECTURE, template, **model_options)

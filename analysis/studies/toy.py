@@ -40,6 +40,7 @@ import numpy as np
 
 from analysis.studies._common import StudyResult, summary_stats
 from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.options import check_integer, check_number
 from posteriorzoo.results import csv_text
 
 #: Class means of the two blobs (label 0, label 1); identity covariance.
@@ -54,6 +55,19 @@ LOSS_THRESHOLD = 0.01
 NORM = 3.0
 #: The figure's window, as in the paper's Fig. 1.
 VIEW = 4.0
+#: The ranges of the options (``posteriorzoo study toy`` parses the same). Networks and
+#: points per class bound the time (about 10 s for the paper's 10,000 x 200 on one core)
+#: and their product the memory: every epoch draws a (networks, 2 x points) data order
+#: (12 bytes an entry: 0.5 GB at the largest product).
+MAX_NETWORKS = 100_000
+MAX_POINTS_PER_CLASS = 10_000
+MAX_NETWORK_POINTS = 20_000_000
+#: The incoming norm after rescaling: three decades either side of the paper's 3. Far
+#: outside, every rescaled output weight leaves the figure's window or collapses onto 0,
+#: and the outputs of the rescaled networks overflow (1e308 gives inf - inf = NaN).
+NORM_RANGE = (1e-3, 1e3)
+#: Epochs and batch size of the Python API (the command line keeps the paper's).
+MAX_EPOCHS = 1_000
 KEYS = ("0.weight", "0.bias", "2.weight", "2.bias")
 PANELS = ("raw", "rescaled", "sorted")
 
@@ -273,17 +287,22 @@ def _progress(total: int, description: str, enabled: bool) -> Any:
 
 def _weights_summary(w: np.ndarray) -> dict[str, Any]:
     """Median, 5% and 95% quantiles, quadrants, order and points outside the view of
-    (R, 2) output weights."""
+    (R, 2) output weights; every statistic is None (unavailable) when no network was
+    kept."""
     inside = (np.abs(w) <= VIEW).all(axis=1)
+
+    def fraction(selected: np.ndarray) -> float | None:
+        return float(selected.mean()) if len(w) else None
+
     return {
         "median": np.median(w, axis=0).tolist() if len(w) else None,
         "quantile_05": np.quantile(w, 0.05, axis=0).tolist() if len(w) else None,
         "quantile_95": np.quantile(w, 0.95, axis=0).tolist() if len(w) else None,
-        "fraction_w1_le_w2": float((w[:, 0] <= w[:, 1]).mean()),
-        "quadrants": {"w1>0,w2>0": float(((w[:, 0] > 0) & (w[:, 1] > 0)).mean()),
-                      "w1<=0,w2>0": float(((w[:, 0] <= 0) & (w[:, 1] > 0)).mean()),
-                      "w1>0,w2<=0": float(((w[:, 0] > 0) & (w[:, 1] <= 0)).mean()),
-                      "w1<=0,w2<=0": float(((w[:, 0] <= 0) & (w[:, 1] <= 0)).mean())},
+        "fraction_w1_le_w2": fraction(w[:, 0] <= w[:, 1]),
+        "quadrants": {"w1>0,w2>0": fraction((w[:, 0] > 0) & (w[:, 1] > 0)),
+                      "w1<=0,w2>0": fraction((w[:, 0] <= 0) & (w[:, 1] > 0)),
+                      "w1>0,w2<=0": fraction((w[:, 0] > 0) & (w[:, 1] <= 0)),
+                      "w1<=0,w2<=0": fraction((w[:, 0] <= 0) & (w[:, 1] <= 0))},
         "outside_view": int((~inside).sum()),
     }
 
@@ -365,6 +384,21 @@ class ToyStudyResult(StudyResult):
         return figure
 
 
+def check_toy_options(networks: int, points_per_class: int, norm: float) -> None:
+    """Refuse, before any work, options out of their ranges (the constants above).
+
+    Raises :class:`~posteriorzoo.errors.InvalidOptionError` naming the option.
+    """
+    check_integer("networks", networks, 1, MAX_NETWORKS)
+    check_integer("points_per_class", points_per_class, 1, MAX_POINTS_PER_CLASS)
+    if networks * points_per_class > MAX_NETWORK_POINTS:
+        raise InvalidOptionError(
+            f"networks x points per class ({networks:,} x {points_per_class:,}) must be at "
+            f"most {MAX_NETWORK_POINTS:,}: each epoch draws a data order of every point for "
+            f"every network (memory); lower one of them")
+    check_number("norm", norm, NORM_RANGE[0], maximum=NORM_RANGE[1])
+
+
 def run_toy_study(networks: int = 10_000, seed: int = 0, *, norm: float = NORM,
                   epochs: int = EPOCHS, batch_size: int = BATCH_SIZE,
                   lr: float = LEARNING_RATE, loss_threshold: float = LOSS_THRESHOLD,
@@ -377,14 +411,11 @@ def run_toy_study(networks: int = 10_000, seed: int = 0, *, norm: float = NORM,
     """
     from posteriorzoo.provenance import record
 
-    for name, value, low in (("networks", networks, 1), ("epochs", epochs, 1),
-                             ("batch_size", batch_size, 1),
-                             ("points_per_class", points_per_class, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise InvalidOptionError(f"{name} must be an integer >= {low}, not {value!r}")
-    for name, value in (("norm", norm), ("lr", lr), ("loss_threshold", loss_threshold)):
-        if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-            raise InvalidOptionError(f"{name} must be a positive number, not {value!r}")
+    check_toy_options(networks, points_per_class, norm)
+    check_integer("epochs", epochs, 1, MAX_EPOCHS)
+    check_integer("batch_size", batch_size, 1, 2 * MAX_POINTS_PER_CLASS)
+    for name, value in (("lr", lr), ("loss_threshold", loss_threshold)):
+        check_number(name, value, 0, strict=True)
     seeds = study_seeds(seed)
     started = time.perf_counter()
     x, y, redrawn = make_blobs(seeds["data"], points_per_class)
@@ -438,7 +469,10 @@ def run_toy_study(networks: int = 10_000, seed: int = 0, *, norm: float = NORM,
                      "data_order": "independent random permutation per network and epoch",
                      "engine": "batched (stacked parameters, closed-form gradients)",
                      "seconds": training.seconds,
-                     "median_epoch_loss": np.nanmedian(training.epoch_loss, axis=1).tolist()},
+                     # None for an epoch after which every network had diverged
+                     "median_epoch_loss": [float(np.median(loss[np.isfinite(loss)]))
+                                           if np.isfinite(loss).any() else None
+                                           for loss in training.epoch_loss]},
         "selection": {"rule": "mean mini-batch loss of the last epoch <= loss_threshold",
                       "loss_threshold": loss_threshold, "networks": networks,
                       "kept": int(kept.sum()), "dropped": int((~kept).sum()),

@@ -1,7 +1,11 @@
 """Argument types shared by the subcommands: numbers are checked when they are parsed.
 
 Each returns the converted value or raises ``argparse.ArgumentTypeError``, which the
-parser turns into one usage line on stderr and exit code 2.
+parser turns into one usage line on stderr and exit code 2. Every numeric option of the
+command line has a range (:func:`integer_in`, :func:`number_in`): the parser carries it
+as ``range_text``, which the option's --help shows next to the reason for the bound
+(memory, time, the format), so a value that could only fail after minutes of work is
+refused before any.
 """
 
 from __future__ import annotations
@@ -66,17 +70,61 @@ def open_unit_interval(text: str) -> float:
     return value
 
 
-def at_most(limit: int) -> Callable[[str], int]:
-    """A positive integer no larger than ``limit``."""
+def _shown(value: float) -> str:
+    """A bound as --help shows it: 1e6 rather than 1e+06."""
+    text = f"{value:g}"
+    return text.replace("e+0", "e").replace("e+", "e").replace("e-0", "e-")
+
+
+#: The largest seed: numpy's legacy generators and most tools take 32-bit seeds, and a
+#: larger one adds no randomness (every seed is expanded by numpy's SeedSequence).
+MAX_SEED = 2**32 - 1
+
+
+def integer_in(low: int, high: int) -> Callable[[str], int]:
+    """An integer in ``[low, high]``; the parser's ``range_text`` says so in --help."""
+    range_text = f"{low:,} to {high:,}"
 
     def parse(text: str) -> int:
-        value = positive_int(text)
-        if value > limit:
-            raise argparse.ArgumentTypeError(f"{value} is larger than {limit}")
+        value = _integer(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is out of range ({range_text})")
         return value
 
-    parse.__name__ = f"positive integer <= {limit}"
+    parse.__name__ = f"integer from {range_text}"  # argparse names the type in its errors
+    parse.range_text = range_text                  # type: ignore[attr-defined]
+    parse.low, parse.high = low, high              # type: ignore[attr-defined]
+    parse.integer, parse.open_low, parse.open_high = True, False, False  # type: ignore
     return parse
+
+
+def number_in(low: float, high: float, *, open_low: bool = False,
+              open_high: bool = False) -> Callable[[str], float]:
+    """A finite number between ``low`` and ``high`` (excluded with ``open_low`` /
+    ``open_high``); the parser's ``range_text`` is the interval, e.g. ``(0, 1e6]``."""
+    range_text = (f"{'(' if open_low else '['}{_shown(low)}, {_shown(high)}"
+                  f"{')' if open_high else ']'}")
+
+    def parse(text: str) -> float:
+        value = _number(text)
+        above = value > low if open_low else value >= low
+        below = value < high if open_high else value <= high
+        if not (above and below):
+            raise argparse.ArgumentTypeError(f"{_shown(value)} is out of range {range_text}")
+        return value
+
+    parse.__name__ = f"number in {range_text}"
+    parse.range_text = range_text                  # type: ignore[attr-defined]
+    parse.low, parse.high = low, high              # type: ignore[attr-defined]
+    parse.integer, parse.open_low, parse.open_high = False, open_low, open_high  # type: ignore
+    return parse
+
+
+def seed_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--seed``: ``what`` it seeds; 0 to :data:`MAX_SEED`."""
+    parser.add_argument("--seed", type=integer_in(0, MAX_SEED), default=0,
+                        help=f"{what}; 0 to {MAX_SEED:,} (32 bits: larger seeds add no "
+                             "randomness) (default: %(default)s)")
 
 
 def add_overwrite_option(parser: argparse.ArgumentParser) -> None:

@@ -10,9 +10,15 @@ from posteriorzoo.cli._types import (
     add_json_option,
     add_no_verify_option,
     add_overwrite_option,
-    nonnegative_int,
-    positive_int,
+    integer_in,
+    seed_option,
 )
+
+# The ranges of the numeric options (each is checked when the command line is parsed).
+#: Checkpoints per batch: held in memory together, with their canonical forms.
+PER_BATCH = integer_in(1, 1_000_000)
+#: Checkpoints checked before and after: each is run on a batch of inputs twice (time).
+VERIFY = integer_in(0, 1_000_000)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -48,18 +54,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--solver", choices=["fast", "cvxpy"], default="fast",
                         help="min-mass solver: batched Newton (fast) or the cvxpy reference, "
                              "one checkpoint at a time (default: %(default)s)")
-    parser.add_argument("--checkpoints-per-batch", type=positive_int, default=None, metavar="B",
-                        help="checkpoints per batch (default: as many as fit in 256 MB)")
+    parser.add_argument("--checkpoints-per-batch", type=PER_BATCH, default=None, metavar="B",
+                        help=f"checkpoints per batch, {PER_BATCH.range_text} (held in memory "
+                             "together) (default: as many as fit in 256 MB)")
     parser.add_argument("--no-softmax", action="store_true",
                         help="keep the output biases' softmax shift")
     parser.add_argument("--no-signs", action="store_true",
                         help="keep the sign flips of odd activations")
-    parser.add_argument("--n-verify", type=nonnegative_int, default=0, metavar="N",
-                        help="check that N random checkpoints compute the same logits "
-                             "before and after (default: %(default)s)")
-    parser.add_argument("--seed", type=nonnegative_int, default=0,
-                        help="seed of every random choice of the command: here, which checkpoints "
-                             "--n-verify checks (default: %(default)s)")
+    parser.add_argument("--n-verify", type=VERIFY, default=0, metavar="N",
+                        help=f"check that N random checkpoints compute the same logits "
+                             f"before and after, {VERIFY.range_text} (time) "
+                             "(default: %(default)s)")
+    seed_option(parser, "seed of every random choice of the command: here, which checkpoints "
+                        "--n-verify checks")
     add_overwrite_option(parser)
     add_no_verify_option(parser)
     add_json_option(parser, "the result (counts, annotations, provenance) as JSON")
@@ -85,8 +92,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "DIR/min_mass.json (summary, provenance); the folder appears "
                              "only when both are complete and is refused if it exists "
                              "unless --overwrite")
-    report.add_argument("--checkpoints-per-batch", type=positive_int, default=None, metavar="B",
-                        help="checkpoints per batch (default: as many as fit in 256 MB)")
+    report.add_argument("--checkpoints-per-batch", type=PER_BATCH, default=None, metavar="B",
+                        help=f"checkpoints per batch, {PER_BATCH.range_text} (held in memory "
+                             "together) (default: as many as fit in 256 MB)")
     add_overwrite_option(report)
     add_no_verify_option(report)
     add_json_option(report, "the summary and provenance as JSON")

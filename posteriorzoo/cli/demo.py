@@ -28,9 +28,16 @@ from typing import Any
 from posteriorzoo.cli._types import (
     add_json_option,
     add_overwrite_option,
-    nonnegative_int,
-    positive_int,
+    integer_in,
+    seed_option,
 )
+
+# The ranges of the numeric options (each is checked when the command line is parsed).
+#: Checkpoints and epochs of the digits zoo: time (about 0.1 s per checkpoint and epoch).
+CHECKPOINTS = integer_in(1, 1_000)
+EPOCHS = integer_in(1, 1_000)
+#: Images per dataset: every member's predictions on them are held in memory.
+IMAGES = integer_in(1, 10_000_000)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,17 +50,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "place when complete; refused if it exists unless --overwrite "
                              "(default: %(default)s)")
     add_overwrite_option(parser)
-    parser.add_argument("--checkpoints", type=positive_int, default=8,
-                        help="checkpoints of the digits zoo (default: %(default)s)")
-    parser.add_argument("--epochs", type=positive_int, default=20,
-                        help="epochs per digits checkpoint (default: %(default)s)")
-    parser.add_argument("--seed", type=nonnegative_int, default=0,
-                        help="seed of every random choice of the command: here, the base seed of "
-                             "the digits zoo, whose checkpoint i's seeds derive from (seed, i) "
+    parser.add_argument("--checkpoints", type=CHECKPOINTS, default=8,
+                        help=f"checkpoints of the digits zoo, {CHECKPOINTS.range_text} (time) "
                              "(default: %(default)s)")
-    parser.add_argument("--n-images", type=positive_int, default=None, metavar="N",
-                        help="the report uses only the first N images of each dataset "
-                             "(default: all; a smaller N gives a faster, noisier demo)")
+    parser.add_argument("--epochs", type=EPOCHS, default=20,
+                        help=f"epochs per digits checkpoint, {EPOCHS.range_text} (time) "
+                             "(default: %(default)s)")
+    seed_option(parser, "seed of every random choice of the command: here, the base seed of "
+                        "the digits zoo, whose checkpoint i's seeds derive from (seed, i)")
+    parser.add_argument("--n-images", type=IMAGES, default=None, metavar="N",
+                        help=f"the report uses only the first N images of each dataset, "
+                             f"{IMAGES.range_text} (memory: every member's predictions on "
+                             "them are held) (default: all; a smaller N gives a faster, "
+                             "noisier demo)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_json_option(parser, "the demo's summary (demo-summary.json) on stdout; the step "
                             "lines go to stderr")

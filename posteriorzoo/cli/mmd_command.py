@@ -10,11 +10,24 @@ from posteriorzoo.cli._types import (
     add_no_verify_option,
     add_overwrite_option,
     file_stem_names,
-    nonnegative_int,
-    open_unit_interval,
-    positive_float,
-    positive_int,
+    integer_in,
+    number_in,
+    seed_option,
 )
+
+# The ranges of the numeric options (each is checked when the command line is parsed).
+#: Bandwidths per kernel family: each adds two kernels, one pass over the distances each.
+BANDWIDTHS = integer_in(1, 100)
+#: A display factor of the Markdown table's 4 decimals.
+SCALE = number_in(1e-6, 1e6)
+#: A test level.
+ALPHA = number_in(0, 1, open_low=True, open_high=True)
+#: Resampled statistics: (B1 + B2) x min(m, n) resampling indices are held in memory.
+RESAMPLES = integer_in(1, 50_000)
+#: Bisection steps: after about 60 halvings the level is exact in float64.
+BISECTIONS = integer_in(1, 100)
+#: MiB of features per block: smaller blocks only stream slower; the block is in memory.
+BLOCK_MB = number_in(1, 1e6)
 
 _DESCRIPTION = """\
 Compare each METHOD collection with the TARGET collection (the posterior estimated by
@@ -83,33 +96,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "(default: %(default)s)")
     add_overwrite_option(parser)
     add_no_verify_option(parser)
-    parser.add_argument("--bandwidths", type=positive_int, default=10, metavar="N",
-                        help="bandwidths per kernel family: 2N kernels (default: %(default)s)")
-    parser.add_argument("--scale", type=positive_float, default=1.0,
-                        help="multiply the MMD^2 values shown in the Markdown table by this, "
-                             "e.g. 100 (CSV and JSON keep raw values; default: %(default)s)")
+    parser.add_argument("--bandwidths", type=BANDWIDTHS, default=10, metavar="N",
+                        help=f"bandwidths per kernel family: 2N kernels; "
+                             f"{BANDWIDTHS.range_text} (time: each kernel is one more pass "
+                             "over the distances) (default: %(default)s)")
+    parser.add_argument("--scale", type=SCALE, default=1.0,
+                        help=f"multiply the MMD^2 values shown in the Markdown table by this, "
+                             f"e.g. 100, in {SCALE.range_text} (the table shows 4 decimals; "
+                             "CSV and JSON keep raw values; default: %(default)s)")
     parser.add_argument("--test", action="store_true",
                         help="also run the MMDAgg test (permutations or wild bootstrap, "
                              "level-corrected) on every layer and method: decision and "
                              "p-values (slower)")
-    parser.add_argument("--alpha", type=open_unit_interval, default=0.05,
-                        help="level of --test "
-                        "(default: %(default)s)")
-    parser.add_argument("--b1", type=positive_int, default=2000,
-                        help="--test: resampled statistics "
-                        "for the quantiles (default: %(default)s)")
-    parser.add_argument("--b2", type=positive_int, default=2000,
-                        help="--test: resampled statistics "
-                        "for the level correction (default: %(default)s)")
-    parser.add_argument("--b3", type=positive_int, default=50, help="--test: bisection steps "
-                        "(default: %(default)s)")
-    parser.add_argument("--seed", type=nonnegative_int, default=0,
-                        help="seed of every random choice of the command: here, --test's "
-                             "permutations / signs (default: %(default)s)")
-    parser.add_argument("--block-mb", type=positive_float, default=128.0, metavar="MB",
-                        help="memory for one block of features over all collections, in MiB "
-                             "(layers larger than this stream from disk; default: "
-                             "%(default)s)")
+    parser.add_argument("--alpha", type=ALPHA, default=0.05,
+                        help=f"level of --test, in {ALPHA.range_text} (default: %(default)s)")
+    parser.add_argument("--b1", type=RESAMPLES, default=2000,
+                        help=f"--test: resampled statistics for the quantiles, "
+                             f"{RESAMPLES.range_text} (memory: (B1 + B2) x min(m, n) "
+                             "resampling indices) (default: %(default)s)")
+    parser.add_argument("--b2", type=RESAMPLES, default=2000,
+                        help=f"--test: resampled statistics for the level correction, "
+                             f"{RESAMPLES.range_text} (as --b1) (default: %(default)s)")
+    parser.add_argument("--b3", type=BISECTIONS, default=50,
+                        help=f"--test: bisection steps, {BISECTIONS.range_text} (after about "
+                             "60 halvings the level is exact in float64) "
+                             "(default: %(default)s)")
+    seed_option(parser, "seed of every random choice of the command: here, --test's "
+                        "permutations / signs")
+    parser.add_argument("--block-mb", type=BLOCK_MB, default=128.0, metavar="MB",
+                        help=f"memory for one block of features over all collections, in MiB, "
+                             f"in {BLOCK_MB.range_text} (layers larger than this stream from "
+                             "disk; the block is held in memory; default: %(default)s)")
     parser.add_argument("--keep-canonical", action="store_true",
                         help="keep the canonical copies in OUT/canonical (default: they are "
                              "built inside the temporary output and deleted)")

@@ -18,9 +18,19 @@ from posteriorzoo.cli._types import (
     add_no_verify_option,
     add_overwrite_option,
     file_stem_names,
-    nonnegative_int,
-    positive_int,
+    integer_in,
+    seed_option,
 )
+
+# The ranges of the numeric options (each is checked when the command line is parsed).
+#: Units per layer: one histogram each, and KS tests between every two of them (N^2).
+UNITS = integer_in(1, 64)
+#: Images per dataset: every member's predictions on them are held in memory.
+IMAGES = integer_in(1, 10_000_000)
+#: Member pairs: each pair's mutual information is computed on every image (time).
+PAIRS = integer_in(1, 100_000)
+#: Noise-band splits: each is one more MMD on every layer (time).
+NOISE_SPLITS = integer_in(0, 1_000)
 
 _DESCRIPTION = """\
 Draw one figure of the paper (Laurent et al., ICLR 2024) for any collection, without
@@ -94,8 +104,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "unitless); y: density.")
     parser.add_argument("zoo", type=Path, metavar="ZOO", help="collection file (.h5)")
     _add_layers(parser)
-    parser.add_argument("--units", type=positive_int, default=4, metavar="N",
-                        help="units drawn and compared per layer (default: %(default)s)")
+    parser.add_argument("--units", type=UNITS, default=4, metavar="N",
+                        help=f"units drawn and compared per layer, {UNITS.range_text} (one "
+                             "histogram each, KS tests between every two) "
+                             "(default: %(default)s)")
     parser.add_argument("--symmetries", choices=["keep", "remove", "both"], default="both",
                         help=f"{_SYMMETRY_HELP} (default: %(default)s)")
     _add_canonicalizer(parser)
@@ -131,15 +143,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="in-distribution dataset (default: the collection's)")
     parser.add_argument("--data-dir", type=Path, metavar="DIR",
                         help="folder searched first for the dataset files")
-    parser.add_argument("--n-images", type=positive_int, default=2000, metavar="N",
-                        help="the first N test images of each dataset (default: "
-                             "%(default)s)")
-    parser.add_argument("--n-pairs", type=positive_int, default=2000, metavar="P",
-                        help="at most P member pairs, drawn with --seed (default: "
-                             "%(default)s)")
-    parser.add_argument("--seed", type=nonnegative_int, default=0,
-                        help="seed of every random choice of the command: here, the member "
-                             "pairs drawn (default: %(default)s)")
+    parser.add_argument("--n-images", type=IMAGES, default=2000, metavar="N",
+                        help=f"the first N test images of each dataset, {IMAGES.range_text} "
+                             "(memory: every member's predictions on them are held) "
+                             "(default: %(default)s)")
+    parser.add_argument("--n-pairs", type=PAIRS, default=2000, metavar="P",
+                        help=f"at most P member pairs, drawn with --seed, {PAIRS.range_text} "
+                             "(time: each pair's mutual information is computed on every "
+                             "image) (default: %(default)s)")
+    seed_option(parser, "seed of every random choice of the command: here, the member "
+                        "pairs drawn")
     _add_common(parser, "collapse", "Pearson's r and the MI summaries")
     parser.set_defaults(func=run_collapse)
 
@@ -164,12 +177,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_layers(parser)
     parser.add_argument("--statistic", choices=["median", "mean", "max"], default="median",
                         help="statistic over the 20 kernels (default: %(default)s)")
-    parser.add_argument("--noise-splits", type=nonnegative_int, default=20, metavar="K",
-                        help="random target splits for the noise band; 0: no band "
-                             "(default: %(default)s)")
-    parser.add_argument("--seed", type=nonnegative_int, default=0,
-                        help="seed of every random choice of the command: here, the noise "
-                             "band's splits (default: %(default)s)")
+    parser.add_argument("--noise-splits", type=NOISE_SPLITS, default=20, metavar="K",
+                        help=f"random target splits for the noise band, "
+                             f"{NOISE_SPLITS.range_text}; 0: no band (time: each split is one "
+                             "more MMD on every layer) (default: %(default)s)")
+    seed_option(parser, "seed of every random choice of the command: here, the noise "
+                        "band's splits")
     _add_common(parser, "mmd", "the MMD^2 values and noise band")
     parser.set_defaults(func=run_mmd)
 

@@ -8,10 +8,21 @@ from pathlib import Path
 from posteriorzoo.cli._types import (
     add_json_option,
     add_overwrite_option,
+    integer_in,
     named_paths,
-    nonnegative_int,
-    positive_int,
+    seed_option,
 )
+
+# The ranges of the numeric options (each is checked when the command line is parsed;
+# bins, splits and pairs as analysis.report.build's MAX_BINS, MAX_SPLITS, MAX_PAIRS).
+#: ECE bins: with more bins than test images (10,000 in every test set here) most are empty.
+BINS = integer_in(1, 10_000)
+#: Images per dataset: the members' predictions on N images are held in memory.
+IMAGES = integer_in(1, 10_000_000)
+#: Noise-floor splits: each is one more MMD on every layer (time).
+SPLITS = integer_in(1, 1_000)
+#: Collapse pairs: each pair's mutual information is computed on every image (time).
+PAIRS = integer_in(0, 100_000)
 
 _DESCRIPTION = """\
 Write the benchmark report of METHOD collections against the TARGET collection into the
@@ -76,25 +87,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "target's (default: refuse)")
     parser.add_argument("--test", action="store_true",
                         help="also run the MMDAgg test on every layer (slower)")
-    parser.add_argument("--bins", type=positive_int, default=15,
-                        help="ECE bins (default: %(default)s)")
+    parser.add_argument("--bins", type=BINS, default=15,
+                        help=f"ECE bins, {BINS.range_text} (with more bins than test images "
+                             "most are empty) (default: %(default)s)")
     parser.add_argument("--ood-score", choices=["max-probability", "mutual-information"],
                         default="max-probability",
                         help="what ranks images as OOD for AUPR and FPR95 (default: "
                              "%(default)s)")
-    parser.add_argument("--n-images", type=positive_int, default=None, metavar="N",
-                        help="use only the first N images of each dataset (default: all)")
-    parser.add_argument("--splits", type=positive_int, default=50,
-                        help="random splits of the target for the noise floor (default: "
-                             "%(default)s)")
-    parser.add_argument("--n-pairs", type=nonnegative_int, default=300, metavar="P",
-                        help="member pairs of the collapse figure (default: %(default)s)")
+    parser.add_argument("--n-images", type=IMAGES, default=None, metavar="N",
+                        help=f"use only the first N images of each dataset, "
+                             f"{IMAGES.range_text} (memory: every member's predictions on "
+                             "them are held) (default: all)")
+    parser.add_argument("--splits", type=SPLITS, default=50,
+                        help=f"random splits of the target for the noise floor, "
+                             f"{SPLITS.range_text} (time: each is one more MMD on every "
+                             "layer) (default: %(default)s)")
+    parser.add_argument("--n-pairs", type=PAIRS, default=300, metavar="P",
+                        help=f"member pairs of the collapse figure, {PAIRS.range_text} (time: "
+                             "each pair's mutual information is computed on every image) "
+                             "(default: %(default)s)")
     parser.add_argument("--collapse", metavar="NAME", default=None,
                         help="the method of the collapse figure (default: DE if present)")
     parser.add_argument("--no-figures", action="store_true", help="tables only")
-    parser.add_argument("--seed", type=nonnegative_int, default=0,
-                        help="seed of every random choice of the command: the noise "
-                             "floor's splits, the pairs, the test (default: %(default)s)")
+    seed_option(parser, "seed of every random choice of the command: the noise floor's "
+                        "splits, the pairs, the test")
     add_json_option(parser, "the report's JSON instead of Table 1")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     parser.set_defaults(func=run_report)

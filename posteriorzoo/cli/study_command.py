@@ -9,10 +9,20 @@ from pathlib import Path
 from posteriorzoo.cli._types import (
     add_json_option,
     add_overwrite_option,
-    nonnegative_int,
-    positive_float,
-    positive_int,
+    integer_in,
+    number_in,
+    seed_option,
 )
+
+# The ranges of the numeric options, checked when the command line is parsed; the same
+# as the library's (analysis.studies.toy and .permutation_stability, which also check
+# what depends on the data before any training).
+NETWORKS = integer_in(1, 100_000)            # toy.MAX_NETWORKS
+POINTS = integer_in(1, 10_000)               # toy.MAX_POINTS_PER_CLASS
+NORM = number_in(1e-3, 1e3)                  # toy.NORM_RANGE
+RUNS = integer_in(1, 100)                    # permutation_stability.MAX_RUNS
+EPOCHS = integer_in(1, 1_000)                # permutation_stability.MAX_EPOCHS
+EVERY = integer_in(1, 100_000)               # permutation_stability.MAX_EVERY
 
 _DESCRIPTION = """\
 Studies that need their own training runs, each written with its figure into a new
@@ -94,13 +104,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "rescaled and sorted", description=_TOY_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example:\n  posteriorzoo study toy --out toy-study")
-    toy.add_argument("--networks", type=positive_int, default=10_000,
-                     help="networks trained (default: %(default)s)")
-    toy.add_argument("--norm", type=positive_float, default=3.0,
-                     help="incoming L2 norm of every hidden unit after the scaling "
-                          "symmetry is removed (default: %(default)s, the paper's)")
-    toy.add_argument("--points", type=positive_int, default=200,
-                     help="training points per class (default: %(default)s)")
+    toy.add_argument("--networks", type=NETWORKS, default=10_000,
+                     help=f"networks trained, {NETWORKS.range_text} (time; and networks x "
+                          "points at most 20,000,000: each epoch draws a data order of "
+                          "every point for every network, 0.5 GB at that product) "
+                          "(default: %(default)s)")
+    toy.add_argument("--norm", type=NORM, default=3.0,
+                     help=f"incoming L2 norm of every hidden unit after the scaling "
+                          f"symmetry is removed, in {NORM.range_text} (three decades either "
+                          "side of the paper's 3: far outside, the rescaled weights leave "
+                          "the figure and the outputs overflow) (default: %(default)s, the "
+                          "paper's)")
+    toy.add_argument("--points", type=POINTS, default=200,
+                     help=f"training points per class, {POINTS.range_text} (time, and see "
+                          "--networks) (default: %(default)s)")
     _common_options(toy, "toy-study")
     toy.set_defaults(func=run_toy)
 
@@ -112,11 +129,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="examples:\n  posteriorzoo study permutation-stability --out stability\n"
                "  posteriorzoo study permutation-stability --epochs 60 --runs 10 "
                "--out stability-60")
-    stability.add_argument("--runs", type=positive_int, default=5,
-                           help="independent training runs (default: %(default)s)")
-    stability.add_argument("--epochs", type=positive_int, default=60,
-                           help="epochs per run; the learning-rate milestones (15 and 30 "
-                                "of 60) scale with it (default: %(default)s, the paper's)")
+    stability.add_argument("--runs", type=RUNS, default=5,
+                           help=f"independent training runs, {RUNS.range_text} (time: about "
+                                "40 s each at the defaults) (default: %(default)s)")
+    stability.add_argument("--epochs", type=EPOCHS, default=60,
+                           help=f"epochs per run, {EPOCHS.range_text} (time, and the "
+                                "snapshots a run keeps); the learning-rate milestones (15 "
+                                "and 30 of 60) scale with it (default: %(default)s, the "
+                                "paper's)")
     stability.add_argument("--dataset", default="auto", metavar="NAME",
                            help="training data: a dataset name (fashion-mnist, mnist, "
                                 "digits, ...) or auto (default: %(default)s)")
@@ -126,9 +146,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            help="sort key of the units (default: %(default)s)")
     stability.add_argument("--scaling", choices=["norm", "std", "none"], default="norm",
                            help="scale normalisation before sorting (default: %(default)s)")
-    stability.add_argument("--every", type=positive_int, default=1, metavar="K",
-                           help="snapshot every K SGD steps (default: %(default)s, every "
-                                "step as in the paper)")
+    stability.add_argument("--every", type=EVERY, default=1, metavar="K",
+                           help=f"snapshot every K SGD steps, {EVERY.range_text} and at most "
+                                "the steps of one epoch (the figure needs a snapshot in every "
+                                "epoch), with at most 200,000 snapshots per run (each is kept "
+                                "in memory until the run ends); both checked once the "
+                                "dataset is loaded, before training (default: %(default)s, "
+                                "every step as in the paper)")
     stability.add_argument("--engine", choices=["auto", "fast", "torch"], default="auto",
                            help="trainer engine: auto picks the numba fast path for "
                                 "OptuNet (default: %(default)s)")
@@ -137,8 +161,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _common_options(parser: argparse.ArgumentParser, default_out: str) -> None:
-    parser.add_argument("--seed", type=nonnegative_int, default=0,
-                        help="seed of every random choice (default: %(default)s)")
+    seed_option(parser, "seed of every random choice")
     parser.add_argument("--out", type=Path, default=Path(default_out), metavar="DIR",
                         help="output folder, built under a temporary name and renamed into "
                              "place when complete; refused if it exists unless --overwrite "
@@ -157,9 +180,10 @@ def _report(args: argparse.Namespace, result: object, lines: list[str]) -> None:
 
 
 def run_toy(args: argparse.Namespace) -> int:
-    from analysis.studies.toy import run_toy_study
+    from analysis.studies.toy import check_toy_options, run_toy_study
     from posteriorzoo.outputs import atomic_directory
 
+    check_toy_options(args.networks, args.points, args.norm)  # before the output exists
     with atomic_directory(args.out, overwrite=args.overwrite) as partial:
         result = run_toy_study(args.networks, args.seed, norm=args.norm,
                                points_per_class=args.points, progress=not args.no_progress,

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from posteriorzoo.cli._types import add_json_option, add_no_verify_option, positive_int
+from posteriorzoo.cli._types import add_json_option, add_no_verify_option, integer_in
+
+# The ranges of the numeric options (each is checked when the command line is parsed).
+#: Worker processes on this machine, each with its own copy of the training data.
+WORKERS = integer_in(1, 1_024)
+#: Modes per task: the vectorised engine holds a group's networks and activations at once.
+GROUP_SIZE = integer_in(1, 1_024)
+#: Checkpoints: the spec's own limit (train_zoo.spec.MAX_CHECKPOINTS).
+CHECKPOINTS = integer_in(1, 1_000_000)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,20 +37,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="local: one process per worker on this machine (default); "
                              "serial: this process; ray: Ray tasks (pip install "
                              "posteriorzoo[ray])")
-    parser.add_argument("--workers", type=positive_int,
-                        help="processes (local) or CPUs (ray, when starting a local "
-                             "instance); default: one per core")
+    parser.add_argument("--workers", type=WORKERS,
+                        help=f"processes (local) or CPUs (ray, when starting a local "
+                             f"instance), {WORKERS.range_text} (each holds its own copy of "
+                             "the data); default: one per core")
     parser.add_argument("--engine", choices=["auto", "torch", "fast", "vectorised"],
                         default="auto", help="auto: the numba fast path where it applies, "
                         "else torch; vectorised: Deep Ensembles only (default: %(default)s)")
-    parser.add_argument("--group-size", type=positive_int, default=1,
-                        help="modes per task; the vectorised engine trains a group in "
-                             "lockstep (default: %(default)s)")
+    parser.add_argument("--group-size", type=GROUP_SIZE, default=1,
+                        help=f"modes per task, {GROUP_SIZE.range_text}; the vectorised engine "
+                             "trains a group in lockstep, holding its networks and their "
+                             "activations at once (default: %(default)s)")
     parser.add_argument("--ray-address", help="existing Ray cluster, e.g. auto or "
                         "ray://head:10001 (default: start a local instance)")
-    parser.add_argument("--checkpoints", type=positive_int,
-                        help="override the spec's number of checkpoints (the number of "
-                             "modes follows; samples_per_mode must divide it)")
+    parser.add_argument("--checkpoints", type=CHECKPOINTS,
+                        help=f"override the spec's number of checkpoints, "
+                             f"{CHECKPOINTS.range_text} as in a spec (the number of modes "
+                             "follows; samples_per_mode must divide it)")
     add_no_verify_option(parser)
     add_json_option(parser, "the run's summary as JSON")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")

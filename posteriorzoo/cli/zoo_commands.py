@@ -12,9 +12,16 @@ from posteriorzoo.cli._types import (
     add_json_option,
     add_no_verify_option,
     add_overwrite_option,
-    positive_int,
+    integer_in,
 )
 from posteriorzoo.errors import ZooFormatError
+
+# The ranges of the numeric options (each is checked when the command line is parsed).
+#: Output classes, as a spec's num_classes (train_zoo.spec.MAX_CLASSES): the last layer
+#: holds num_classes x features weights.
+CLASSES = integer_in(1, 100_000)
+#: Checkpoints committed together: they are held in memory until the commit.
+PER_COMMIT = integer_in(1, 100_000)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -82,7 +89,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     importer.add_argument("--architecture", help="model name (see posteriorzoo.models)")
     importer.add_argument("--dataset", help="training data set name")
     importer.add_argument("--method", help="posterior approximation, e.g. de, swag, laplace")
-    importer.add_argument("--num-classes", type=positive_int)
+    importer.add_argument("--num-classes", type=CLASSES,
+                          help=f"output classes, {CLASSES.range_text} (the last layer holds "
+                               "num-classes x features weights) (default: an exported "
+                               "checkpoint's header, else the model's)")
     importer.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
                           help="model option (JSON value), e.g. width=8; repeatable")
     importer.add_argument("--key-map", type=Path, help='JSON file {"rename": {...}, '
@@ -90,8 +100,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "renames foreign state keys to this project's model keys")
     importer.add_argument("--dtype", choices=["float16", "float32", "float64"],
                           help="cast floating tensors (the release stores float16)")
-    importer.add_argument("--checkpoints-per-batch", type=positive_int, default=64,
-                          help="checkpoints committed together when appending (default 64)")
+    importer.add_argument("--checkpoints-per-batch", type=PER_COMMIT, default=64,
+                          help=f"checkpoints committed together when appending, "
+                               f"{PER_COMMIT.range_text} (held in memory until the commit) "
+                               "(default: %(default)s)")
     add_no_verify_option(importer)
     add_json_option(importer, "what was imported as JSON")
     importer.add_argument("--no-progress", action="store_true", help="hide the progress bar")
