@@ -27,7 +27,12 @@ from safetensors.torch import save_file
 from zoo_helpers import assert_one_line_error, checkpoint, flip_byte_in_chunk, run
 
 from posteriorzoo.collection import export_all, export_checkpoint, import_checkpoints, verify
-from posteriorzoo.errors import ChecksumError, OutputExistsError, ZooFormatError
+from posteriorzoo.errors import (
+    ChecksumError,
+    OutputExistsError,
+    PosteriorZooError,
+    ZooFormatError,
+)
 from posteriorzoo.zoo import (
     KeyMap,
     ReadLimits,
@@ -484,3 +489,179 @@ def test_safe_key_maps_still_work():
     assert list(mapped) == ["l1_0.w", "fc.weight"]
     with pytest.raises(ZooFormatError, match="state key"):
         key_map.apply({"k" * 1000: torch.zeros(1)})
+
+
+# ---------------------------------------------------------------------- recorded digests
+def test_altered_tensor_bytes_are_refused(capsys, exported, work):
+    """An exported file whose tensor bytes changed while its header kept the digest."""
+    _, files = exported
+    folder, zoo = work
+    altered = folder / "altered.safetensors"
+    data = bytearray(files[3].read_bytes())
+    data[-4] ^= 0x01  # the lowest mantissa byte of the last float: still a finite value
+    altered.write_bytes(bytes(data))
+    state, _ = read_checkpoint(altered)  # a well-formed file: only the digest tells
+    assert all(torch.isfinite(value).all() for value in state.values())
+    before = snapshot(folder)
+    for target in (zoo, folder / "new.h5"):
+        code, _, err = run(capsys, "import", "--no-progress", "--out", target,
+                           *files[:2], altered)
+        assert_one_line_error(code, err, "altered.safetensors", "differ from the SHA-256")
+        assert snapshot(folder) == before
+    with pytest.raises(ChecksumError, match="altered or corrupt"):
+        import_checkpoints(folder / "new.h5", [altered])
+    assert snapshot(folder) == before
+    # asked not to verify, the altered tensors are imported as they are
+    code, _, err = run(capsys, "import", "--no-progress", "--no-verify", "--out",
+                       folder / "new.h5", altered)
+    assert code == 0 and err == "", err
+
+
+def test_input_without_a_digest_imports_with_one_warning(capsys, work):
+    folder, zoo = work
+    plain = [folder / f"plain{i}.safetensors" for i in range(3)]
+    for seed, path in enumerate(plain):
+        save_file(checkpoint(200 + seed), str(path))  # no header metadata at all
+    code, out, err = run(capsys, "import", "--no-progress", "--out", zoo, *plain)
+    assert code == 0, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("posteriorzoo import: warning: 3 input checkpoint(s) record no "
+                               "SHA-256"), lines
+    assert "plain0.safetensors and 2 more" in lines[0]
+    assert digests(zoo)[3:] == [digests_of_state(checkpoint(200 + seed)) for seed in range(3)]
+
+
+def digests_of_state(state) -> str:
+    from posteriorzoo.zoo.schema import checkpoint_digest
+
+    return checkpoint_digest({key: value.numpy() for key, value in state.items()}, list(state))
+
+
+# ---------------------------------------------------------------------- decompression bombs
+BOMB_MEMBER = 2**30  # what the member declares and holds (zeros), 1 GiB
+PEAK_BOUND = 600 * 2**20  # the interpreter with torch and h5py alone takes about 400 MB
+
+
+def _bomb(path: Path, prefix: bytes = b"", size: int = BOMB_MEMBER) -> Path:
+    """A release-like .tgz of one member of ``size`` bytes: ``prefix``, then zeros.
+
+    Written as a stream, so the test never holds the member in memory (about 5 MB on
+    disk at gzip level 1).
+    """
+    info = tarfile.TarInfo("models/model_0.safetensors")
+    info.size = size
+    zeros = bytes(2**24)
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1,
+                                               mtime=0) as out:
+        out.write(info.tobuf(format=tarfile.GNU_FORMAT))
+        out.write(prefix)
+        left = size - len(prefix)
+        while left:
+            out.write(zeros[:min(left, len(zeros))])
+            left -= min(left, len(zeros))
+        out.write(bytes(-size % 512 + 2 * 512))  # padding and the end-of-archive blocks
+    return path
+
+
+def _tensor_header(size: int, **metadata: str) -> bytes:
+    """The first bytes of a safetensors file of ``size`` bytes: one float32 tensor that
+    fills the rest, and ``metadata``."""
+    def encoded(data_bytes: int) -> bytes:
+        header = {"w": {"dtype": "F32", "shape": [data_bytes // 4],
+                        "data_offsets": [0, data_bytes]}}
+        if metadata:
+            header["__metadata__"] = metadata
+        return json.dumps(header).encode()
+
+    text = encoded(size)
+    length = len(text) + (-len(text) % 8) + 8  # room for the longer numbers, 8-aligned
+    text = encoded(size - 8 - length).ljust(length)
+    return length.to_bytes(8, "little") + text
+
+
+def _peak_of_import(args: list) -> tuple[int, str, int]:
+    """Run ``posteriorzoo import ARGS`` in a child process; its exit code, stderr, and
+    peak resident memory in bytes (measured by a wrapper process whose only child it is,
+    so no other test's children count)."""
+    wrapper = ("import resource, subprocess, sys; "
+               "done = subprocess.run([sys.executable, '-m', 'posteriorzoo', 'import', "
+               "*sys.argv[1:]], capture_output=True, text=True); "
+               "sys.stderr.write(done.stderr); "
+               "print(done.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", wrapper, *map(str, args)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    code, peak_kib = result.stdout.split()
+    return int(code), result.stderr, int(peak_kib) * 1024
+
+
+def test_gzip_bomb_member_without_architecture_stays_small(tmp_path):
+    """The audit's bomb: 1 GiB of zeros in one member, no --architecture to bound it."""
+    bomb = _bomb(tmp_path / "bomb.tgz")
+    assert bomb.stat().st_size < 8 * 2**20
+    before = snapshot(tmp_path)
+    start = time.perf_counter()
+    code, err, peak = _peak_of_import(["--no-progress", bomb, "--out", tmp_path / "z.h5",
+                                       "--dataset", "d", "--method", "de"])
+    assert_one_line_error(code, err, "bomb.tgz", "header length 0")
+    assert peak < PEAK_BOUND, f"peak {peak / 2**20:.0f} MB"
+    assert time.perf_counter() - start < 60
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("metadata, fragment", [
+    ({}, "cannot tell the new collection's architecture"),
+    ({"format": "posteriorzoo-checkpoint", "architecture": "optunet", "dataset": "d",
+      "method": "de", "num_classes": "10"}, "exceeds the limit"),
+], ids=["no-architecture", "architecture-in-header"])
+def test_well_formed_bomb_header_is_refused_before_its_tensors(tmp_path, metadata, fragment):
+    """A valid header declaring a 1 GiB tensor of zeros: refused from the header alone."""
+    bomb = _bomb(tmp_path / "bomb.tgz", _tensor_header(BOMB_MEMBER, **metadata))
+    before = snapshot(tmp_path)
+    code, err, peak = _peak_of_import(["--no-progress", bomb, "--out", tmp_path / "z.h5"])
+    assert_one_line_error(code, err, "bomb.tgz", fragment)
+    assert peak < PEAK_BOUND, f"peak {peak / 2**20:.0f} MB"
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("metadata, given, fragment", [
+    ({}, {}, "cannot tell the new collection's architecture"),
+    ({}, {"architecture": "optunet", "dataset": "d", "method": "de"}, "over the limit"),
+    ({"format": "posteriorzoo-checkpoint", "architecture": "optunet", "dataset": "d",
+      "method": "de"}, {}, "exceeds the limit"),
+    ({"format": "posteriorzoo-checkpoint", "architecture": "no-such-net", "dataset": "d",
+      "method": "de"}, {}, "no-such-net"),
+], ids=["nothing-tells", "given", "header-tells", "unknown-architecture"])
+def test_huge_declared_tensors_are_refused_from_the_header(tmp_path, metadata, given,
+                                                          fragment):
+    """Only the header is read: the archive ends 1 MiB after it (its tensors would be
+    1 GiB), and the refusal names the header's problem, not a truncation."""
+    archive = tmp_path / "crafted.tgz"
+    info = tarfile.TarInfo("models/model_0.safetensors")
+    info.size = BOMB_MEMBER
+    archive.write_bytes(_gzip(info.tobuf(format=tarfile.GNU_FORMAT)
+                              + _tensor_header(BOMB_MEMBER, **metadata) + bytes(2**20)))
+    tracemalloc.start()
+    with pytest.raises(PosteriorZooError, match=fragment):
+        import_checkpoints(tmp_path / "z.h5", [archive], **given)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 16 * 2**20
+    assert not (tmp_path / "z.h5").exists()
+
+
+@pytest.mark.parametrize("entry, fragment", [
+    ({"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}, "declares 8 bytes"),
+    ({"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}, "valid shape"),
+    ({"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}, "does not start"),
+    ({"dtype": "F32", "shape": [1], "data_offsets": [0]}, "data_offsets"),
+    ({"dtype": "F32", "shape": [2**40], "data_offsets": [0, 2**42]}, "declare"),
+])
+def test_tensor_entries_must_cover_the_data_exactly(tmp_path, entry, fragment):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(header_bytes({"w": entry}) + b"\0" * 8)
+    with pytest.raises(ZooFormatError, match=fragment):
+        read_checkpoint(path)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,13 @@ from posteriorzoo._api import public
 from posteriorzoo._faults import fault_point
 from posteriorzoo.collection._open import Source, opened, source_path
 from posteriorzoo.dtypes import as_numpy
-from posteriorzoo.errors import ChecksumError, InvalidOptionError, ZooFormatError, ZooSchemaError
+from posteriorzoo.errors import (
+    ChecksumError,
+    InvalidOptionError,
+    PosteriorZooError,
+    ZooFormatError,
+    ZooSchemaError,
+)
 from posteriorzoo.options import check_integer
 from posteriorzoo.outputs import atomic_directory, atomic_file, check_output, same_file
 from posteriorzoo.provenance import describe_input, record
@@ -43,10 +50,12 @@ from posteriorzoo.zoo.archives import release_task
 from posteriorzoo.zoo.formats import CHECKPOINT_FORMAT, ReadLimits, require_file
 from posteriorzoo.zoo.import_checks import (
     check_against_layout,
+    check_recorded_digest,
     collection_attributes,
     convert_floats,
     in_model_order,
     limits_for_architecture,
+    limits_for_new_collection,
     read_inputs,
     row_for_input,
 )
@@ -362,10 +371,18 @@ def import_checkpoints(
       collection, or repeat an earlier input, is skipped and counted, so an import
       killed part-way is completed by running it again.
 
-    ``limits`` bounds what reading the inputs may cost (:class:`ReadLimits`); the
-    checkpoint size bound tightens to the architecture's when it is known. With
-    ``verify`` (default) an existing collection's checkpoints are checked against their
-    digests before anything is appended: a corrupt collection is refused.
+    ``limits`` bounds what reading the inputs may cost (:class:`ReadLimits`). The
+    checkpoint size bound is the architecture's (4x its float64 size, plus 1 MiB): that
+    of the existing collection, else of the architecture given, else of the one the first
+    input's header (or the archive's name) tells, read before any of its tensors; an
+    input no architecture can be told for is refused before its tensors are read.
+
+    With ``verify`` (default) an existing collection's checkpoints are checked against
+    their digests before anything is appended (a corrupt collection is refused), and so
+    is every input whose header records the SHA-256 of its tensors (an exported
+    checkpoint): an altered input raises :class:`ChecksumError`. Inputs that record none
+    (release archives, foreign files) are imported with one warning that says how many
+    could not be checked.
 
     Returns
     -------
@@ -415,9 +432,25 @@ def import_checkpoints(
             num_classes if num_classes is not None else implied.get("num_classes"),
             model_options)
 
-    def prepare(name: str, state: dict[str, torch.Tensor], header: Mapping[str, str]
-                ) -> _Prepared:
+    unchecked: list[str] = []  # inputs whose header records no digest (pass 1)
+
+    def review(name: str, header: Mapping[str, str], limits: ReadLimits) -> ReadLimits:
+        """Before the first input's tensors are read: bound them by its architecture."""
+        if tensor_layout is not None:
+            return limits  # already bounded by the known layout
+        try:
+            return limits_for_new_collection(
+                limits, files[0], header,
+                {"architecture": architecture, "dataset": dataset, "method": method,
+                 "num_classes": num_classes, "model_options": model_options})
+        except PosteriorZooError as error:
+            raise type(error)(f"{name}: {error}") from None
+
+    def prepare(name: str, state: dict[str, torch.Tensor], header: Mapping[str, str],
+                first_pass: bool = False) -> _Prepared:
         assert tensor_layout is not None
+        if verify and not check_recorded_digest(state, header, name) and first_pass:
+            unchecked.append(name)
         state = convert_floats(key_map.apply(state), dtype)
         row = row_for_input(header, name, attributes["method"])
         check_against_layout(tensor_layout, state, name, diverged=bool(row.get("diverged", False)))
@@ -431,8 +464,8 @@ def import_checkpoints(
     count = 0
     seen = set(stored)
     new_count = 0
-    for name, state, header in tqdm(read_inputs(files, lambda: bounds[0]), desc="check",
-                                    unit="ckpt", disable=not progress):
+    for name, state, header in tqdm(read_inputs(files, lambda: bounds[0], review),
+                                    desc="check", unit="ckpt", disable=not progress):
         if tensor_layout is None:
             attributes = collection_attributes(files[0], header, architecture, dataset,
                                                method, num_classes, model_options)
@@ -444,7 +477,7 @@ def import_checkpoints(
             except ZooSchemaError as error:
                 raise ZooSchemaError(f"{name}: {error}; a key map can rename keys") from None
             bounds[0] = bounds[0].for_shapes(tensor_layout)
-        prepared = prepare(name, state, header)
+        prepared = prepare(name, state, header, first_pass=True)
         count += 1
         if prepared.digest not in seen:
             seen.add(prepared.digest)
@@ -452,6 +485,11 @@ def import_checkpoints(
     if count == 0:
         raise ZooFormatError("the inputs hold no safetensors checkpoints")
     assert tensor_layout is not None
+    if unchecked:
+        others = f" and {len(unchecked) - 1} more" if len(unchecked) > 1 else ""
+        warnings.warn(f"{len(unchecked)} input checkpoint(s) record no SHA-256 of their "
+                      f"tensors ({unchecked[0]}{others}): imported without that check",
+                      stacklevel=2)
     described = {f"input {i}": describe_input(file) for i, file in enumerate(files)}
 
     # Pass 2: append in batches; each batch is committed atomically.

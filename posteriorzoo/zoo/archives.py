@@ -25,7 +25,8 @@ from posteriorzoo.errors import ZooFormatError
 from posteriorzoo.zoo.formats import (
     TAR_BLOCK,
     ReadLimits,
-    parse_safetensors,
+    Review,
+    read_safetensors,
     require_file,
     sniff_format,
 )
@@ -103,7 +104,9 @@ def read_release_archive(path: str | os.PathLike, *, limits: ReadLimits | None =
     Members are read from the archive stream in order; nothing is extracted to disk.
     The archive must be a plain or gzip-compressed tar (recognised by its first bytes).
     Each member's declared size is checked against ``limits.checkpoint_bytes`` before its
-    data is read, as are the number of members and the bytes the archive expands to.
+    data is read, as are the number of members and the bytes the archive expands to; a
+    safetensors member is decompressed as it is read, its header first, and never beyond
+    the tensor bytes that header declares.
 
     Parameters
     ----------
@@ -121,9 +124,14 @@ def read_release_archive(path: str | os.PathLike, *, limits: ReadLimits | None =
         yield name, state
 
 
-def read_archive(path: Path, limits: ReadLimits
+def read_archive(path: Path, limits: ReadLimits, review: Review | None = None
                  ) -> Iterator[tuple[str, dict[str, torch.Tensor], dict[str, str]]]:
-    """Like :func:`read_release_archive`, with each member's header metadata too."""
+    """Like :func:`read_release_archive`, with each member's header metadata too.
+
+    Each safetensors member is read as a stream (:func:`~posteriorzoo.zoo.formats.
+    read_safetensors`): its header first, then ``review`` (which may tighten the limits,
+    or refuse), then exactly the tensor bytes the header declares.
+    """
     require_file(path)
     kind = sniff_format(path, limits)
     if kind == "safetensors":
@@ -152,10 +160,8 @@ def read_archive(path: Path, limits: ReadLimits
                     if handle is None:  # pragma: no cover - regular files have data
                         continue
                     name = f"{path.name}:{member.name}"
-                    data = handle.read(member.size)
-                    if len(data) != member.size:
-                        raise ZooFormatError(f"{name}: truncated archive member")
-                    state, header = parse_safetensors(data, name, limits)
+                    state, header = read_safetensors(handle, member.size, name, limits,
+                                                     review)
                     yield name, state, header
     except (tarfile.TarError, EOFError, OSError, zlib.error) as error:
         raise ZooFormatError(f"{path}: not a readable tar archive ({error})"[:400]) from None

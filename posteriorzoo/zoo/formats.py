@@ -7,24 +7,30 @@ decoders (:func:`sniff_format`). Every size is bounded before it is read
 :mod:`posteriorzoo.zoo.archives`) an archive member, the number of archive members and
 the bytes an archive expands to. A header's values are checked for type before anything
 trusts them, so a malformed file raises one :class:`ZooFormatError`.
+
+Safetensors data is read as a stream (:func:`read_safetensors`): first the header, whose
+tensor entries must declare exactly the bytes that follow; then a caller's ``review`` of
+the header may tighten the limits (an import bounds checkpoints by the size of the
+architecture the header names) before any tensor byte is read; then exactly the declared
+bytes, decoded in place without a second copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gzip
+import io
 import json
+import math
 import os
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors_bytes
 
 from posteriorzoo._api import public
 from posteriorzoo.errors import ZooFormatError
@@ -34,7 +40,13 @@ from posteriorzoo.errors import ZooFormatError
 CHECKPOINT_FORMAT = "posteriorzoo-checkpoint"
 
 #: Largest safetensors header read (the JSON that describes tensors and metadata), bytes.
-MAX_HEADER_BYTES = 100 * 2**20
+#: Real headers take a few hundred bytes per tensor; when the checkpoint's tensors are
+#: known the bound is ``HEADER_SLACK_BYTES + HEADER_BYTES_PER_TENSOR`` per tensor instead.
+MAX_HEADER_BYTES = 16 * 2**20
+#: What a header may hold besides its tensor entries (metadata row, options), bytes.
+HEADER_SLACK_BYTES = 2**16
+#: Header bytes allowed per tensor of the expected checkpoint (its entry, its state key).
+HEADER_BYTES_PER_TENSOR = 2**10
 #: Largest checkpoint (a safetensors file or archive member) read when the expected
 #: size is unknown, bytes. When the architecture is known the bound is
 #: ``4 * float64 bytes of one checkpoint + CHECKPOINT_SLACK_BYTES`` instead.
@@ -47,9 +59,17 @@ MAX_ARCHIVE_MEMBERS = 10_000
 ARCHIVE_HEADER_BYTES = 2**20
 #: Longest state key, in characters (also bounds the work of a key map's patterns).
 MAX_KEY_LENGTH = 256
+#: Most tensors in one checkpoint (a ResNet-18 has 122).
+MAX_TENSORS = 10_000
 
-#: safetensors dtypes that can be stored (bfloat16 and float8 have no numpy type).
-SUPPORTED_DTYPES = frozenset({"F16", "F32", "F64", "I8", "I16", "I32", "I64", "U8", "BOOL"})
+#: safetensors dtypes that can be stored (bfloat16 and float8 have no numpy type), as the
+#: little-endian numpy types safetensors stores.
+NUMPY_DTYPES: Mapping[str, np.dtype] = {
+    "F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
+    "I8": np.dtype("i1"), "I16": np.dtype("<i2"), "I32": np.dtype("<i4"),
+    "I64": np.dtype("<i8"), "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
+SUPPORTED_DTYPES = frozenset(NUMPY_DTYPES)
+_READ_CHUNK = 2**20
 
 GZIP_MAGIC = b"\x1f\x8b"
 TAR_MAGIC = b"ustar"
@@ -97,9 +117,12 @@ class ReadLimits:
         return dataclasses.replace(self, checkpoint_bytes=min(self.checkpoint_bytes, bound))
 
     def for_shapes(self, shapes: Mapping[str, tuple[tuple[int, ...], Any]]) -> ReadLimits:
-        """These limits, with checkpoints bounded by the size of ``key -> (shape, dtype)``."""
-        return self.for_values(sum(int(np.prod(shape, dtype=np.int64))
-                                   for shape, _ in shapes.values()))
+        """These limits, with checkpoints bounded by the size of ``key -> (shape, dtype)``
+        and headers by its number of tensors."""
+        header = HEADER_SLACK_BYTES + HEADER_BYTES_PER_TENSOR * len(shapes)
+        bounded = dataclasses.replace(self, header_bytes=min(self.header_bytes, header))
+        return bounded.for_values(sum(int(np.prod(shape, dtype=np.int64))
+                                      for shape, _ in shapes.values()))
 
 
 def load_json(text: bytes | str, what: str) -> Any:
@@ -210,6 +233,9 @@ def _check_header(header: Any, name: str) -> dict[str, str]:
     metadata = header.get("__metadata__") or {}
     if not isinstance(metadata, dict):
         raise ZooFormatError(f"{name}: header '__metadata__' must be a JSON object")
+    if len(header) - ("__metadata__" in header) > MAX_TENSORS:
+        raise ZooFormatError(f"{name}: its header lists {len(header)} tensors; the limit is "
+                             f"{MAX_TENSORS}")
     for key, entry in header.items():
         if key == "__metadata__":
             continue
@@ -231,23 +257,122 @@ def _check_checkpoint_size(size: int, name: str, limits: ReadLimits) -> None:
                              f"{limits.checkpoint_bytes} bytes for one checkpoint")
 
 
-def parse_safetensors(data: bytes, name: str, limits: ReadLimits
-                      ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """``(state_dict, header metadata)`` of safetensors ``data``, checked before decoding.
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of a safetensors header: where its bytes are and what they hold."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _tensor_entries(header: Mapping[str, Any], name: str) -> tuple[dict[str, _Entry], int]:
+    """The tensor entries of a checked header and the bytes of tensor data they declare.
+
+    The entries must tile the data exactly, as safetensors writes it: each holds the
+    bytes of its shape and dtype, the first starts at 0 and each next one where the
+    previous ends (no gap, no overlap).
+    """
+    entries: dict[str, _Entry] = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(shape, list) or not all(_is_count(n) for n in shape) \
+                or len(shape) > 64:
+            raise ZooFormatError(f"{name}: tensor {key!r} has no valid shape"[:300])
+        if not isinstance(offsets, list) or len(offsets) != 2 \
+                or not all(_is_count(n) for n in offsets) or offsets[0] > offsets[1]:
+            raise ZooFormatError(f"{name}: tensor {key!r} has no valid data_offsets"[:300])
+        dtype = NUMPY_DTYPES[entry["dtype"]]
+        if offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
+            raise ZooFormatError(f"{name}: tensor {key!r} declares {offsets[1] - offsets[0]} "
+                                 f"bytes for shape {tuple(shape)} of {entry['dtype']}"[:300])
+        entries[key] = _Entry(dtype, tuple(shape), offsets[0], offsets[1])
+    position = 0
+    for key, entry in sorted(entries.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if entry.begin != position:
+            raise ZooFormatError(f"{name}: tensor {key!r} does not start where the previous "
+                                 "one ends (gap or overlap in the data offsets)"[:300])
+        position = entry.end
+    return entries, position
+
+
+def _read_bytes(stream: BinaryIO, count: int) -> bytes:
+    """Up to ``count`` bytes of ``stream`` (fewer only at its end), read in chunks of at
+    most 1 MiB so that a lying length never makes one huge request."""
+    parts, missing = [], count
+    while missing > 0:
+        piece = stream.read(min(missing, _READ_CHUNK))
+        if not piece:
+            break
+        parts.append(piece)
+        missing -= len(piece)
+    return b"".join(parts)
+
+
+def _read_into(stream: BinaryIO, buffer: bytearray) -> int:
+    """Fill ``buffer`` from ``stream`` in chunks of at most 1 MiB; returns the bytes placed
+    (fewer than its length only at the end of the stream)."""
+    view, filled = memoryview(buffer), 0
+    while filled < len(buffer):
+        piece = stream.read(min(len(buffer) - filled, _READ_CHUNK))
+        if not piece:
+            break
+        view[filled:filled + len(piece)] = piece
+        filled += len(piece)
+    return filled
+
+
+#: A reader's look at a header before any tensor byte is read: ``review(name, metadata,
+#: limits)`` returns the limits the data must then meet, or raises.
+Review = Callable[[str, Mapping[str, str], ReadLimits], ReadLimits]
+
+
+def read_safetensors(stream: BinaryIO, size: int, name: str, limits: ReadLimits,
+                     review: Review | None = None
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``(state_dict, header metadata)`` of the ``size`` bytes of safetensors ``stream``.
+
+    Read as a stream, never more than declared: the 8-byte header length, the header
+    (checked against ``limits.header_bytes``, then for structure and value types), then
+    ``review`` if given (its limits apply from here on), then the size check against
+    ``limits.checkpoint_bytes`` (the tensors must declare exactly the ``size`` bytes that
+    follow the header), and only then the tensor data: exactly the declared bytes,
+    decoded in place.
 
     The state keeps the key order recorded in the ``state_keys`` header when there is one
-    (safetensors itself sorts keys), so a round trip preserves the model's order.
+    (else sorted keys, as safetensors returns them), so a round trip preserves the
+    model's order.
     """
-    _check_checkpoint_size(len(data), name, limits)
-    found = _safetensors_header_size(data[:9], len(data), limits)
+    prefix = _read_bytes(stream, 9)
+    found = _safetensors_header_size(prefix, size, limits)
     if isinstance(found, str):
         raise ZooFormatError(f"{name}: not a valid safetensors file ({found})")
-    metadata = _check_header(load_json(data[8:8 + found], f"{name}: the safetensors header"),
-                             name)
-    try:
-        tensors = load_safetensors_bytes(data)
-    except (SafetensorError, ValueError, TypeError, RuntimeError) as error:
-        raise ZooFormatError(f"{name}: not a valid safetensors file ({error})"[:400]) from None
+    text = prefix[8:] + _read_bytes(stream, found - 1)
+    if len(text) != found:
+        raise ZooFormatError(f"{name}: truncated safetensors header")
+    header = load_json(text, f"{name}: the safetensors header")
+    metadata = _check_header(header, name)
+    if review is not None:
+        limits = review(name, metadata, limits)
+        if found > limits.header_bytes:
+            raise ZooFormatError(f"{name}: its header of {found} bytes exceeds the limit of "
+                                 f"{limits.header_bytes} for this checkpoint's tensors")
+    _check_checkpoint_size(size, name, limits)
+    entries, data_bytes = _tensor_entries(header, name)
+    if 8 + found + data_bytes != size:
+        raise ZooFormatError(f"{name}: not a valid safetensors file (its tensors declare "
+                             f"{data_bytes} bytes of data, it holds {size - 8 - found})")
+    data = bytearray(data_bytes)
+    if _read_into(stream, data) != data_bytes:
+        raise ZooFormatError(f"{name}: truncated safetensors data")
+    tensors = {key: _decode(data, entry, key, name) for key, entry in sorted(entries.items())}
     if "state_keys" in metadata:
         keys = json.loads(metadata["state_keys"])  # checked by _check_header_values
         if set(keys) == set(tensors):
@@ -255,13 +380,35 @@ def parse_safetensors(data: bytes, name: str, limits: ReadLimits
     return tensors, dict(metadata)
 
 
+def _decode(data: bytearray, entry: _Entry, key: str, name: str) -> torch.Tensor:
+    """The tensor ``entry`` describes in ``data`` (sharing its memory when aligned)."""
+    count = (entry.end - entry.begin) // entry.dtype.itemsize
+    if count == 0:
+        return torch.from_numpy(np.empty(entry.shape, entry.dtype.newbyteorder("=")))
+    array = np.frombuffer(data, dtype=entry.dtype, count=count, offset=entry.begin)
+    if entry.begin % entry.dtype.itemsize or not entry.dtype.isnative:
+        array = array.astype(entry.dtype.newbyteorder("="))  # aligned, native copy
+    if entry.dtype == np.bool_ and count and int(array.view(np.uint8).max()) > 1:
+        raise ZooFormatError(f"{name}: tensor {key!r} holds booleans other than 0 and 1"[:300])
+    return torch.from_numpy(array.reshape(entry.shape))
+
+
+def parse_safetensors(data: bytes, name: str, limits: ReadLimits
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``(state_dict, header metadata)`` of safetensors ``data`` held in memory
+    (:func:`read_safetensors`)."""
+    return read_safetensors(io.BytesIO(data), len(data), name, limits)
+
+
 @public
-def read_checkpoint(path: str | os.PathLike, *, limits: ReadLimits | None = None
+def read_checkpoint(path: str | os.PathLike, *, limits: ReadLimits | None = None,
+                    review: Review | None = None
                     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read a safetensors checkpoint: returns ``(state_dict, header metadata)``.
 
     The file is recognised by its first bytes and its size is checked against
-    ``limits`` before it is read; the header's values are checked for type.
+    ``limits`` before it is read; the header's values are checked for type, and its
+    tensors must declare exactly the bytes the file holds.
 
     Parameters
     ----------
@@ -269,6 +416,9 @@ def read_checkpoint(path: str | os.PathLike, *, limits: ReadLimits | None = None
         The safetensors file.
     limits : ReadLimits, optional
         Bounds on the header and file size (default :class:`ReadLimits`).
+    review : callable, optional
+        ``review(name, metadata, limits) -> limits``, called with the header's metadata
+        before any tensor byte is read: it may tighten the limits, or raise.
 
     Returns
     -------
@@ -286,9 +436,8 @@ def read_checkpoint(path: str | os.PathLike, *, limits: ReadLimits | None = None
                 raise ZooFormatError(f"{path}: not a valid safetensors file ({found})")
             _check_checkpoint_size(size, str(path), limits)
             handle.seek(0)
-            # One byte over the limit: a file that grew since stat() is caught by the
-            # size check in parse_safetensors instead of being read without bound.
-            data = handle.read(limits.checkpoint_bytes + 1)
+            # Exactly ``size`` bytes are read: a file that grew since stat() is not read
+            # further, and one that shrank is reported as truncated.
+            return read_safetensors(handle, size, str(path), limits, review)
     except OSError as error:
         raise ZooFormatError(f"{path}: cannot be read: {error}") from None
-    return parse_safetensors(data, str(path), limits)

@@ -17,6 +17,7 @@ import torch
 
 from posteriorzoo.dtypes import as_numpy
 from posteriorzoo.errors import (
+    ChecksumError,
     NonFiniteWeightsError,
     PosteriorZooError,
     ZooFormatError,
@@ -27,6 +28,7 @@ from posteriorzoo.zoo.archives import read_archive, release_task
 from posteriorzoo.zoo.formats import (
     CHECKPOINT_FORMAT,
     ReadLimits,
+    Review,
     load_json,
     read_checkpoint,
     sniff_format,
@@ -35,20 +37,22 @@ from posteriorzoo.zoo.formats import (
 TensorLayout = Mapping[str, tuple[tuple[int, ...], np.dtype]]
 
 
-def read_inputs(files: Iterable[Path], limits: Callable[[], ReadLimits]
+def read_inputs(files: Iterable[Path], limits: Callable[[], ReadLimits],
+                review: Review | None = None
                 ) -> Iterator[tuple[str, dict[str, torch.Tensor], dict[str, str]]]:
     """``(name, state, header)`` of every checkpoint in ``files``, any format.
 
     ``limits()`` is asked again for each file, so a caller can tighten the bounds once
-    the size of a checkpoint is known.
+    the size of a checkpoint is known; ``review`` sees every header before its tensors
+    are read (:func:`~posteriorzoo.zoo.formats.read_safetensors`).
     """
     for file in files:
         current = limits()
         if sniff_format(file, current) == "safetensors":
-            state, header = read_checkpoint(file, limits=current)
+            state, header = read_checkpoint(file, limits=current, review=review)
             yield file.name, state, header
         else:
-            yield from read_archive(file, current)
+            yield from read_archive(file, current, review)
 
 
 def limits_for_architecture(limits: ReadLimits, architecture: str | None,
@@ -65,6 +69,59 @@ def limits_for_architecture(limits: ReadLimits, architecture: str | None,
     except (PosteriorZooError, TypeError, ValueError):
         return limits  # an unknown name is reported by the architecture check
     return limits.for_shapes(shapes)
+
+
+def limits_for_new_collection(limits: ReadLimits, first: Path, header: Mapping[str, str],
+                              given: Mapping[str, Any]) -> ReadLimits:
+    """``limits`` tightened to the checkpoint size of the collection the first input will
+    create, before its tensors are read.
+
+    The architecture comes from ``given`` (the arguments of
+    :func:`collection_attributes`), else the header, else the archive's name; when none
+    tells it, or it is not a registered model, the import could not go on anyway, and
+    refusing now spares reading tensors of any size.
+    """
+    attributes = collection_attributes(first, header, **given)
+    from posteriorzoo import models
+
+    try:
+        shapes = models.expected_state_shapes(attributes["architecture"],
+                                              num_classes=attributes["num_classes"],
+                                              **attributes["model_options"])
+    except (TypeError, ValueError) as error:
+        if isinstance(error, PosteriorZooError):
+            raise
+        raise ZooSchemaError(f"model {attributes['architecture']!r} cannot be built with "
+                             f"{attributes['model_options']}: {error}"[:400]) from None
+    return limits.for_shapes(shapes)
+
+
+def check_recorded_digest(state: Mapping[str, torch.Tensor], header: Mapping[str, str],
+                          name: str) -> bool:
+    """Check ``state`` against the SHA-256 its header records; False if it records none.
+
+    An exported checkpoint's ``metadata`` row carries the collection's digest of its
+    tensors (:func:`~posteriorzoo.zoo.schema.checkpoint_digest`, in the ``state_keys``
+    order): any altered tensor byte, dtype, shape or key raises :class:`ChecksumError`.
+    """
+    if "metadata" not in header:
+        return False
+    row = load_json(header["metadata"], f"{name}: header 'metadata'")
+    recorded = row.get("sha256") if isinstance(row, dict) else None
+    if recorded in (None, ""):
+        return False
+    if not (isinstance(recorded, str) and len(recorded) == 64
+            and all(c in "0123456789abcdef" for c in recorded)):
+        raise ZooFormatError(f"{name}: header metadata 'sha256' is not a SHA-256 digest")
+    keys = json.loads(header["state_keys"]) if "state_keys" in header else sorted(state)
+    if set(keys) != set(state):
+        keys = sorted(state)
+    arrays = {key: as_numpy(state[key]) for key in keys}
+    if schema.checkpoint_digest(arrays, keys) != recorded:
+        raise ChecksumError(f"{name}: its tensors differ from the SHA-256 its header records "
+                            "(altered or corrupt); refusing to import it (verify=False, "
+                            "--no-verify on the command line, skips this check)")
+    return True
 
 
 def collection_attributes(first: Path, header: Mapping[str, str], architecture: str | None,
