@@ -30,7 +30,13 @@ __all__ = ["CollectionResult", "csv_text"]
 
 
 def csv_text(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    """A CSV table with one header line (floats written with ``repr``: no digits lost)."""
+    """A CSV table with one header line (floats written with ``repr``: no digits lost).
+
+    Text cells (names, paths) are written as they are: the csv module quotes what needs
+    quoting (commas, quotes, newlines), so ``csv.reader`` gives back the exact text. A
+    leading ``= + - @`` (a spreadsheet formula) is kept too: these tables are data for
+    programs, which must read the names the JSON holds (see :mod:`posteriorzoo.text`).
+    """
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(header)

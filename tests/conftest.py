@@ -68,6 +68,22 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_killed_train_leaves_nothing_or_a_resumable_file": ("train", "sigkill"),
         "test_workers_end_when_the_train_process_is_killed": ("train", "orphans"),
     },
+    "test_escaping.py": {
+        "test_report_with_hostile_names": ("report", "escaping"),
+        "test_plot_with_hostile_names": ("plot", "escaping"),
+        "test_mmd_with_hostile_names": ("mmd", "escaping"),
+    },
+    "test_method_laplace.py": {
+        "test_train_names_the_mode_whose_base_network_diverged": ("train", "method numerics"),
+        "test_train_names_a_prior_too_small_and_the_suggestion_trains": ("train",
+                                                                         "method numerics"),
+        "test_train_refuses_a_prior_precision_out_of_range_when_the_spec_is_read": (
+            "train", "bad option"),
+    },
+    "test_option_ranges.py": {     # its generated tests log each case themselves
+        "test_every_beyond_one_epoch_is_refused_before_training": ("study", "bad option"),
+        "test_toy_networks_times_points_and_norm_are_bounded": ("study", "bad option"),
+    },
 }
 
 

@@ -147,9 +147,14 @@ def test_the_audits_values_are_refused_when_parsed(files, capsys, words, option,
     words = [str(files["zoo"]) if w == "ZOO" else str(files["spec"]) if w == "SPEC" else w
              for w in words]
     before = _snapshot(files["root"])
-    code, _, err = run(capsys, *words, "--out", str(files["out"] / "audit"), option, value)
-    assert_one_line_error(code, err, option, "out of range")
-    assert _snapshot(files["root"]) == before
+    ok = False
+    try:
+        code, _, err = run(capsys, *words, "--out", str(files["out"] / "audit"), option, value)
+        assert_one_line_error(code, err, option, "out of range")
+        assert _snapshot(files["root"]) == before
+        ok = True
+    finally:
+        _log(words[0], ok)
 
 
 def test_every_numeric_option_is_covered_and_shows_its_range(files):

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, hessian, jacrev, vjp, vmap
 
-from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.errors import InvalidOptionError, NonFiniteWeightsError
 from posteriorzoo.models import build
 from train_zoo.methods import laplace, laplace_curvature, laplace_optunet
 from train_zoo.methods.common import flatten, parameters_of, unflatten
@@ -496,6 +496,80 @@ def test_marglik_without_a_finite_optimum_is_refused():
     expected = (-lam + math.sqrt(lam ** 2 + 4 * lam / s)) / 2
     found = laplace.optimal_prior_precision(torch.tensor([lam, 0.0], dtype=torch.float64), s)
     assert found == pytest.approx(expected, rel=1e-9)
+
+
+# --- numerics: a diverged base network, a too small prior ------------------------------------
+
+def test_non_finite_weights_and_curvature_are_named_not_linalg_errors():
+    model, params, buffers, batches = _tiny()
+    first = next(iter(params))
+    broken = {**params, first: params[first] * float("inf")}
+    for structure in laplace.STRUCTURES:
+        with pytest.raises(NonFiniteWeightsError, match="not finite.*diverged.*lr"):
+            laplace.init(model, broken, buffers, batches, 8, structure=structure)
+    # finite weights whose outputs overflow (inf - inf in the logits): the GGN is not finite
+    huge = {name: value * 1e308 for name, value in params.items()}
+    (x, y), = batches
+    with pytest.raises(NonFiniteWeightsError, match="curvature.*overflow"):
+        laplace.init(model, huge, buffers, [(x * 100, y)], 8, prior_precision=1.0)
+
+
+def test_a_prior_too_small_for_the_ggn_is_named_with_a_value_that_works():
+    model, params, buffers, batches = _tiny()
+    with pytest.raises(InvalidOptionError, match="not positive definite") as info:
+        laplace.init(model, params, buffers, batches, 8, prior_precision=1e-300)
+    message = str(info.value)
+    assert "\n" not in message and "1e-300" in message
+    suggested = float(message.rsplit(">= ", 1)[1])
+    state = laplace.init(model, params, buffers, batches, 8, prior_precision=suggested)
+    assert state.prior_precision == suggested
+
+
+def _laplace_spec(path, overrides: str = "", options: str = "") -> None:
+    path.write_text('recipe = "optunet-mnist"\ndataset = "digits"\nmethod = "laplace"\n'
+                    f'checkpoints = 2\nbase_seed = 7\n\n[recipe_overrides]\nepochs = 1\n'
+                    f"{overrides}\n[method_options]\n{options}\n")
+
+
+def _train(capsys, spec, out):
+    from zoo_helpers import run
+
+    return run(capsys, "train", spec, "--out", out, "--backend", "serial", "--no-progress")
+
+
+def test_train_names_the_mode_whose_base_network_diverged(tmp_path, capsys):
+    spec = tmp_path / "diverged.toml"
+    _laplace_spec(spec, "lr = 1e30\n", "prior_precision = 1.0")
+    code, _, err = _train(capsys, spec, tmp_path / "zoo.h5")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "laplace mode 0:" in lines[0] and "diverged" in lines[0] and "lr" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["diverged.toml"]
+
+
+def test_train_names_a_prior_too_small_and_the_suggestion_trains(tmp_path, capsys):
+    spec = tmp_path / "tiny.toml"
+    _laplace_spec(spec, options="prior_precision = 1e-6")   # in range, too small for this GGN
+    code, _, err = _train(capsys, spec, tmp_path / "zoo.h5")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "laplace mode 0:" in lines[0] and "not positive definite" in lines[0]
+    assert not (tmp_path / "zoo.h5").exists()
+    suggested = lines[0].rsplit(">= ", 1)[1]
+    _laplace_spec(spec, options=f"prior_precision = {suggested}")
+    code, _, err = _train(capsys, spec, tmp_path / "zoo.h5")
+    assert code == 0, err
+
+
+def test_train_refuses_a_prior_precision_out_of_range_when_the_spec_is_read(tmp_path, capsys):
+    spec = tmp_path / "zero.toml"
+    for value in ("1e-300", "1e300", "0.0"):
+        _laplace_spec(spec, options=f"prior_precision = {value}")
+        code, _, err = _train(capsys, spec, tmp_path / "zoo.h5")
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, err
+        assert "prior_precision" in lines[0] and "[1e-08, 1e+08]" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["zero.toml"]
 
 
 # --- oracle: laplace-torch 0.3 ------------------------------------------------------------

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from posteriorzoo.errors import PosteriorZooError
 from train_zoo.data import TrainingData
 from train_zoo.fast.engine import FastNet, batches_for, layout_for
 from train_zoo.fast.engine import train_base as fast_train_base
@@ -138,12 +139,15 @@ def _laplace(spec, index, data, engine, callbacks, model, seeds):
     opts = spec.method_options
     params, buffers = parameters_of(model)
     prior = opts["prior_precision"]
-    state = laplace.init(
-        model, params, buffers,
-        torch_batches(data, dataclasses.replace(spec.recipe, batch_size=READ_BATCH),
-                      seeds.method, augment=False)(0),
-        len(data.train), structure=opts["structure"], prior_precision=prior,
-        weight_decay=spec.recipe.weight_decay if prior == "training" else None)
+    try:
+        state = laplace.init(
+            model, params, buffers,
+            torch_batches(data, dataclasses.replace(spec.recipe, batch_size=READ_BATCH),
+                          seeds.method, augment=False)(0),
+            len(data.train), structure=opts["structure"], prior_precision=prior,
+            weight_decay=spec.recipe.weight_decay if prior == "training" else None)
+    except PosteriorZooError as error:  # a diverged base network, a too small prior
+        raise type(error)(f"laplace mode {index}: {error}") from None
     return laplace.sample(model, state, _generator(seeds.sample), spec.samples_per_mode), 0
 
 

@@ -13,6 +13,10 @@ save it with :func:`analysis.figures.save.save_figure` or embed it with
   their scatter with Pearson's r (Figs. 3 and 7).
 - :func:`mmd_figure`: MMD^2 per layer and method, with the target-vs-target noise band.
 - :func:`pca_figure`: cumulative explained variance of the weights' principal components.
+
+Names that come from the user or a file (methods, layers, datasets) reach titles, ticks
+and legends through :func:`posteriorzoo.text.matplotlib_text`, so a ``$`` in a name is
+shown as it is rather than parsed as mathtext.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from analysis.figures.statistics import (
     unit_position,
 )
 from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.text import matplotlib_text
 
 __all__ = ["collapse_figure", "marginals_figure", "mass_figure", "mmd_figure", "pca_figure"]
 
@@ -138,7 +143,8 @@ def marginals_figure(raw: Mapping[str, np.ndarray] | None,
                 text += ("\nunits exchangeable: Prop. 1 predicts equal marginals"
                          if exchangeable[name] else "\nunits fixed (not permutable)")
             _note(ax, text)
-            ax.set_title(f"{name} ({title}), N = {layer.shape[0]}", fontsize=9)
+            ax.set_title(f"{matplotlib_text(name)} ({title}), N = {layer.shape[0]}",
+                         fontsize=9)
             ax.set_xlabel(f"weight value, {unit_position(axis, layer.ndim - 1)}", fontsize=8)
             ax.set_ylabel("density (per unit of weight)", fontsize=8)
             ax.legend(fontsize=7, loc="upper left")
@@ -222,7 +228,8 @@ def _draw_largest(ax: Axes, before: Mapping[str, np.ndarray],
     values = np.concatenate(positive) if positive else np.empty(0)
     if values.size and values.max() / max(values.min(), 1e-300) > 100:
         ax.set_yscale("log")
-    ax.set_xticks(range(len(layers)), layers, rotation=30, ha="right", fontsize=8)
+    ax.set_xticks(range(len(layers)), [matplotlib_text(name) for name in layers], rotation=30,
+                  ha="right", fontsize=8)
     ax.set_xlabel("weight tensor")
     ax.set_ylabel("largest |w| in the tensor (weight units)")
     ax.set_title("each layer's largest weight, per checkpoint")
@@ -257,6 +264,7 @@ def collapse_figure(id_mi: np.ndarray, ood_mi: np.ndarray, *,
         raise InvalidOptionError(f"id_mi and ood_mi must pair up: {id_mi.size} and "
                                  f"{ood_mi.size} values")
     r, p = pearson(id_mi, ood_mi)
+    id_name, ood_name = matplotlib_text(id_name), matplotlib_text(ood_name)
     figure = _figure(14.0, 3.9)
     axes = figure.subplots(1, 3)
     for ax, values, title, colour in ((axes[0], id_mi, f"in-distribution: {id_name}", "C0"),
@@ -345,14 +353,15 @@ def mmd_figure(per_layer: Mapping[str, Mapping[str, float]],
         ys = [float(values[name]) for name in layers if name in values]
         everything += ys
         ax.plot(xs, ys, linestyle="none", marker=markers[k % len(markers)], markersize=6,
-                label=method)
+                label=matplotlib_text(method))
     scale = _value_scale(ax, np.asarray(everything, dtype=np.float64))
-    ax.set_xticks(range(len(layers)), layers, rotation=30, ha="right", fontsize=8)
+    ax.set_xticks(range(len(layers)), [matplotlib_text(name) for name in layers], rotation=30,
+                  ha="right", fontsize=8)
     ax.set_xlim(-0.6, len(layers) - 0.4)
     ax.set_xlabel("layer (one parameter tensor)")
     name = "MMD" if symmetries == "keep" else "NS-MMD"
-    ax.set_ylabel(f"{name}$^2$ to the target (unitless)\n{statistic} over {kernels} kernels, "
-                  f"{scale.split(' ')[0]} scale", fontsize=9)
+    ax.set_ylabel(f"{name}$^2$ to the target (unitless)\n{matplotlib_text(statistic)} over "
+                  f"{kernels} kernels, {scale.split(' ')[0]} scale", fontsize=9)
     if scale.startswith("symlog"):
         _note(ax, f"y axis {scale}", "lower left")
     title = RAW_TITLE if symmetries == "keep" else CANONICAL_TITLE
@@ -390,7 +399,7 @@ def pca_figure(curves: Mapping[str, np.ndarray], *, threshold: float = 0.9) -> F
         # the legend says how many components each collection needs to reach the threshold
         ax.plot(components, curve, marker="." if curve.size <= 60 else None,
                 linestyle="-" if index < 10 else "--",   # the 10 colours repeat after 10
-                label=f"{name}: {needed} of {curve.size}")
+                label=f"{matplotlib_text(name)}: {needed} of {curve.size}")
     ax.axhline(threshold, color="0.5", linestyle="--", linewidth=0.8)
     ax.set_ylim(0.0, 1.02)
     ax.set_xlabel("number of principal components")

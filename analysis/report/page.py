@@ -1,14 +1,20 @@
-"""The report as one self-contained HTML page (figures embedded as PNG) and as Markdown."""
+"""The report as one self-contained HTML page (figures embedded as PNG) and as Markdown.
+
+Every string the user controls (method names, paths, dataset and architecture names) goes
+through :mod:`posteriorzoo.text` for the format it lands in: ``html_text`` on the page,
+``markdown_text`` in report.md and the printed Table 1; the provenance is JSON with
+``< > &`` escaped (``html_safe_json``), so no markup of a name reaches either file.
+"""
 
 from __future__ import annotations
 
 import base64
-import html
 import io
-import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from analysis.report import tables
+from posteriorzoo.text import html_safe_json, html_text, markdown_text
 
 if TYPE_CHECKING:
     from analysis.report.build import ReportResult
@@ -69,7 +75,12 @@ def _noise_rows(report: ReportResult) -> list[list[str]]:
             + ["-"] * width]
 
 
-def _verdicts(report: ReportResult) -> list[str]:
+def _same(text: str) -> str:
+    return text
+
+
+def _verdicts(report: ReportResult, escape: Callable[[str], str] = _same) -> list[str]:
+    """One line per method: is its MMD inside the noise band? Names through ``escape``."""
     lines = []
     for row in report.rows:
         parts = []
@@ -81,18 +92,21 @@ def _verdicts(report: ReportResult) -> list[str]:
             parts.append(f"{label} {100 * value:.3f} is "
                          f"{'inside' if inside else 'outside'} the noise band")
         if parts:
-            lines.append(f"{row['name']}: " + "; ".join(parts))
+            lines.append(f"{escape(row['name'])}: " + "; ".join(parts))
     return lines
 
 
-def _captions(report: ReportResult) -> tuple[str, str]:
+def _captions(report: ReportResult, escape: Callable[[str], str] = _same
+              ) -> tuple[str, str]:
+    """The captions of Table 1 and of the Table 2 detail; dataset names through
+    ``escape``."""
     data = report.datasets
     images = data.get("images") or {}
-    ood = (f"OOD: {data['ood']} ({images.get('ood', 0)} images, score "
+    ood = (f"OOD: {escape(data['ood'])} ({images.get('ood', 0)} images, score "
            f"{data['ood_score']})" if data.get("ood") else "no OOD set")
     table1 = (f"Table 1. MMD and NS-MMD: layer-weighted median over the 20 MMDAgg kernels "
               f"of the unbiased MMD^2 to the target, x 100. Predictive metrics of each "
-              f"collection's posterior predictive (average softmax) on {data['id']} "
+              f"collection's posterior predictive (average softmax) on {escape(data['id'])} "
               f"({images.get('id', 0)} images; ECE with {data['bins']} bins); {ood}. "
               f"Acc, ECE, AUPR, FPR95 in %; Brier x 100; IDMI and OODMI in nats x 100. "
               f"Blue rows: the target against itself (the noise floor).")
@@ -115,7 +129,7 @@ def html_page(report: ReportResult) -> str:
     table1 = tables.html_table(tables.TABLE1_HEADER,
                                tables.table1_rows(report.rows), caption=caption1,
                                table_id="table1", titles=tables.TABLE1_TITLES)
-    noise_html = "".join('<tr class="noise">' + "".join(f"<td>{html.escape(c)}</td>"
+    noise_html = "".join('<tr class="noise">' + "".join(f"<td>{html_text(c)}</td>"
                                                         for c in row) + "</tr>"
                          for row in _noise_rows(report))
     table1 = table1.replace("</tbody>", noise_html + "</tbody>")
@@ -123,19 +137,19 @@ def html_page(report: ReportResult) -> str:
                                caption=caption2, table_id="table2")
     figures = "".join(
         f'<figure id="figure-{name}"><img alt="{name}" src="data:image/png;base64,'
-        f'{_png(figure)}"><figcaption>{html.escape(FIGURE_CAPTIONS.get(name, name))} '
-        f"{html.escape(report.figure_notes.get(name, ''))} (PDF: figures/{name}.pdf)"
+        f'{_png(figure)}"><figcaption>{html_text(FIGURE_CAPTIONS.get(name, name))} '
+        f"{html_text(report.figure_notes.get(name, ''))} (PDF: figures/{name}.pdf)"
         "</figcaption></figure>" for name, figure in report.figures.items())
-    verdicts = "".join(f"<li>{html.escape(line)}</li>" for line in _verdicts(report))
-    provenance = html.escape(json.dumps(report.provenance, indent=1, default=str))
+    verdicts = "".join(f"<li>{html_text(line)}</li>" for line in _verdicts(report))
+    provenance = html_text(html_safe_json(report.provenance, indent=1, default=str))
     target = report.target
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
-<title>posteriorzoo report: {html.escape(target['path'])}</title>
+<title>posteriorzoo report: {html_text(target['path'])}</title>
 <style>{_STYLE}</style></head><body>
 <h1>How close is each approximate posterior to the target?</h1>
-<p>Target: <code>{html.escape(target['path'])}</code>, {target['n']} checkpoints of
-{html.escape(target['architecture'])} trained on {html.escape(target['dataset'])}.</p>
+<p>Target: <code>{html_text(target['path'])}</code>, {target['n']} checkpoints of
+{html_text(target['architecture'])} trained on {html_text(target['dataset'])}.</p>
 <div class="note"><p><b>How to read this page.</b> <b>MMD</b> is the maximum mean
 discrepancy between a method's samples and the target's checkpoints, layer by layer, as
 the unbiased estimate of MMD<sup>2</sup> (it can be slightly negative when the two are
@@ -162,25 +176,26 @@ higher for accuracy and AUPR.</p></div>
 
 def markdown_page(report: ReportResult) -> str:
     """The same tables as Markdown, with the figures linked."""
-    caption1, caption2 = _captions(report)
-    lines = [f"# posteriorzoo report: {report.target['path']}", "", caption1, "",
-             tables.markdown_table(tables.TABLE1_HEADER,
-                                   tables.table1_rows(report.rows) + _noise_rows(report)),
-             *[f"- {line}" for line in _verdicts(report)], "", caption2, "",
-             tables.markdown_table(tables.TABLE2_HEADER, tables.table2_rows(report.rows))]
+    caption1, caption2 = _captions(report, markdown_text)
+    rows1 = tables.table1_rows(report.rows, markdown_text) + _noise_rows(report)
+    lines = [f"# posteriorzoo report: {markdown_text(report.target['path'])}", "", caption1,
+             "", tables.markdown_table(tables.TABLE1_HEADER, rows1),
+             *[f"- {line}" for line in _verdicts(report, markdown_text)], "", caption2, "",
+             tables.markdown_table(tables.TABLE2_HEADER,
+                                   tables.table2_rows(report.rows, markdown_text))]
     lines += [f"![{name}](figures/{name}.png)\n\n{FIGURE_CAPTIONS.get(name, name)}\n"
               for name in report.figures]
     lines += ["## Provenance", "", "```json",
-              json.dumps(report.provenance, indent=1, default=str), "```", ""]
+              html_safe_json(report.provenance, indent=1, default=str), "```", ""]
     return "\n".join(lines)
 
 
 def table1_text(report: ReportResult) -> str:
     """Table 1 with its noise rows and verdicts, as printed by ``posteriorzoo report``."""
-    caption, _ = _captions(report)
+    caption, _ = _captions(report, markdown_text)
     return "\n".join([caption, "", tables.markdown_table(
-        tables.TABLE1_HEADER, tables.table1_rows(report.rows) + _noise_rows(report)),
-        *_verdicts(report)])
+        tables.TABLE1_HEADER, tables.table1_rows(report.rows, markdown_text)
+        + _noise_rows(report)), *_verdicts(report, markdown_text)])
 
 
 def _tests_html(report: ReportResult) -> str:

@@ -7,10 +7,11 @@ scale in its caption.
 
 from __future__ import annotations
 
-import html
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from posteriorzoo.text import html_text
 
 #: Table 1's columns: (key, header, display multiplier, what the header means).
 TABLE1_COLUMNS = (
@@ -41,24 +42,34 @@ def shown(value: Any, scale: float = 1.0, digits: int = 2) -> str:
     return f"{value * scale:.{digits}f}"
 
 
-def table1_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
-    """Table 1 as text cells, grouped: single-mode methods, then multi-mode ones."""
+def _same(text: str) -> str:
+    return text
+
+
+def table1_rows(rows: Sequence[Mapping[str, Any]],
+                escape: Callable[[str], str] = _same) -> list[list[str]]:
+    """Table 1 as text cells, grouped: single-mode methods, then multi-mode ones; the
+    method names (the user's) passed through ``escape`` (e.g.
+    :func:`posteriorzoo.text.markdown_text`)."""
     cells = []
     for group in GROUPS:
         for row in (r for r in rows if r["group"] == group):
-            cells.append([row["name"], group, str(row["n"])]
+            cells.append([escape(row["name"]), group, str(row["n"])]
                          + [shown(row.get(key), scale) for key, _, scale, _ in TABLE1_COLUMNS])
     return cells
 
 
-def table2_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
-    """The MMD detail as text cells (MMD^2 x 100, four digits)."""
-    return [[row["name"]] + [shown(row.get(key), 1.0 if key in ("n", "rejected_layers")
+def table2_rows(rows: Sequence[Mapping[str, Any]],
+                escape: Callable[[str], str] = _same) -> list[list[str]]:
+    """The MMD detail as text cells (MMD^2 x 100, four digits), names through ``escape``."""
+    return [[escape(row["name"])] + [shown(row.get(key), 1.0 if key in ("n", "rejected_layers")
                                    else 100.0, 4) for key, _ in TABLE2_COLUMNS]
             for row in rows]
 
 
 def markdown_table(header: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
+    """A Markdown table of cells that are already Markdown (user text escaped with
+    :func:`posteriorzoo.text.markdown_text`)."""
     lines = ["| " + " | ".join(header) + " |",
              "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in cells]
@@ -67,13 +78,15 @@ def markdown_table(header: Sequence[str], cells: Sequence[Sequence[str]]) -> str
 
 def html_table(header: Sequence[str], cells: Sequence[Sequence[str]], *, caption: str,
                table_id: str, titles: Sequence[str] | None = None) -> str:
-    """An HTML table; ``titles`` are tooltips of the header cells."""
+    """An HTML table of plain-text cells (every cell, header and caption is escaped with
+    :func:`posteriorzoo.text.html_text` here); ``titles`` are tooltips of the header
+    cells."""
     titles = titles or [""] * len(header)
-    head = "".join(f'<th title="{html.escape(t)}">{html.escape(h)}</th>'
+    head = "".join(f'<th title="{html_text(t)}">{html_text(h)}</th>'
                    for h, t in zip(header, titles, strict=True))
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+    body = "".join("<tr>" + "".join(f"<td>{html_text(c)}</td>" for c in row) + "</tr>"
                    for row in cells)
-    return (f'<table id="{table_id}"><caption>{html.escape(caption)}</caption>'
+    return (f'<table id="{html_text(table_id)}"><caption>{html_text(caption)}</caption>'
             f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
 

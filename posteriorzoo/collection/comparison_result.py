@@ -9,6 +9,7 @@ from typing import Any
 
 from posteriorzoo.mmd.comparison import TREATMENTS, Comparison, LayerResult, MethodSummary
 from posteriorzoo.results import CollectionResult, csv_text
+from posteriorzoo.text import markdown_text
 
 __all__ = ["FILE_NAMES", "CompareResult"]
 
@@ -107,8 +108,8 @@ class CompareResult(CollectionResult):
         lines = ["# MMD of approximate posteriors to the target posterior", ""]
         target = self.provenance.get("inputs", {}).get("target")
         if target:
-            lines.append(f"Target: `{target.get('path')}` ({target.get('checkpoints')} "
-                         "samples).")
+            lines.append(f"Target: {markdown_text(target.get('path'))} "
+                         f"({target.get('checkpoints')} samples).")
         lines += [
             "",
             f"Values: unbiased MMD^2{factor}. Per layer the median, mean and max over the "
@@ -126,7 +127,7 @@ class CompareResult(CollectionResult):
         lines.append("|---" + "|---:" * (len(head) - 1) + "|")
         for method in self.methods:
             sizes = [s.n for (name, _), s in summaries.items() if name == method]
-            row = [method, str(sizes[0]) if sizes else "/"]
+            row = [markdown_text(method), str(sizes[0]) if sizes else "/"]
             for t in treatments:
                 s = summaries.get((method, t))
                 row += [cell(getattr(s, stat)) if s else "/" for stat in
@@ -145,7 +146,7 @@ class CompareResult(CollectionResult):
         layer_order = list(dict.fromkeys((r.layer, r.parameters) for r in self.results))
         for method in self.methods:
             for layer, parameters in layer_order:
-                row = [method, f"`{layer}`", str(parameters)]
+                row = [markdown_text(method), markdown_text(layer), str(parameters)]
                 for t in treatments:
                     r = index.get((method, t, layer))
                     row += [cell(getattr(r, stat)) if r else "/" for stat in
@@ -156,7 +157,8 @@ class CompareResult(CollectionResult):
                                    f"(min p {r.test.p_values.min():.3g})")
                 lines.append("| " + " | ".join(row) + " |")
         lines += ["", "## Provenance", ""]
-        lines += [f"- {line}" for line in provenance_lines(self.provenance)]
+        # names and paths are the user's: each line as Markdown text, no markup
+        lines += [f"- {markdown_text(line)}" for line in provenance_lines(self.provenance)]
         return "\n".join(lines) + "\n"
 
 

@@ -94,7 +94,7 @@ import torch
 from scipy.optimize import brentq
 from torch import nn
 
-from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.errors import InvalidOptionError, NonFiniteWeightsError
 from posteriorzoo.options import check_choice
 from train_zoo.methods.common import Params, flatten, state_dict_of, unflatten
 from train_zoo.methods.laplace_curvature import (
@@ -214,6 +214,64 @@ def _check_prior(prior_precision: object, weight_decay: object
     return "fixed", _positive_real(prior_precision, "prior_precision"), None
 
 
+# ----------------------------------------------------------------------------- numerics
+# A diverged base network (non-finite weights, or outputs that overflow) and a prior
+# precision too small for the GGN's rounding would otherwise fail deep inside eigh or
+# cholesky (torch's LinAlgError); these say which and what to do, in one line.
+
+def _check_finite_weights(params: Mapping[str, torch.Tensor]) -> None:
+    bad = [name for name, value in params.items()
+           if value.is_floating_point() and not bool(torch.isfinite(value).all())]
+    if bad:
+        raise NonFiniteWeightsError(
+            f"the base network's weights are not finite ({', '.join(bad[:3])}"
+            f"{', ...' if len(bad) > 3 else ''}): its training diverged; lower the recipe's "
+            "lr (or weight_decay)")
+
+
+def _check_finite_curvature(*factors: torch.Tensor) -> None:
+    if not all(bool(torch.isfinite(factor).all()) for factor in factors):
+        raise NonFiniteWeightsError(
+            "the curvature (GGN) at the base network's weights is not finite: its outputs "
+            "overflow, so its training diverged; lower the recipe's lr (or weight_decay)")
+
+
+def _eigen(function, matrix: torch.Tensor):  # noqa: ANN001, ANN202 -- eigh or eigvalsh
+    """``function(matrix)``, a LinAlgError as a one-line PosteriorZooError."""
+    try:
+        return function(matrix)
+    except torch.linalg.LinAlgError:
+        raise NonFiniteWeightsError(
+            "the curvature (GGN) at the base network's weights has no eigendecomposition "
+            "(ill-conditioned beyond float64: did its training diverge?); lower the recipe's "
+            "lr") from None
+
+
+def _cholesky(ggn: torch.Tensor, delta: float, source: str) -> torch.Tensor:
+    """The Cholesky factor of ``ggn + delta I``, or a one-line error suggesting the
+    smallest power of ten that gives a positive-definite posterior precision."""
+    eye = torch.eye(len(ggn), dtype=torch.float64)
+    factor, info = torch.linalg.cholesky_ex(ggn + delta * eye)
+    if int(info) == 0:
+        return factor
+    values = torch.linalg.eigvalsh(ggn)
+    lowest, largest = float(values[0]), float(values[-1])
+    # The GGN is PSD only up to rounding (its smallest eigenvalues are slightly negative):
+    # delta must outweigh that. Start at ten times the rounding, confirm by factorising.
+    suggestion = 10.0 ** math.ceil(math.log10(max(-10 * lowest, 1e-12 * abs(largest),
+                                                  delta, 1e-300)))
+    for _ in range(40):
+        if int(torch.linalg.cholesky_ex(ggn + suggestion * eye)[1]) == 0:
+            break
+        suggestion *= 10
+    given = "the evidence's optimum" if source == "marglik" else "prior_precision"
+    raise InvalidOptionError(
+        f"the posterior precision GGN + delta I is not positive definite with {given} "
+        f"delta = {delta:.3g}: too small next to the GGN's rounding (its eigenvalues run "
+        f"from {lowest:.2g} to {largest:.3g}); use laplace option prior_precision >= "
+        f"{max(suggestion, 1e-8):g}")
+
+
 # ----------------------------------------------------------------------------- evidence
 
 def log_evidence(eigenvalues: torch.Tensor, nll: float, squared_norm: float,
@@ -320,8 +378,11 @@ def init(model: nn.Module, params: Mapping[str, torch.Tensor],
     ------
     InvalidOptionError
         A bad option value, no batch, a ``"full"`` model with more than
-        :data:`MAX_FULL_PARAMETERS` parameters, a last layer that is not ``Linear``, or a
-        ``"marglik"`` evidence without a finite maximiser.
+        :data:`MAX_FULL_PARAMETERS` parameters, a last layer that is not ``Linear``, a
+        ``"marglik"`` evidence without a finite maximiser, or a prior precision too small
+        for ``G + delta I`` to be positive definite in float64 (the message suggests one).
+    NonFiniteWeightsError
+        The base network diverged: non-finite weights, or a curvature that is not finite.
     """
     structure = _check_structure(structure)
     source, delta, decay = _check_prior(prior_precision, weight_decay)
@@ -329,6 +390,7 @@ def init(model: nn.Module, params: Mapping[str, torch.Tensor],
     chunk_size = positive_int(chunk_size, "chunk_size")
     params = {name: value.detach().clone() for name, value in params.items()}
     buffers = {name: value.detach().clone() for name, value in buffers.items()}
+    _check_finite_weights(params)
     if source == "training":
         delta = num_data * decay
 
@@ -341,18 +403,20 @@ def init(model: nn.Module, params: Mapping[str, torch.Tensor],
         ggn, nll, count = full_ggn(model, params, buffers, batches, chunk_size=chunk_size)
         scale = num_data / count
         ggn, nll = ggn * scale, nll * scale
-        eigenvalues = torch.linalg.eigvalsh(ggn).clamp_min(0.0)
+        _check_finite_curvature(ggn)
+        eigenvalues = _eigen(torch.linalg.eigvalsh, ggn).clamp_min(0.0)
         names = tuple(params)
     else:
         layer, lambda_sum, activation_sum, nll, count = kron_last_layer(
             model, params, buffers, batches)
         scale = num_data / count
         out_factor, in_factor, nll = lambda_sum * scale, activation_sum / count, nll * scale
+        _check_finite_curvature(out_factor, in_factor)
         has_bias = f"{layer}.bias" in params
         names = (f"{layer}.weight",) + ((f"{layer}.bias",) if has_bias else ())
-        out_eigen = clipped_eigh(out_factor)
-        kron = KronCurvature(layer, out_factor, in_factor, out_eigen, clipped_eigh(in_factor),
-                             out_eigen if has_bias else None)
+        out_eigen = _eigen(clipped_eigh, out_factor)
+        kron = KronCurvature(layer, out_factor, in_factor, out_eigen,
+                             _eigen(clipped_eigh, in_factor), out_eigen if has_bias else None)
         eigenvalues = kron.eigenvalues()
 
     mean = flatten({name: params[name] for name in names}).double()
@@ -360,9 +424,8 @@ def init(model: nn.Module, params: Mapping[str, torch.Tensor],
     if source == "marglik":
         delta = optimal_prior_precision(eigenvalues, squared_norm)
     if structure == "full":
-        eye = torch.eye(len(mean), dtype=torch.float64)
         curvature: FullCurvature | KronCurvature = FullCurvature(
-            ggn, eigenvalues, torch.linalg.cholesky(ggn + delta * eye))
+            ggn, eigenvalues, _cholesky(ggn, delta, source))
     else:
         curvature = kron
     return LaplaceState(structure, names, mean, params, buffers, curvature, float(delta),
