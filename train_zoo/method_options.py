@@ -2,7 +2,7 @@
 
 :func:`resolve_method_options` returns every option with its default filled in, so a
 collection records exactly what produced it. Defaults follow PAPER_NOTES and the method
-modules:
+modules; each number has a range, with its reason at the constants below:
 
 ``de``
     No options: a mode is one independently trained network, stored as it is.
@@ -10,16 +10,20 @@ modules:
     ``p``: dropout probability before the last layer during training (ResNets 0.5,
     other architectures 0.2).
 ``swag``
-    ``lr`` (the recipe's initial lr), ``epochs`` (twice the recipe's), ``ramp_epochs``
-    (10, at most ``epochs``), ``iterates`` (20), ``rank`` (20), ``scale`` (0.1),
-    ``collect_from`` (0: the first epoch of the window whose iterates are collected).
+    ``lr`` (the recipe's initial lr), ``epochs`` (twice the recipe's; 1 to the recipe's
+    ``MAX_EPOCHS``), ``ramp_epochs`` (10, at most ``epochs``), ``iterates`` (20; 2 to
+    ``epochs - collect_from``), ``rank`` (20; 1 to :data:`MAX_SWAG_RANK`), ``scale`` (0.1;
+    0 to :data:`MAX_SWAG_SCALE`), ``collect_from`` (0: the first epoch of the window whose
+    iterates are collected; below ``epochs``).
 ``laplace``
     ``structure`` (``"full"`` for OptuNet and MLPs, ``"last-layer-kfac"`` otherwise) and
-    ``prior_precision`` (``"marglik"``, ``"training"`` for N x weight decay, or a number).
+    ``prior_precision`` (``"marglik"``, ``"training"`` for N x weight decay, or a number
+    in :data:`PRIOR_PRECISION_RANGE`).
 ``sghmc``
     ``lr`` (0.004, per example: the step size on the full-data log posterior is
-    ``lr / N``), ``alpha`` (friction 0.1), ``burn_in`` (2000 steps), ``thin`` (200 steps),
-    ``prior_precision`` (``"training"`` for N x weight decay, or a number).
+    ``lr / N``), ``alpha`` (friction 0.1, in (0, 1]), ``burn_in`` (2000 steps) and
+    ``thin`` (200 steps), each at most :data:`MAX_SGHMC_STEPS`, ``prior_precision``
+    (``"training"`` for N x weight decay, or a number in :data:`PRIOR_PRECISION_RANGE`).
 ``bbb``
     The fields of :class:`train_zoo.methods.bbb.BBBOptions` (prior N(0, 0.1^2), rho init
     -7 / -6, 3 ELBO samples, ``kl_weight`` 1/N when unset).
@@ -33,9 +37,25 @@ from typing import Any
 
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 from posteriorzoo.options import check_integer, check_name, check_number, show
-from train_zoo.recipes import Recipe
+from train_zoo.recipes import MAX_EPOCHS, Recipe
 
 METHODS = ("de", "mc-dropout", "swag", "laplace", "sghmc", "bbb")
+
+# The ranges of the numeric options (learning rates are any finite number > 0, as the
+# recipe's: divergence is detected and reported).
+#: SWAG's deviation columns: each is one more copy of the parameters in memory (ResNet-18:
+#: 45 MB), and the paper uses 20.
+MAX_SWAG_RANK = 100
+#: SWAG's covariance multiplier: 1 is SWAG's own covariance (the paper draws with 0.1);
+#: far above, draws leave the basin and overflow float32.
+MAX_SWAG_SCALE = 100.0
+#: A prior precision delta (Laplace, SGHMC): the prior N(0, 1/delta) gives the directions
+#: the data do not constrain a standard deviation of delta^-1/2, 10^4 at the lower bound
+#: (below, Laplace's G + delta I stops being positive definite in float64); above the
+#: upper bound the prior alone fixes every weight to within 1e-4 of zero.
+PRIOR_PRECISION_RANGE = (1e-8, 1e8)
+#: SGHMC steps (burn-in, thinning): time, one gradient step each.
+MAX_SGHMC_STEPS = 100_000_000
 
 #: Architectures whose every parameter fits a dense GGN (full Laplace).
 FULL_LAPLACE_ARCHITECTURES = ("optunet", "optunet-v1", "mlp")
@@ -54,17 +74,21 @@ def _swag(options: dict[str, Any], architecture: str, recipe: Recipe) -> dict[st
     def option(name: str) -> str:
         return f"swag option {name!r}"
 
-    epochs = check_integer(option("epochs"), options.pop("epochs", 2 * recipe.epochs), 1)
+    epochs = check_integer(option("epochs"),
+                           options.pop("epochs", 2 * recipe.epochs), 1,
+                           MAX_EPOCHS)
     resolved = {
         "lr": check_number(option("lr"), options.pop("lr", recipe.lr), 0, strict=True),
         "epochs": epochs,
         "ramp_epochs": check_integer(option("ramp_epochs"),
-                                     options.pop("ramp_epochs", min(10, epochs)), 0),
-        "iterates": check_integer(option("iterates"), options.pop("iterates", 20), 2),
-        "rank": check_integer(option("rank"), options.pop("rank", 20), 1),
-        "scale": check_number(option("scale"), options.pop("scale", 0.1), 0),
+                                     options.pop("ramp_epochs", min(10, epochs)), 0, epochs),
+        "iterates": check_integer(option("iterates"), options.pop("iterates", 20), 2,
+                                  MAX_EPOCHS),
+        "rank": check_integer(option("rank"), options.pop("rank", 20), 1, MAX_SWAG_RANK),
+        "scale": check_number(option("scale"), options.pop("scale", 0.1), 0,
+                              maximum=MAX_SWAG_SCALE),
         "collect_from": check_integer(option("collect_from"),
-                                      options.pop("collect_from", 0), 0),
+                                      options.pop("collect_from", 0), 0, epochs - 1),
     }
     if resolved["iterates"] > epochs - resolved["collect_from"]:
         raise InvalidOptionError(
@@ -76,7 +100,8 @@ def _swag(options: dict[str, Any], architecture: str, recipe: Recipe) -> dict[st
 def _prior(method: str, value: object, choices: tuple[str, ...]) -> object:
     if isinstance(value, str):
         return check_name(f"{method} option 'prior_precision'", value, choices)
-    return check_number(f"{method} option 'prior_precision'", value, 0, strict=True)
+    low, high = PRIOR_PRECISION_RANGE
+    return check_number(f"{method} option 'prior_precision'", value, low, maximum=high)
 
 
 def _laplace(options: dict[str, Any], architecture: str, recipe: Recipe) -> dict[str, Any]:
@@ -99,8 +124,9 @@ def _sghmc(options: dict[str, Any], architecture: str, recipe: Recipe) -> dict[s
     return {
         "lr": check_number(option("lr"), options.pop("lr", 0.004), 0, strict=True),
         "alpha": alpha,
-        "burn_in": check_integer(option("burn_in"), options.pop("burn_in", 2000), 0),
-        "thin": check_integer(option("thin"), options.pop("thin", 200), 1),
+        "burn_in": check_integer(option("burn_in"), options.pop("burn_in", 2000), 0,
+                                 MAX_SGHMC_STEPS),
+        "thin": check_integer(option("thin"), options.pop("thin", 200), 1, MAX_SGHMC_STEPS),
         "prior_precision": _prior("sghmc", options.pop("prior_precision", "training"),
                                   ("training",)),
     }

@@ -108,17 +108,17 @@ class BBBOptions:
     prior_pi : float, default 1.0
         Weight of the first component, in ``(0, 1]``.
     elbo_samples : int, default 3
-        Weight samples per step (Monte Carlo samples of the expected NLL).
+        Weight samples per step (Monte Carlo samples of the expected NLL), 1 to 1000.
     kl_weight : float or None, default None
         Factor of the KL term; None means ``1 / num_data``.
     mean_init : {"random", "model"}, default "random"
         Means drawn from ``N(0, mean_std^2)``, or the model's current weights.
     mean_std : float, default 0.1
-        Standard deviation of the random means.
+        Standard deviation of the random means, in [0, 10].
     rho_linear, rho_conv : float, default -7.0 and -6.0
-        Mean of the initial ``rho`` of Linear and of Conv layers.
+        Mean of the initial ``rho`` of Linear and of Conv layers, in [-30, 10].
     rho_std : float, default 0.1
-        Standard deviation of the initial ``rho``.
+        Standard deviation of the initial ``rho``, in [0, 10].
     """
 
     prior_sigma: float = 0.1
@@ -138,14 +138,18 @@ class BBBOptions:
         check_number("prior_pi", self.prior_pi, 0, strict=True)
         if self.prior_pi > 1:
             raise InvalidOptionError(f"prior_pi must be in (0, 1], not {show(self.prior_pi)}")
-        check_integer("elbo_samples", self.elbo_samples, 1)
+        # Ranges: each ELBO sample is one more forward and backward pass per step (time);
+        # sigma = softplus(rho) spans 1e-13 to 10 for rho in [-30, 10]; initial spreads
+        # above 10 put weights far beyond any trained network's.
+        check_integer("elbo_samples", self.elbo_samples, 1, 1_000)
         if self.kl_weight is not None:
             check_number("kl_weight", self.kl_weight, 0)
         check_name("mean_init", self.mean_init, MEAN_INITS)
-        check_number("mean_std", self.mean_std, 0)
-        _check_finite("rho_linear", self.rho_linear)
-        _check_finite("rho_conv", self.rho_conv)
-        check_number("rho_std", self.rho_std, 0)
+        check_number("mean_std", self.mean_std, 0, maximum=10)
+        for name in ("rho_linear", "rho_conv"):
+            _check_finite(name, getattr(self, name))
+            check_number(name, getattr(self, name), -30, maximum=10)
+        check_number("rho_std", self.rho_std, 0, maximum=10)
 
     @property
     def closed_form_kl(self) -> bool:
