@@ -1,6 +1,7 @@
 """The collection layer: every operation on collection files, in one place.
 
-Describe (:func:`describe`), verify (:func:`verify`), canonicalize and min-mass
+Describe (:func:`describe`), diagnose (:func:`diagnose`), verify (:func:`verify`),
+canonicalize and min-mass
 (:func:`canonicalize`, :func:`min_mass`), compare (:func:`compare`), import and export
 (:func:`import_checkpoints`, :func:`export_checkpoint`, :func:`export_all`) and evaluate
 (:func:`evaluate`). Each function takes a path or an open :class:`~posteriorzoo.zoo.Zoo`
@@ -24,6 +25,7 @@ from posteriorzoo.collection.canonicalization import (
 from posteriorzoo.collection.comparison import CompatibilityWarning, compare
 from posteriorzoo.collection.comparison_result import CompareResult
 from posteriorzoo.collection.description import DescribeResult, describe
+from posteriorzoo.collection.diagnosis import DiagnoseResult, diagnose
 from posteriorzoo.collection.evaluation import EvaluateResult, evaluate
 from posteriorzoo.collection.exchange import (
     ExportResult,
@@ -36,7 +38,7 @@ from posteriorzoo.collection.verification import VerifyResult, require_ok, verif
 from posteriorzoo.results import CollectionResult
 
 __all__ = ["CanonicalizeResult", "CollectionResult", "CompareResult", "CompatibilityWarning",
-           "DescribeResult", "EvaluateResult", "ExportResult", "ImportResult",
-           "MinMassResult", "VerifyResult", "canonicalize", "compare", "describe",
-           "evaluate", "export_all", "export_checkpoint", "import_checkpoints", "min_mass",
-           "require_ok", "verify"]
+           "DescribeResult", "DiagnoseResult", "EvaluateResult", "ExportResult",
+           "ImportResult", "MinMassResult", "VerifyResult", "canonicalize", "compare",
+           "describe", "diagnose", "evaluate", "export_all", "export_checkpoint",
+           "import_checkpoints", "min_mass", "require_ok", "verify"]

@@ -1,0 +1,268 @@
+"""Diagnose a collection: what its samples and its recorded training say, not what the
+method promises (``posteriorzoo diagnose``).
+
+Three parts, each present where it applies:
+
+- **every collection:** sample diversity (the spread of the members' test accuracies, and
+  with predictions the ensemble's in-distribution mutual information, IDMI) and what the
+  method recorded at build time (SWAG's rank and iterates, Laplace's prior precision and
+  evidence, ...);
+- **chains** (SGHMC): per mode, the samples split into the method's ``chains`` in
+  sample order, then :func:`posteriorzoo.diagnostics.chain_statistics` on every weight,
+  and the kinetic temperature each chain recorded;
+- **variational** (BBB): per layer, the standard deviation of the samples around their
+  mode (the learned sigma: a sample is ``mu + sigma * eps``) against the initial sigma of
+  the method's options, and the recorded sigma and ELBO terms at the start and the end of
+  training.
+
+A collection made before training records existed still gets every statistic its
+samples allow; what only a record can tell is reported as unknown, with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from posteriorzoo._api import public
+from posteriorzoo.collection._open import Source, content_digest, opened, source_path
+from posteriorzoo.diagnostics import (
+    DEFAULT_LAGS,
+    SCALE_MOVED_FACTOR,
+    TEMPERATURE_TOLERANCE,
+    chain_statistics,
+    scale_movement,
+)
+from posteriorzoo.errors import DataNotFoundError
+from posteriorzoo.provenance import record
+from posteriorzoo.results import CollectionResult, csv_text
+
+__all__ = ["DiagnoseResult", "diagnose"]
+
+#: Methods whose samples are Markov-chain draws.
+CHAIN_METHODS = ("sghmc",)
+#: Methods with a mean-field Gaussian posterior whose samples are ``mu + sigma * eps``.
+VARIATIONAL_METHODS = ("bbb",)
+NOT_RECORDED = ("unknown: not recorded (the collection was made before training records "
+                "were stored)")
+
+
+@dataclass
+class DiagnoseResult(CollectionResult):
+    """The diagnostics of one collection.
+
+    Attributes
+    ----------
+    path, method : str
+    diversity : dict
+        ``test_accuracy`` (min, median, max, std over the checkpoints) and ``idmi`` (nats,
+        or a string saying why it is unknown).
+    build : dict
+        What the method recorded per mode (empty when nothing was).
+    chains : list of dict or None
+        Per mode: :meth:`~posteriorzoo.diagnostics.ChainStatistics.to_dict` and the
+        recorded temperature of each chain.
+    variational : list of dict or None
+        Per mode and layer: initial sigma, the samples' sigma, how far it moved, and the
+        recorded start / end values.
+    flags : list of str
+        Every :data:`posteriorzoo.diagnostics.FLAGS` entry raised, with the mode.
+    unknown : list of str
+        What could not be known, and why.
+    """
+
+    kind = "diagnostics"
+    path: str
+    method: str
+    diversity: dict[str, Any]
+    build: dict[str, Any]
+    chains: list[dict[str, Any]] | None
+    variational: list[dict[str, Any]] | None
+    flags: list[str]
+    unknown: list[str]
+
+    def payload(self) -> dict[str, Any]:
+        return {"path": self.path, "method": self.method, "flags": self.flags,
+                "diversity": self.diversity, "build": self.build, "chains": self.chains,
+                "variational": self.variational, "unknown": self.unknown}
+
+    def tables(self) -> dict[str, str]:
+        tables = {}
+        if self.chains:
+            tables["chains.csv"] = csv_text(
+                ["mode", "chains", "draws", "ess_median", "ess_worst_tenth", "r_hat_median",
+                 "r_hat_worst_tenth", "autocorrelation_lag1_median", "drift_median",
+                 "kinetic_temperature", "exact_temperature"],
+                ([c["mode"], c["chains"], c["draws"], c["ess"]["median"],
+                  c["ess"]["worst_tenth"], c["r_hat"]["median"], c["r_hat"]["worst_tenth"],
+                  c["autocorrelation"]["1"]["median"] if "1" in c["autocorrelation"]
+                  else None, c["drift"]["median"], c["kinetic_temperature"],
+                  c["exact_temperature"]] for c in self.chains))
+        if self.variational:
+            tables["layers.csv"] = csv_text(
+                ["mode", "layer", "initial_sigma", "sample_sigma", "moved_factor"],
+                ([v["mode"], v["layer"], v["initial_sigma"], v["sample_sigma"],
+                  v["moved_factor"]] for v in self.variational))
+        return tables
+
+
+def _by_mode(metadata: np.ndarray) -> dict[int, np.ndarray]:
+    """Mode id -> the row indices of its samples in sample order."""
+    modes: dict[int, np.ndarray] = {}
+    for mode in np.unique(metadata["mode_id"]):
+        rows = np.flatnonzero(metadata["mode_id"] == mode)
+        modes[int(mode)] = rows[np.argsort(metadata["sample_id"][rows], kind="stable")]
+    return modes
+
+
+def _parameters(zoo) -> dict[str, np.ndarray]:
+    """Every floating tensor of the collection as ``(N, count)`` float64."""
+    layers = {}
+    for key, (_, dtype) in zoo.tensor_layout.items():
+        if np.dtype(dtype).kind == "f" and "running_" not in key:
+            layers[key] = np.asarray(zoo.layer(key), dtype=np.float64).reshape(len(zoo), -1)
+    return layers
+
+
+def _chain_part(modes, layers, options, records, lags, flags, unknown):
+    flat = np.concatenate(list(layers.values()), axis=1)
+    chains_per_mode = int(options.get("chains", 1))
+    parts = []
+    for mode, rows in modes.items():
+        per_chain = len(rows) // chains_per_mode
+        if per_chain < 4:
+            unknown.append(f"mode {mode}: {len(rows)} samples in {chains_per_mode} chain(s) "
+                           "are too few for chain statistics (4 per chain)")
+            continue
+        draws = flat[rows[:per_chain * chains_per_mode]].reshape(
+            chains_per_mode, per_chain, flat.shape[1])
+        stats = chain_statistics(draws, lags=tuple(lag for lag in lags if lag < per_chain))
+        entry = {"mode": mode, **stats.to_dict(), "kinetic_temperature": None,
+                 "exact_temperature": None}
+        flags.extend(f"mode {mode}: {flag}" for flag in stats.flags())
+        chain_records = (records.get(mode) or {}).get("chains")
+        if chain_records:
+            temperatures = [c.get("kinetic_temperature") for c in chain_records]
+            exact = chain_records[0].get("exact_temperature")
+            entry["kinetic_temperature"] = temperatures
+            entry["exact_temperature"] = exact
+            if exact and any(t is not None and t > (1 + TEMPERATURE_TOLERANCE) * exact
+                             for t in temperatures):
+                flags.append(f"mode {mode}: chain too hot")
+        else:
+            unknown.append(f"mode {mode}: kinetic temperature {NOT_RECORDED}")
+        parts.append(entry)
+    return parts
+
+
+def _layer_of(key: str) -> str:
+    return key.rsplit(".", 1)[0] if "." in key else key
+
+
+def _variational_part(zoo, modes, layers, options, records, flags, unknown):
+    kinds = {_layer_of(key): ("conv" if len(shape) >= 3 else "linear")
+             for key, (shape, _) in zoo.tensor_layout.items() if key.endswith("weight")}
+    rho = {"linear": float(options.get("rho_linear", -7.0)),
+           "conv": float(options.get("rho_conv", -6.0))}
+    parts = []
+    for mode, rows in modes.items():
+        if len(rows) < 2:
+            unknown.append(f"mode {mode}: one sample tells no sigma")
+            continue
+        moved = []
+        for key, values in layers.items():
+            kind = kinds.get(_layer_of(key))
+            if kind is None:
+                continue
+            initial = math.log1p(math.exp(rho[kind]))
+            sample_sigma = values[rows].std(axis=0, ddof=1)
+            if not (sample_sigma > 0).any():
+                continue
+            factor = scale_movement(np.array([initial]),
+                                    np.array([float(np.median(sample_sigma))]))
+            moved.append(factor)
+            parts.append({"mode": mode, "layer": key, "initial_sigma": initial,
+                          "sample_sigma": float(np.median(sample_sigma)),
+                          "moved_factor": factor})
+        if moved and max(moved) < SCALE_MOVED_FACTOR:
+            flags.append(f"mode {mode}: variance did not train")
+        recorded = records.get(mode)
+        if recorded:
+            parts.append({"mode": mode, "layer": "(recorded)", "initial_sigma": None,
+                          "sample_sigma": None, "moved_factor": None, "record": recorded})
+        else:
+            unknown.append(f"mode {mode}: sigma and ELBO terms during training "
+                           f"{NOT_RECORDED}")
+    return parts
+
+
+def _diversity(zoo, metadata, predictions: bool, data_dir: str | None,
+               unknown: list[str]) -> dict[str, Any]:
+    accuracy = metadata["test_accuracy"][np.isfinite(metadata["test_accuracy"])]
+    diversity: dict[str, Any] = {"test_accuracy": None if accuracy.size == 0 else {
+        "min": float(accuracy.min()), "median": float(np.median(accuracy)),
+        "max": float(accuracy.max()), "std": float(accuracy.std())}}
+    if not predictions:
+        diversity["idmi"] = "not computed (predictions were not asked for)"
+        return diversity
+    from posteriorzoo.collection.evaluation import evaluate
+
+    try:
+        diversity["idmi"] = evaluate(zoo, data_dir=data_dir, verify=False).idmi
+    except DataNotFoundError as error:
+        diversity["idmi"] = f"unknown: {error}"
+        unknown.append(f"IDMI: the dataset is not available ({error})")
+    return diversity
+
+
+@public
+def diagnose(source: Source, *, predictions: bool = True, data_dir: str | None = None,
+             lags: tuple[int, ...] = DEFAULT_LAGS, verify: bool = True,
+             command: str | None = None) -> DiagnoseResult:
+    """Diagnose a collection's samples (module docstring).
+
+    Parameters
+    ----------
+    source : path or Zoo
+    predictions : bool, default True
+        Evaluate the collection on its dataset's test split for IDMI (needs the data).
+    data_dir : str, optional
+        Folder searched first for the dataset files.
+    lags : tuple of int
+        Autocorrelation lags of the chain statistics (those below a chain's length).
+    verify : bool, default True
+        Check every checkpoint against its digests first.
+    command : str, optional
+        Recorded in the provenance.
+    """
+    flags: list[str] = []
+    unknown: list[str] = []
+    with opened(source, verify=verify) as zoo:
+        if verify:
+            zoo.verify_all()
+        metadata = zoo.metadata
+        options = dict((zoo.recipe or {}).get("method_options") or {})
+        records = zoo.training_records()
+        modes = _by_mode(metadata)
+        layers = _parameters(zoo)
+        chains = variational = None
+        if zoo.method in CHAIN_METHODS:
+            chains = _chain_part(modes, layers, options, records, lags, flags, unknown)
+        if zoo.method in VARIATIONAL_METHODS:
+            variational = _variational_part(zoo, modes, layers, options, records, flags,
+                                            unknown)
+        build = {str(mode): record_ for mode, record_ in records.items()}
+        if not records and zoo.method not in ("de",):
+            unknown.append(f"build-time records {NOT_RECORDED}")
+        diversity = _diversity(zoo, metadata, predictions, data_dir, unknown)
+        path = source_path(source)
+        return DiagnoseResult(
+            str(path), zoo.method, diversity, build, chains, variational, flags, unknown,
+            provenance=record("posteriorzoo diagnose", command=command,
+                              inputs={"collection": {"path": str(path),
+                                                     "content_sha256": content_digest(zoo)}},
+                              options={"predictions": predictions, "lags": list(lags),
+                                       "verify": verify}))

@@ -1,0 +1,62 @@
+"""``posteriorzoo diagnose`` on the shipped collections: it finds what the audit found."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from posteriorzoo import diagnostics
+from posteriorzoo.cli import main
+from posteriorzoo.cli.diagnose_command import _flag_help
+from posteriorzoo.collection import diagnose
+from posteriorzoo.reference import reference_path
+
+pytest.importorskip("arviz")
+
+
+def test_the_help_states_the_thresholds_of_the_core():
+    text = _flag_help()
+    for flag in diagnostics.FLAGS:
+        assert f"'{flag}'" in text
+    assert f"{diagnostics.ESS_FRACTION:g} x the draws" in text
+    assert f"> {diagnostics.R_HAT_LIMIT:g}" in text
+    assert f"{1 + diagnostics.TEMPERATURE_TOLERANCE:g} x the exact" in text
+    assert f"factor {diagnostics.SCALE_MOVED_FACTOR:g}" in text
+
+
+def test_shipped_sghmc_chain_is_flagged_as_poorly_mixed():
+    # The audit: lag-1 autocorrelation median 0.93, halves 1.37 sd apart, ESS far below 100.
+    result = diagnose(reference_path("sghmc"), predictions=False)
+    chain = result.chains[0]
+    assert chain["autocorrelation"]["1"]["median"] == pytest.approx(0.93, abs=0.01)
+    assert chain["drift"]["median"] == pytest.approx(1.37, abs=0.02)
+    assert chain["ess"]["median"] < 50
+    assert "mode 0: ESS below half the samples" in result.flags
+    assert any("kinetic temperature" in line for line in result.unknown)
+
+
+def test_shipped_bbb_variance_is_flagged_as_untrained():
+    # The audit: the learned sigma is the initial one, 9.3e-4 (fc) and 2.5e-3 (convs).
+    result = diagnose(reference_path("bbb"), predictions=False)
+    sigma = {row["layer"]: row["sample_sigma"] for row in result.variational}
+    assert sigma["fc.weight"] == pytest.approx(9.3e-4, rel=0.05)
+    assert sigma["conv1.weight"] == pytest.approx(2.5e-3, rel=0.05)
+    assert result.flags == ["mode 0: variance did not train"]
+
+
+def test_deep_ensemble_has_no_flags(tmp_path):
+    result = diagnose(reference_path("de"), predictions=False)
+    assert result.flags == [] and result.chains is None and result.variational is None
+    written = result.write(tmp_path / "out")
+    assert json.loads(written["diagnostics.json"].read_text())["kind"] == "diagnostics"
+
+
+def test_cli_json_and_bad_input(capsys, tmp_path):
+    assert main(["diagnose", str(reference_path("swag")), "--no-predictions", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data[0]["method"] == "swag" and data[0]["flags"] == []
+    missing = tmp_path / "missing.h5"
+    assert main(["diagnose", str(missing), "--no-predictions"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error" in err[0]
