@@ -42,6 +42,14 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
                                                                    "hostile archive"),
         "test_tensor_entries_must_cover_the_data_exactly": ("import", "hostile archive"),
     },
+    "test_data.py": {
+        "test_gzip_bombs_in_data_dir_are_refused_with_bounded_memory": ("dataset",
+                                                                        "hostile archive"),
+        "test_archive_members_are_bounded_before_decompression": ("dataset",
+                                                                  "hostile archive"),
+        "test_verify_local_files": ("dataset", "content"),
+        "test_local_files_are_checked_once_per_process": ("dataset", "content"),
+    },
     "test_hub.py": {
         "test_download_out_refuses_a_different_file_before_any_transfer": ("download",
                                                                            "output policy"),

@@ -7,12 +7,17 @@ import gzip
 import hashlib
 import http.server
 import io
+import json
+import os
 import socket
 import struct
+import subprocess
+import sys
 import tarfile
 import threading
 import time
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -230,7 +235,7 @@ def test_search_order(isolated_data_env, monkeypatch):
                                               cache / "mnist"]
 
     def label_loaded(**kw):
-        return int(load_dataset("mnist", "train", download=False, **kw).labels[0])
+        return int(load_dataset("mnist", "train", download=False, verify=False, **kw).labels[0])
 
     assert label_loaded(data_dir=explicit) == 1
     assert label_loaded() == 2  # no data_dir: the environment variable wins
@@ -238,7 +243,7 @@ def test_search_order(isolated_data_env, monkeypatch):
     assert label_loaded() == 3  # then Debian's folder
     monkeypatch.setattr(download_module, "DEBIAN_ROOT", root / "nowhere")
     assert label_loaded() == 4  # then the cache
-    paths = dataset_files("mnist", "test", download=False)
+    paths = dataset_files("mnist", "test", download=False, verify=False)
     assert set(paths) == {"t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"}
     assert all(p.parent == cache / "mnist" for p in paths.values())
 
@@ -248,7 +253,10 @@ def test_search_accepts_decompressed_alias(tmp_path):
     folder.mkdir()
     write_idx(folder / "t10k-images-idx3-ubyte", np.full((3, 28, 28), 7, np.uint8))
     write_idx(folder / "t10k-labels-idx1-ubyte", np.array([1, 2, 3], np.uint8))
-    ds = load_dataset("mnist", "test", data_dir=folder, download=False)
+    # MNIST publishes no digest of its decompressed files: used, with a warning each
+    with pytest.warns(UserWarning, match="no published digest of the decompressed") as seen:
+        ds = load_dataset("mnist", "test", data_dir=folder, download=False)
+    assert len(seen) == 2
     assert ds.images.shape == (3, 1, 28, 28) and ds.labels.tolist() == [1, 2, 3]
     assert ds.labels.dtype == np.int64 and ds.mean == (0.1307,)
 
@@ -358,11 +366,13 @@ def test_verify_local_files(tmp_path):
     folder = tmp_path / "mine"
     folder.mkdir()
     (folder / "test_32x32.mat").write_bytes(b"corrupted copy")
+    with pytest.raises(ChecksumError, match="test_32x32.mat.*verify=False"):
+        dataset_files("svhn", "test", data_dir=folder, download=False)  # checked by default
     with pytest.raises(ChecksumError, match="test_32x32.mat"):
-        dataset_files("svhn", "test", data_dir=folder, download=False, verify=True)
-    # Without verify the local file is trusted (and only its format is checked later).
-    assert dataset_files("svhn", "test", data_dir=folder, download=False)["test_32x32.mat"] \
-        == folder / "test_32x32.mat"
+        load_dataset("svhn", "test", data_dir=folder, download=False)
+    # With verify=False the local file is trusted (and only its format is checked later).
+    assert dataset_files("svhn", "test", data_dir=folder, download=False,
+                         verify=False)["test_32x32.mat"] == folder / "test_32x32.mat"
 
 
 # --------------------------------------------------------------- Fashion-MNIST
@@ -477,12 +487,12 @@ def test_cifar10_binary(tmp_path):
     members["cifar-10-batches-bin/batches.meta.txt"] = ("\n".join(names) + "\n\n").encode()
     _write_tar_gz(tmp_path / "cifar-10-binary.tar.gz", members)
 
-    train = load_dataset("cifar10", "train", data_dir=tmp_path, download=False)
+    train = load_dataset("cifar10", "train", data_dir=tmp_path, download=False, verify=False)
     np.testing.assert_array_equal(train.images, images[:6])
     assert train.labels.tolist() == labels[:6] and train.labels.dtype == np.int64
     assert train.class_names == tuple(names) and train.num_classes == 10
     assert train.mean == (0.4914, 0.4822, 0.4465)
-    test = load_dataset("cifar10", "test", data_dir=tmp_path, download=False)
+    test = load_dataset("cifar10", "test", data_dir=tmp_path, download=False, verify=False)
     np.testing.assert_array_equal(test.images, images[6:])
 
 
@@ -494,8 +504,9 @@ def test_cifar100_binary_fine_and_coarse(tmp_path):
         "cifar-100-binary/train.bin": _cifar_records(pairs, images),
         "cifar-100-binary/test.bin": _cifar_records(pairs[:1], images[:1]),
     })
-    fine = load_dataset("cifar100", data_dir=tmp_path, download=False)
-    coarse = load_dataset("cifar100", data_dir=tmp_path, download=False, label_type="coarse")
+    fine = load_dataset("cifar100", data_dir=tmp_path, download=False, verify=False)
+    coarse = load_dataset("cifar100", data_dir=tmp_path, download=False, verify=False,
+                          label_type="coarse")
     assert fine.labels.tolist() == [72, 99, 0] and fine.num_classes == 100
     assert coarse.labels.tolist() == [4, 19, 0] and coarse.num_classes == 20
     np.testing.assert_array_equal(fine.images, images)
@@ -505,12 +516,12 @@ def test_cifar_corrupt_archives(tmp_path):
     _write_tar_gz(tmp_path / "cifar-100-binary.tar.gz",
                   {"cifar-100-binary/train.bin": b"\x00" * 3075})
     with pytest.raises(DataFormatError, match="3074-byte records"):
-        load_dataset("cifar100", data_dir=tmp_path, download=False)
+        load_dataset("cifar100", data_dir=tmp_path, download=False, verify=False)
     with pytest.raises(DataFormatError, match="lacks test.bin"):
-        load_dataset("cifar100", "test", data_dir=tmp_path, download=False)
+        load_dataset("cifar100", "test", data_dir=tmp_path, download=False, verify=False)
     (tmp_path / "cifar-10-binary.tar.gz").write_bytes(b"\x1f\x8b not really gzip")
     with pytest.raises(DataFormatError, match="cifar-10-binary.tar.gz"):
-        load_dataset("cifar10", data_dir=tmp_path, download=False)
+        load_dataset("cifar10", data_dir=tmp_path, download=False, verify=False)
 
 
 def test_svhn_mat(tmp_path):
@@ -518,13 +529,13 @@ def test_svhn_mat(tmp_path):
     x = rng.integers(0, 256, (32, 32, 3, 4), dtype=np.uint8)
     y = np.array([[10], [1], [9], [10]], dtype=np.uint8)
     scipy.io.savemat(tmp_path / "test_32x32.mat", {"X": x, "y": y})
-    ds = load_dataset("svhn", "test", data_dir=tmp_path, download=False)
+    ds = load_dataset("svhn", "test", data_dir=tmp_path, download=False, verify=False)
     assert ds.images.shape == (4, 3, 32, 32) and ds.labels.tolist() == [0, 1, 9, 0]
     assert ds.images[2, 1, 5, 7] == x[5, 7, 1, 2]
     np.testing.assert_array_equal(ds.images, x.transpose(3, 2, 0, 1))
     (tmp_path / "train_32x32.mat").write_bytes(b"MATLAB? no")
     with pytest.raises(DataFormatError, match="train_32x32.mat"):
-        load_dataset("svhn", "train", data_dir=tmp_path, download=False)
+        load_dataset("svhn", "train", data_dir=tmp_path, download=False, verify=False)
 
 
 def _jpeg(color, size=(64, 64), mode="RGB") -> bytes:
@@ -546,14 +557,14 @@ def test_tinyimagenet_zip(tmp_path):
         zf.writestr("tiny-imagenet-200/val/images/val_1.JPEG", _jpeg(colors["n02"]))
         zf.writestr("tiny-imagenet-200/val/val_annotations.txt",
                     "val_0.JPEG\tn03\t0\t0\t10\t10\nval_1.JPEG\tn02\t1\t2\t30\t40\n")
-    train = load_dataset("tinyimagenet", "train", data_dir=tmp_path, download=False)
+    train = load_dataset("tinyimagenet", "train", data_dir=tmp_path, download=False, verify=False)
     assert train.images.shape == (6, 3, 64, 64) and train.num_classes == 200
     assert train.class_names == ("n01", "n02", "n03")
     assert train.labels.tolist() == [0, 0, 1, 1, 2, 2]
     for image, label in zip(train.images, train.labels, strict=True):
         color = colors[train.class_names[label]]
         assert np.abs(image.reshape(3, -1).mean(1) - color).max() < 3
-    test = load_dataset("tinyimagenet", "test", data_dir=tmp_path, download=False)
+    test = load_dataset("tinyimagenet", "test", data_dir=tmp_path, download=False, verify=False)
     assert test.labels.tolist() == [2, 1]
     gray = test.images[0].astype(int)
     assert np.all(gray[0] == gray[1]) and np.all(gray[1] == gray[2])  # L -> RGB
@@ -580,17 +591,145 @@ def test_textures_dtd(tmp_path):
     members["dtd/labels/test2.txt"] = b"banded/banded_0001.jpg\n"
     _write_tar_gz(tmp_path / "dtd-r1.0.1.tar.gz", members)
 
-    test = load_dataset("textures", "test", data_dir=tmp_path, download=False, image_size=16)
+    test = load_dataset("textures", "test", data_dir=tmp_path, download=False, verify=False,
+                        image_size=16)
     assert test.images.shape == (2, 3, 16, 16) and test.labels.tolist() == [1, 0]
     assert test.class_names == ("banded", "zigzagged")
     assert np.abs(test.images[0].reshape(3, -1).mean(1) - color["zigzagged"]).max() < 4
     assert test.mean[2] == pytest.approx(test.images[:, 2].mean() / 255)
-    every = load_dataset("textures", "all", data_dir=tmp_path, download=False)
+    every = load_dataset("textures", "all", data_dir=tmp_path, download=False, verify=False)
     assert every.images.shape == (4, 3, 64, 64) and every.labels.tolist() == [0, 0, 1, 1]
-    other = load_dataset("textures", "test", data_dir=tmp_path, download=False, partition=2)
+    other = load_dataset("textures", "test", data_dir=tmp_path, download=False, verify=False,
+                         partition=2)
     assert other.labels.tolist() == [0]
     with pytest.raises(DataFormatError, match="lacks labels/val1.txt"):
-        load_dataset("textures", "val", data_dir=tmp_path, download=False)
+        load_dataset("textures", "val", data_dir=tmp_path, download=False, verify=False)
+
+
+# ------------------------------------------------------- hostile local files
+
+
+BOMB_BYTES = 2**30  # what each bomb expands to, 1 GiB
+PEAK_BOUND = 600 * 2**20  # the interpreter with torch alone takes about 400 MB
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _gzip_bomb(path: Path, prefix: bytes = b"", size: int = BOMB_BYTES) -> Path:
+    """``prefix`` then zeros up to ``size`` bytes, gzipped as a stream (about 5 MB)."""
+    zeros = bytes(2**24)
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1,
+                                               mtime=0) as out:
+        out.write(prefix)
+        left = size - len(prefix)
+        while left:
+            out.write(zeros[:min(left, len(zeros))])
+            left -= min(left, len(zeros))
+    return path
+
+
+_LOADER = """
+import json, sys
+from posteriorzoo.data import load_dataset
+from posteriorzoo.errors import PosteriorZooError
+outcomes = []
+for folder, verify in json.loads(sys.argv[1]):
+    try:
+        load_dataset("fashion-mnist", "train", data_dir=folder, download=False, verify=verify)
+        outcomes.append("loaded")
+    except PosteriorZooError as error:
+        outcomes.append(f"{type(error).__name__}: {error}")
+print(json.dumps(outcomes))
+"""
+#: Runs the loader as its only child and reports the child's peak memory: a process's own
+#: ru_maxrss would include the memory of the process it was forked from (pytest's).
+_MEASURE = """
+import json, resource, subprocess, sys
+done = subprocess.run([sys.executable, "-c", sys.argv[1], sys.argv[2]], capture_output=True,
+                      text=True)
+sys.stderr.write(done.stderr)
+print(json.dumps({"code": done.returncode, "outcomes": json.loads(done.stdout or "[]"),
+                  "peak": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
+"""
+
+
+def test_gzip_bombs_in_data_dir_are_refused_with_bounded_memory(tmp_path):
+    """The audit's bomb (gzipped zeros named like a Fashion-MNIST file) and one behind a
+    valid IDX header: refused by the digest check, which decompresses no further than the
+    published content size, and, unverified, by the reader, which reads no further than
+    the header declares, nor a header declaring more than the published size."""
+    images = "train-images-idx3-ubyte.gz"
+    cases = {"zeros": b"", "idx-header": bytes([0, 0, 8, 3]) + struct.pack(">3I", 60000, 28, 28),
+             "huge-shape": bytes([0, 0, 8, 3]) + struct.pack(">3I", 10**6, 28, 28)}
+    runs = []
+    for name, prefix in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        size = BOMB_BYTES if name != "huge-shape" else 2**20
+        _gzip_bomb(folder / images, prefix, size)
+        write_idx(folder / "train-labels-idx1-ubyte.gz", np.zeros(60000, np.uint8), gzip=True)
+        assert (folder / images).stat().st_size < 8 * 2**20
+        runs += [(str(folder), True), (str(folder), False)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", _MEASURE, _LOADER, json.dumps(runs)],
+                            env=env, capture_output=True, text=True, timeout=300)
+    report = json.loads(result.stdout)
+    assert report["code"] == 0, result.stderr
+    for refusal in report["outcomes"][::2]:  # verified (the default)
+        assert refusal.startswith("ChecksumError: ") and images in refusal, refusal
+    zeros, header, huge = report["outcomes"][1::2]
+    assert zeros.startswith("DataFormatError: ") and "unknown IDX type code 0x00" in zeros
+    assert header.startswith("DataFormatError: ") and "has trailing bytes" in header
+    assert huge.startswith("DataFormatError: ") and "more than the 47040016" in huge
+    assert report["peak"] < PEAK_BOUND, f"peak {report['peak'] / 2**20:.0f} MB"
+    assert time.monotonic() - start < 60
+
+
+def test_local_files_are_checked_once_per_process(tmp_path, monkeypatch):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    payload = b"the published bytes"
+    spec = DownloadFile("x.bin", ("http://unused.invalid/x.bin",), _sha(payload))
+    monkeypatch.setitem(sources_module._SOURCES, "svhn",
+                        DatasetSource("svhn", {"train": (spec,)}, "fake"))
+    (folder / "x.bin").write_bytes(payload)
+    hashed = []
+    real = download_module.file_sha256
+    monkeypatch.setattr(download_module, "file_sha256",
+                        lambda path, **kw: hashed.append(path) or real(path, **kw))
+    for _ in range(3):
+        assert dataset_files("svhn", "train", data_dir=folder, download=False)
+    assert len(hashed) == 1
+    (folder / "x.bin").write_bytes(b"the altered bytes!!")  # same size, new content
+    with pytest.raises(ChecksumError, match="x.bin"):
+        dataset_files("svhn", "train", data_dir=folder, download=False)
+
+
+def test_archive_members_are_bounded_before_decompression(tmp_path):
+    # a CIFAR-10 batch declaring more records than a batch holds (only its header is real)
+    huge = tmp_path / "cifar-10-binary.tar.gz"
+    info = tarfile.TarInfo("cifar-10-batches-bin/test_batch.bin")
+    info.size = 10_001 * 3073
+    huge.write_bytes(gzip.compress(info.tobuf() + bytes(4096)))
+    with pytest.raises(DataFormatError, match="declares 30733073 bytes, more than the 30730000"):
+        load_dataset("cifar10", "test", data_dir=tmp_path, download=False, verify=False)
+    # a DTD image member of 1 GiB
+    dtd = tmp_path / "dtd-r1.0.1.tar.gz"
+    info = tarfile.TarInfo("dtd/images/banded/banded_0001.jpg")
+    info.size = 2**30
+    dtd.write_bytes(gzip.compress(info.tobuf() + bytes(4096)))
+    with pytest.raises(DataFormatError, match="banded_0001.jpg.*more than"):
+        load_dataset("textures", "all", data_dir=tmp_path, download=False, verify=False)
+    # an image declaring 5000 x 5000 pixels (a PNG header), refused before it is decoded
+    small = io.BytesIO()
+    Image.new("L", (1, 1)).save(small, format="PNG")
+    data = small.getvalue()
+    ihdr = b"IHDR" + struct.pack(">II", 5000, 5000) + data[24:29]
+    data = data[:12] + ihdr + struct.pack(">I", zlib.crc32(ihdr)) + data[33:]
+    _write_tar_gz(dtd, {"dtd/images/banded/banded_0001.jpg": data})
+    with pytest.raises(DataFormatError, match="5000x5000 pixels"):
+        load_dataset("textures", "all", data_dir=tmp_path, download=False, verify=False)
 
 
 # ------------------------------------------------------------------ transforms

@@ -160,8 +160,11 @@ def _load_digits(split: str) -> ArrayDataset:
 
 def _load_idx_pair(name: str, split: str, files: dict[str, Path]) -> ArrayDataset:
     prefix = "train" if split == "train" else "t10k"
-    images = read_idx(files[f"{prefix}-images-idx3-ubyte.gz"])
-    labels = read_idx(files[f"{prefix}-labels-idx1-ubyte.gz"])
+    # Each file is read no further than the published size of its content.
+    sizes = {spec.filename: spec.content_size for spec in dataset_source(name).files}
+    images_file, labels_file = f"{prefix}-images-idx3-ubyte.gz", f"{prefix}-labels-idx1-ubyte.gz"
+    images = read_idx(files[images_file], max_bytes=sizes.get(images_file))
+    labels = read_idx(files[labels_file], max_bytes=sizes.get(labels_file))
     if images.ndim != 3 or images.dtype != np.uint8 or labels.shape != images.shape[:1]:
         raise DataFormatError(f"{name}: IDX images {images.dtype} {images.shape} do not pair "
                               f"with labels {labels.shape}")
@@ -223,7 +226,7 @@ def load_dataset(
     *,
     url_base: str | None = None,
     timeout: float | None = None,
-    verify: bool = False,
+    verify: bool = True,
     **options: Any,
 ) -> ArrayDataset:
     """Load dataset ``name``'s ``split`` into memory.
@@ -245,7 +248,8 @@ def load_dataset(
     download : bool, default True
         Download missing files (SHA-256 verified) into the cache.
     url_base, timeout, verify
-        Passed to :func:`posteriorzoo.data.dataset_files`.
+        Passed to :func:`posteriorzoo.data.dataset_files`: by default every local
+        file is checked against its published digest before it is read.
     **options
         ``cifar100``: ``label_type="fine"`` (100 classes) or ``"coarse"`` (20).
         ``textures``: ``image_size=64`` (pixels, square output),

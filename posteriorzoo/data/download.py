@@ -15,6 +15,14 @@ streamed to a temporary file next to the destination, checked against the
 published SHA-256, then renamed into place, so a partial or wrong download is
 never visible under the real name.
 
+A file found on disk is checked before use too (``verify=True``, the default):
+against the published SHA-256 of the file as served, else (a distribution's
+re-compressed copy, or a decompressed one) against the digest of its decompressed
+content, decompressed as a stream that stops at the known content size. A file that
+matches neither is refused; a decompressed copy whose content digest is not known is
+used with a warning. A check that passed is remembered for the process (by path,
+size, modification time and inode), so loading several splits hashes a file once.
+
 ``$POSTERIORZOO_URL_BASE`` (or ``url_base=``) replaces the official URLs by
 ``<url_base>/<filename>``, for a local mirror or a test server;
 ``$POSTERIORZOO_DOWNLOAD_TIMEOUT`` (or ``timeout=``) sets the socket timeout in
@@ -23,12 +31,15 @@ seconds.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import http.client
 import os
 import tempfile
 import urllib.error
 import urllib.request
+import warnings
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -104,19 +115,63 @@ def _is_gzip(path: Path) -> bool:
         return f.read(2) == b"\x1f\x8b"
 
 
+#: Local files whose check passed in this process: (path, size, mtime, inode) keys.
+_VERIFIED: set[tuple[str, int, int, int]] = set()
+
+
+def _identity(path: Path) -> tuple[str, int, int, int]:
+    stat = path.stat()
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino
+
+
+def _content_sha256(path: Path, limit: int | None) -> str | None:
+    """SHA-256 of ``path``'s content, gunzipped if it is gzip, as a stream; None when the
+    content exceeds ``limit`` bytes (it cannot be the published content) or the gzip
+    stream is corrupt."""
+    digest, total = hashlib.sha256(), 0
+    try:
+        with open(path, "rb") as raw:
+            stream = gzip.GzipFile(fileobj=raw, mode="rb") if _is_gzip(path) else raw
+            while block := stream.read(_CHUNK):
+                total += len(block)
+                if limit is not None and total > limit:
+                    return None
+                digest.update(block)
+    except (OSError, EOFError, zlib.error):
+        return None
+    return digest.hexdigest()
+
+
 def _verify_local(path: Path, spec: DownloadFile) -> None:
+    """Refuse ``path`` unless its bytes or its content have the published digest.
+
+    The content is decompressed as a stream and never beyond ``spec.content_size``.
+    A decompressed copy (an alias) whose content digest is not published cannot be
+    checked: it is used with a warning.
+    """
+    key = _identity(path)
+    if key in _VERIFIED:
+        return
     if spec.sha256 is None and spec.content_sha256 is None:
         raise ChecksumError(f"{path}: no known SHA-256 for {spec.filename}, cannot verify")
     if spec.sha256 is not None and file_sha256(path) == spec.sha256:
+        _VERIFIED.add(key)
         return
-    # A re-compressed copy (Debian's) or a decompressed alias can still match the content.
     if spec.content_sha256 is not None:
-        content = file_sha256(path, decompress=_is_gzip(path))
-        if content == spec.content_sha256:
+        if _content_sha256(path, spec.content_size) == spec.content_sha256:
+            _VERIFIED.add(key)
             return
+    elif path.name != spec.filename and not _is_gzip(path):
+        # A decompressed alias (e.g. train-images-idx3-ubyte): only a content digest
+        # could vouch for it, and none is published.
+        warnings.warn(f"{path}: no published digest of the decompressed "
+                      f"{spec.filename.removesuffix('.gz')}, so it is used unverified",
+                      stacklevel=3)
+        return
     raise ChecksumError(
         f"{path}: SHA-256 does not match the published digest of {spec.filename} "
-        f"({spec.sha256}); delete the file to download it again"
+        f"({spec.sha256}); delete the file to download it again, or pass verify=False "
+        "to use it unverified"
     )
 
 
@@ -249,7 +304,7 @@ def dataset_files(
     *,
     url_base: str | None = None,
     timeout: float | None = None,
-    verify: bool = False,
+    verify: bool = True,
 ) -> dict[str, Path]:
     """Locate (and if needed download) the files of dataset ``name``.
 
@@ -269,10 +324,14 @@ def dataset_files(
     timeout : float, optional
         Socket timeout in seconds; default ``$POSTERIORZOO_DOWNLOAD_TIMEOUT``,
         else :data:`DEFAULT_TIMEOUT`.
-    verify : bool, default False
-        Also check the SHA-256 of files found on disk (downloads are always
-        checked). A gzipped file re-compressed by a distribution passes if its
-        decompressed content has the published content digest.
+    verify : bool, default True
+        Check the SHA-256 of files found on disk before use (downloads are always
+        checked). A gzipped file re-compressed by a distribution, or a decompressed
+        copy, passes if its content has the published content digest (decompressed
+        as a stream, never beyond the published content size); a decompressed copy
+        without a published content digest is used with a warning. ``False`` trusts
+        local files (their format is still checked, and decompression still bounded,
+        when they are read).
 
     Returns
     -------

@@ -5,22 +5,33 @@ big-endian uint32 dimension sizes, then the values in C order, big-endian. The
 published files are gzipped; both gzipped and plain files are read, told apart
 by the gzip magic bytes rather than the file name, because mirrors and Linux
 distributions do not agree on names (``.gz`` or not).
+
+A file is read as a stream: the header first, whose dimensions say how many bytes
+follow; those are checked against a bound (``max_bytes``, by default
+:data:`MAX_IDX_BYTES`) before anything is allocated, then exactly they are read, and
+one byte more means trailing data. A gzip stream is never decompressed beyond what the
+header declares, so a small file of compressed zeros cannot inflate in memory.
 """
 
 from __future__ import annotations
 
 import gzip as gzip_module
+import math
 import os
 import struct
 import zlib
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
 from posteriorzoo._api import public
 from posteriorzoo.errors import DataFormatError
 
-__all__ = ["IDX_TYPES", "read_idx", "write_idx"]
+__all__ = ["IDX_TYPES", "MAX_IDX_BYTES", "read_idx", "write_idx"]
+
+#: Largest IDX file read when no other bound is given (header and values), bytes.
+MAX_IDX_BYTES = 2**31
 
 #: IDX type code -> big-endian numpy dtype of the stored values.
 IDX_TYPES: dict[int, np.dtype] = {
@@ -35,20 +46,68 @@ _CODE_OF_KIND = {(dt.kind, dt.itemsize): code for code, dt in IDX_TYPES.items()}
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
-def _read_bytes(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        raw = f.read()
-    if not raw.startswith(_GZIP_MAGIC):
-        return raw
-    try:
-        return gzip_module.decompress(raw)
-    except (OSError, EOFError, zlib.error) as exc:
-        # A truncated download typically ends here ("Compressed file ended before ...").
-        raise DataFormatError(f"{path}: corrupt or truncated gzip stream ({exc})") from exc
+_CHUNK = 1 << 20
+
+
+def _read_up_to(stream: BinaryIO, count: int) -> bytes:
+    """Up to ``count`` bytes (fewer only at the end of the stream)."""
+    parts, missing = [], count
+    while missing > 0:
+        piece = stream.read(min(missing, _CHUNK))
+        if not piece:
+            break
+        parts.append(piece)
+        missing -= len(piece)
+    return b"".join(parts)
+
+
+def _read_values(path: Path, stream: BinaryIO, max_bytes: int) -> np.ndarray:
+    head = _read_up_to(stream, 4)
+    if len(head) < 4:
+        raise DataFormatError(f"{path}: not an IDX file ({len(head)} bytes, header needs 4)")
+    zero0, zero1, code, ndim = head[0], head[1], head[2], head[3]
+    if zero0 != 0 or zero1 != 0:
+        raise DataFormatError(
+            f"{path}: not an IDX file (magic starts {head[:2].hex()}, expected 0000)"
+        )
+    if code not in IDX_TYPES:
+        known = ", ".join(f"0x{c:02X}" for c in IDX_TYPES)
+        raise DataFormatError(f"{path}: unknown IDX type code 0x{code:02X} (known: {known})")
+    header_len = 4 + 4 * ndim
+    dims = _read_up_to(stream, 4 * ndim)
+    if len(dims) < 4 * ndim:
+        raise DataFormatError(
+            f"{path}: truncated IDX header ({4 + len(dims)} bytes, {ndim} dimensions need "
+            f"{header_len})"
+        )
+    shape = struct.unpack(f">{ndim}I", dims)
+    dtype = IDX_TYPES[code]
+    expected = math.prod(shape) * dtype.itemsize
+    if header_len + expected > max_bytes:
+        raise DataFormatError(
+            f"{path}: its IDX header declares shape {shape} of {dtype.name}, "
+            f"{header_len + expected} bytes, more than the {max_bytes} this file may hold"
+        )
+    values = np.empty(expected // dtype.itemsize, dtype=dtype)
+    view, filled = memoryview(values).cast("B"), 0
+    while filled < expected:
+        piece = stream.read(min(expected - filled, _CHUNK))
+        if not piece:
+            break
+        view[filled:filled + len(piece)] = piece
+        filled += len(piece)
+    if filled != expected or stream.read(1):
+        what = "truncated" if filled < expected else "has trailing bytes"
+        found = f"found {filled}" if filled < expected else "found more"
+        raise DataFormatError(
+            f"{path}: IDX payload {what}: shape {shape} of {dtype.name} needs {expected} "
+            f"bytes, {found}"
+        )
+    return values.reshape(shape).astype(dtype.newbyteorder("="), copy=False)
 
 
 @public
-def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
+def read_idx(path: str | os.PathLike[str], max_bytes: int | None = None) -> np.ndarray:
     """Read an IDX file, gzipped or plain.
 
     Parameters
@@ -56,6 +115,10 @@ def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
     path : str or os.PathLike
         The file. Gzip compression is detected from the first two bytes
         (``1f 8b``), whatever the name.
+    max_bytes : int, optional
+        Most bytes the (decompressed) file may hold, header included; default
+        :data:`MAX_IDX_BYTES`. A header declaring more is refused before anything
+        is allocated, and decompression never goes beyond what the header declares.
 
     Returns
     -------
@@ -69,42 +132,25 @@ def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
     Raises
     ------
     DataFormatError
-        The magic number or type code is invalid, the header is cut short, the
-        payload is shorter or longer than the dimensions require, or the gzip
-        stream is corrupt. The message names the file.
+        The magic number or type code is invalid, the header is cut short or
+        declares more than ``max_bytes``, the payload is shorter or longer than the
+        dimensions require, or the gzip stream is corrupt. The message names the file.
     FileNotFoundError
         ``path`` does not exist.
     """
     path = Path(path)
-    data = _read_bytes(path)
-    if len(data) < 4:
-        raise DataFormatError(f"{path}: not an IDX file ({len(data)} bytes, header needs 4)")
-    zero0, zero1, code, ndim = data[0], data[1], data[2], data[3]
-    if zero0 != 0 or zero1 != 0:
-        raise DataFormatError(
-            f"{path}: not an IDX file (magic starts {data[:2].hex()}, expected 0000)"
-        )
-    if code not in IDX_TYPES:
-        known = ", ".join(f"0x{c:02X}" for c in IDX_TYPES)
-        raise DataFormatError(f"{path}: unknown IDX type code 0x{code:02X} (known: {known})")
-    header_len = 4 + 4 * ndim
-    if len(data) < header_len:
-        raise DataFormatError(
-            f"{path}: truncated IDX header ({len(data)} bytes, {ndim} dimensions need "
-            f"{header_len})"
-        )
-    shape = struct.unpack(f">{ndim}I", data[4:header_len])
-    dtype = IDX_TYPES[code]
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    actual = len(data) - header_len
-    if actual != expected:
-        what = "truncated" if actual < expected else "has trailing bytes"
-        raise DataFormatError(
-            f"{path}: IDX payload {what}: shape {shape} of {dtype.name} needs {expected} "
-            f"bytes, found {actual}"
-        )
-    values = np.frombuffer(data, dtype=dtype, offset=header_len).reshape(shape)
-    return values.astype(dtype.newbyteorder("="))
+    bound = MAX_IDX_BYTES if max_bytes is None else int(max_bytes)
+    with open(path, "rb") as raw:
+        compressed = raw.read(2) == _GZIP_MAGIC
+        raw.seek(0)
+        if not compressed:
+            return _read_values(path, raw, bound)
+        try:
+            with gzip_module.GzipFile(fileobj=raw, mode="rb") as stream:
+                return _read_values(path, stream, bound)
+        except (OSError, EOFError, zlib.error) as exc:
+            # A truncated download typically ends here ("Compressed file ended before ...").
+            raise DataFormatError(f"{path}: corrupt or truncated gzip stream ({exc})") from exc
 
 
 @public

@@ -4,6 +4,11 @@ Every reader returns ``(images, labels, class_names)`` with ``images`` uint8 of
 shape ``(N, C, H, W)``, ``labels`` int64 of shape ``(N,)`` and ``class_names``
 a tuple of str (or ``None``). Archives are read in place, without extracting
 them, and only from their documented binary layouts: no pickle anywhere.
+
+Every archive member is bounded before it is decompressed: by the size of the
+dataset's own member (a CIFAR batch), else by :data:`MAX_IMAGE_BYTES` for an image
+and :data:`MAX_TEXT_BYTES` for a list of names; an image's pixels are bounded by
+:data:`MAX_IMAGE_PIXELS` before it is decoded.
 """
 
 from __future__ import annotations
@@ -35,11 +40,20 @@ __all__ = [
 Arrays = tuple[np.ndarray, np.ndarray, tuple[str, ...] | None]
 
 _CIFAR_PIXELS = 3 * 32 * 32
+#: Records in each CIFAR binary batch file (``data_batch_N.bin``, ``test_batch.bin``,
+#: CIFAR-100's ``train.bin`` and ``test.bin``).
+_CIFAR_RECORDS = {"data_batch": 10_000, "test_batch": 10_000, "train": 50_000, "test": 10_000}
+#: Largest image file read from an archive (Tiny ImageNet and DTD JPEGs are far smaller).
+MAX_IMAGE_BYTES = 16 * 2**20
+#: Largest text member read from an archive (class names, split lists, annotations).
+MAX_TEXT_BYTES = 16 * 2**20
+#: Most pixels an image may declare before it is decoded (4096 x 4096).
+MAX_IMAGE_PIXELS = 2**24
 # Archive readers fail in many ways on a truncated or foreign file; all mean "bad file".
 # (MatReadError: scipy's "not a MATLAB file"; NotImplementedError: a v7.3 / HDF5 .mat.)
 _ARCHIVE_ERRORS = (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, OSError,
-                   UnidentifiedImageError, KeyError, ValueError, NotImplementedError,
-                   scipy.io.matlab.MatReadError)
+                   UnidentifiedImageError, Image.DecompressionBombError, KeyError, ValueError,
+                   NotImplementedError, scipy.io.matlab.MatReadError)
 
 
 @contextmanager
@@ -55,14 +69,24 @@ def _format_errors(path: Path, what: str) -> Iterator[None]:
             from exc
 
 
-def _tar_members(path: Path, want: Callable[[str], bool]) -> dict[str, bytes]:
-    """Contents of the regular members whose name satisfies ``want``, in one pass."""
+def _check_member_size(path: Path, name: str, size: int, limit: int) -> None:
+    if size > limit:
+        raise DataFormatError(f"{path}: member {name[:200]!r} declares {size} bytes, more "
+                              f"than the {limit} it may hold")
+
+
+def _tar_members(path: Path, want: Callable[[str], bool],
+                 limit: Callable[[str], int]) -> dict[str, bytes]:
+    """Contents of the regular members whose name satisfies ``want``, in one pass; a
+    wanted member is refused, before it is decompressed, if it declares more bytes than
+    ``limit(name)``."""
     out = {}
     # Streaming mode ("r|*"): gzip cannot seek backwards, so read everything in order.
     with tarfile.open(path, mode="r|*") as tar:
         for member in tar:
             if member.isfile() and want(member.name):
-                out[member.name] = tar.extractfile(member).read()
+                _check_member_size(path, member.name, member.size, limit(member.name))
+                out[member.name] = tar.extractfile(member).read(member.size)
     return out
 
 
@@ -128,8 +152,16 @@ def read_cifar_binary(path: str | Path, split: str, variant: str = "cifar10",
         raise InvalidOptionError(f"unknown CIFAR variant {variant!r}")
 
     wanted = set(batches) | {names_file}
+    record = label_bytes + _CIFAR_PIXELS
+
+    def limit(name: str) -> int:
+        base = name.rsplit("/", 1)[-1]
+        if base == names_file:
+            return MAX_TEXT_BYTES
+        return _CIFAR_RECORDS[base.removesuffix(".bin").rstrip("_0123456789")] * record
+
     with _format_errors(path, "CIFAR binary tar archive"):
-        members = _tar_members(path, lambda n: n.rsplit("/", 1)[-1] in wanted)
+        members = _tar_members(path, lambda n: n.rsplit("/", 1)[-1] in wanted, limit)
     by_base = {name.rsplit("/", 1)[-1]: blob for name, blob in members.items()}
     absent = [b for b in batches if b not in by_base]
     if absent:
@@ -179,7 +211,11 @@ def read_svhn_mat(path: str | Path) -> Arrays:
 
 
 def _decode_rgb(data: bytes, draft_size: int | None = None) -> Image.Image:
-    image = Image.open(io.BytesIO(data))
+    image = Image.open(io.BytesIO(data))  # reads the header only
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS:  # reported with the archive's name
+        raise ValueError(f"an image of {width}x{height} pixels, more than the "
+                         f"{MAX_IMAGE_PIXELS} an image may have")
     if draft_size is not None:
         # JPEG only: decode at a reduced scale (still >= draft_size), several times faster.
         image.draft("RGB", (draft_size, draft_size))
@@ -218,17 +254,24 @@ def read_tinyimagenet_zip(path: str | Path, split: str) -> Arrays:
     path = Path(path)
     with _format_errors(path, "Tiny ImageNet zip"), zipfile.ZipFile(path) as zf:
         names = zf.namelist()
+
+        def read(member: str, limit: int) -> bytes:
+            # zipfile decompresses no further than the size the entry declares.
+            _check_member_size(path, member, zf.getinfo(member).file_size, limit)
+            return zf.read(member)
+
         wnid_files = [n for n in names if n.rsplit("/", 1)[-1] == "wnids.txt"]
         if not wnid_files:
             raise DataFormatError(f"{path}: no wnids.txt in the archive")
         root = wnid_files[0][: -len("wnids.txt")]
-        wnids = tuple(sorted(_names_file(zf.read(wnid_files[0])) or ()))
+        wnids = tuple(sorted(_names_file(read(wnid_files[0], MAX_TEXT_BYTES)) or ()))
         index = {w: i for i, w in enumerate(wnids)}
         if split == "train":
             pattern = re.compile(re.escape(root) + r"train/([^/]+)/images/[^/]+\.jpe?g$", re.I)
             items = [(n, m.group(1)) for n in sorted(names) if (m := pattern.match(n))]
         else:
-            lines = zf.read(root + "val/val_annotations.txt").decode("utf-8").splitlines()
+            annotations = read(root + "val/val_annotations.txt", MAX_TEXT_BYTES)
+            lines = annotations.decode("utf-8").splitlines()
             items = [(root + "val/images/" + f[0], f[1])
                      for f in (line.split("\t") for line in lines if line.strip())]
         unknown = {w for _, w in items if w not in index}
@@ -236,7 +279,7 @@ def read_tinyimagenet_zip(path: str | Path, split: str) -> Arrays:
             raise DataFormatError(f"{path}: labels not in wnids.txt: {sorted(unknown)[:5]}")
         images = np.empty((len(items), 3, 64, 64), dtype=np.uint8)
         for i, (member, _) in enumerate(items):
-            pixels = np.asarray(_decode_rgb(zf.read(member)))
+            pixels = np.asarray(_decode_rgb(read(member, MAX_IMAGE_BYTES)))
             if pixels.shape != (64, 64, 3):
                 raise DataFormatError(f"{path}: {member} is {pixels.shape[1]}x"
                                       f"{pixels.shape[0]}, expected 64x64")
@@ -316,11 +359,13 @@ def read_dtd_tar(path: str | Path, split: str, partition: int = 1,
             if not member.isfile():
                 continue
             if m := image_re.search(member.name):
-                data = tar.extractfile(member).read()
+                _check_member_size(path, member.name, member.size, MAX_IMAGE_BYTES)
+                data = tar.extractfile(member).read(member.size)
                 image = fit_square(_decode_rgb(data, image_size), image_size)
                 decoded[m.group(1)] = np.asarray(image).transpose(2, 0, 1)
             elif member.name.endswith(list_name) and split != "all":
-                split_list = tar.extractfile(member).read()
+                _check_member_size(path, member.name, member.size, MAX_TEXT_BYTES)
+                split_list = tar.extractfile(member).read(member.size)
     if split == "all":
         keys = sorted(decoded)
     elif split_list is None:

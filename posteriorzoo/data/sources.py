@@ -56,6 +56,10 @@ class DownloadFile:
     content_sha256 : str or None
         For gzipped files: SHA-256 of the decompressed content, which stays the
         same when a distribution re-compresses the file.
+    content_size : int or None
+        For gzipped files: bytes of the decompressed content. Decompressing a local
+        copy (to check its content digest, or to read it) stops there, so a file
+        that expands further (a decompression bomb) is refused, never inflated.
     """
 
     filename: str
@@ -64,6 +68,7 @@ class DownloadFile:
     size: int | None = None
     aliases: tuple[str, ...] = ()
     content_sha256: str | None = None
+    content_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,19 @@ class DatasetSource:
         object.__setattr__(self, "files", tuple(unique.values()))
 
 
+#: Items in each IDX file of MNIST and Fashion-MNIST (their layouts are the same).
+_IDX_ITEMS = {"train": 60_000, "t10k": 10_000}
+
+
+def _idx_content_size(filename: str) -> int:
+    """Bytes of a decompressed MNIST-layout IDX file: the header (4-byte magic and one
+    4-byte size per dimension), then one byte per label or 28 x 28 bytes per image."""
+    items = _IDX_ITEMS[filename.split("-")[0]]
+    if "-images-" in filename:
+        return 4 + 3 * 4 + items * 28 * 28
+    return 4 + 4 + items
+
+
 def _idx(base_urls: tuple[str, ...], filename: str, sha256: str, size: int,
          content_sha256: str | None = None) -> DownloadFile:
     return DownloadFile(
@@ -100,6 +118,7 @@ def _idx(base_urls: tuple[str, ...], filename: str, sha256: str, size: int,
         size=size,
         aliases=(filename.removesuffix(".gz"),),
         content_sha256=content_sha256,
+        content_size=_idx_content_size(filename),
     )
 
 
