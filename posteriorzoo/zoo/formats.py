@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
-import io
 import json
 import math
 import os
@@ -391,13 +390,6 @@ def _decode(data: bytearray, entry: _Entry, key: str, name: str) -> torch.Tensor
     if entry.dtype == np.bool_ and count and int(array.view(np.uint8).max()) > 1:
         raise ZooFormatError(f"{name}: tensor {key!r} holds booleans other than 0 and 1"[:300])
     return torch.from_numpy(array.reshape(entry.shape))
-
-
-def parse_safetensors(data: bytes, name: str, limits: ReadLimits
-                      ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """``(state_dict, header metadata)`` of safetensors ``data`` held in memory
-    (:func:`read_safetensors`)."""
-    return read_safetensors(io.BytesIO(data), len(data), name, limits)
 
 
 @public
