@@ -64,3 +64,27 @@ class ShapeMismatchError(PosteriorZooError, ValueError):
 
 class OutputExistsError(PosteriorZooError, FileExistsError):
     """An output already exists and overwriting was not asked for."""
+
+
+class NoSpaceError(PosteriorZooError):
+    """The file system of an output is full (or the user's quota is used up).
+
+    Nothing is left behind: the temporary output is removed, and a collection being
+    appended to keeps its committed checkpoints. ``needed`` is the space the output needs
+    in bytes: an estimate, or with ``at_least`` what it held when the disk filled (None:
+    unknown). The message: ``no space left on device: FOLDER needs about N MB``.
+    """
+
+    def __init__(self, folder: object, needed: int | None = None, *,
+                 at_least: bool = False) -> None:
+        self.folder = str(folder)
+        self.needed = needed
+        if needed is None:
+            amount = "more space"
+        else:
+            megabytes = needed / 1e6
+            size = (f"{megabytes:,.0f} MB" if megabytes >= 10 else
+                    f"{megabytes:.1f} MB" if megabytes >= 0.1 else
+                    f"{max(1, round(needed / 1e3))} kB")
+            amount = f"{'more than' if at_least else 'about'} {size}"
+        super().__init__(f"no space left on device: {folder} needs {amount}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-# test module -> test function -> (command, class of input)
+# test module -> test function (or one of its parameters, "test[id]") -> (command, class)
 PROBES: dict[str, dict[str, tuple[str, str]]] = {
     "test_exchange_hostile.py": {
         "test_export_never_writes_onto_its_input": ("export", "output policy"),
@@ -64,6 +64,39 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_fake_hub_download_errors_are_one_line": ("download", "hub fake endpoint"),
         "test_fake_hub_upload_errors_are_one_line": ("upload", "hub fake endpoint"),
     },
+    "test_full_disk.py": {
+        "test_full_disk[canonicalize]": ("canonicalize", "full disk"),
+        "test_full_disk[import]": ("import", "full disk"),
+        "test_full_disk[train]": ("train", "full disk"),
+        "test_full_disk[mmd]": ("mmd", "full disk"),
+        "test_full_disk[report]": ("report", "full disk"),
+        "test_full_disk[plot]": ("plot", "full disk"),
+        "test_full_disk[min-mass]": ("min-mass", "full disk"),
+        "test_full_disk[export]": ("export", "full disk"),
+        "test_full_disk[export-all]": ("export-all", "full disk"),
+        "test_full_disk[study]": ("study", "full disk"),
+        "test_full_disk_plot_temp_folder": ("plot", "full disk"),
+        "test_full_disk_demo": ("demo", "full disk"),
+        "test_full_disk_append_keeps_the_collection": ("import", "full disk"),
+        "test_full_disk_reservation_is_given_back": ("import", "full disk"),
+        "test_injected_hdf5_failure_new_collection": ("canonicalize", "full disk"),
+        "test_injected_hdf5_failure_append": ("import", "full disk"),
+        "test_real_hdf5_write_failure_does_not_crash": ("canonicalize", "full disk"),
+        "test_injected_enospc_in_python_writes": ("min-mass", "full disk"),
+        "test_injected_enospc_in_matplotlib": ("plot", "full disk"),
+        "test_free_space_is_checked_before_any_work": ("canonicalize", "full disk"),
+        "test_refused_reservation_leaves_the_collection_untouched": ("import", "full disk"),
+    },
+    "test_figure_outputs.py": {
+        "test_plot_killed_between_a_figures_files_is_completed_by_the_rerun": (
+            "plot", "multi-file outputs"),
+        "test_plot_killed_before_publishing_leaves_no_figure": ("plot", "multi-file outputs"),
+        "test_a_live_or_a_users_file_is_still_refused": ("plot", "multi-file outputs"),
+        "test_atomic_files_publish_all_or_nothing": ("plot", "multi-file outputs"),
+        "test_killed_plot_leaves_a_temp_folder_the_next_plot_reclaims": ("plot",
+                                                                         "temp after kill"),
+        "test_temporary_folder_is_locked_and_removed": ("plot", "temp after kill"),
+    },
     "test_train_robustness.py": {
         "test_bad_spec_is_refused_before_anything_is_created": ("train", "bad spec"),
         "test_spec_path_that_is_no_file": ("train", "bad spec"),
@@ -97,10 +130,11 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
 
 def pytest_runtest_logreport(report) -> None:
     path = os.environ.get("POSTERIORZOO_PROBE_LOG")
-    if not path or report.when != "call":
+    if not path or report.when != "call" or report.skipped:  # skipped: not tried
         return
     module, _, name = report.nodeid.partition("::")
-    probe = PROBES.get(os.path.basename(module), {}).get(name.split("[")[0])
+    probes = PROBES.get(os.path.basename(module), {})
+    probe = probes.get(name) or probes.get(name.split("[")[0])
     if probe is None:
         return
     with open(path, "a") as log:

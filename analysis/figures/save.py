@@ -2,9 +2,12 @@
 
 :func:`save_figure` follows the project's output policy (:mod:`posteriorzoo.outputs`):
 both paths are checked before anything is written (an existing file is refused unless
-``overwrite``, an input is never an output, a missing parent folder is an error), each
-file is rendered under a temporary name in the same folder and moved into place when
-complete, so a failure or a kill leaves no partial file.
+``overwrite``, an input is never an output, a missing parent folder is an error), and a
+figure's files are published together (:func:`posteriorzoo.outputs.atomic_files`): both
+are rendered under temporary names in the same folder and moved into place only when
+both are complete. A failure leaves neither; a kill while they are moved into place may
+leave one, which the next run writing that figure recognises and replaces, so a rerun
+always succeeds and leaves both.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from posteriorzoo.errors import InvalidOptionError
-from posteriorzoo.outputs import atomic_file, check_output
+from posteriorzoo.outputs import atomic_files
 
 __all__ = ["FORMATS", "figure_paths", "png_base64", "save_figure"]
 
@@ -65,22 +68,23 @@ def save_figure(figure: Figure, path: str | os.PathLike, *, overwrite: bool = Fa
     Returns
     -------
     dict
-        ``{"png": Path, "pdf": Path}``, the files written.
+        ``{"png": Path, "pdf": Path}``, the files written (both, or an error and neither).
 
     Raises
     ------
     posteriorzoo.errors.OutputExistsError
-        A file exists and ``overwrite`` is False (nothing is written).
+        A file exists and ``overwrite`` is False (nothing is written). The file a killed
+        run left of an unfinished figure is not refused: it is replaced.
     posteriorzoo.errors.InvalidOptionError
         A file would replace an input, or its folder does not exist (nothing is written).
+    posteriorzoo.errors.NoSpaceError
+        The disk filled while the figure was written (nothing is left).
     """
     paths = figure_paths(path)
-    inputs = list(inputs)
-    for target in paths.values():  # both checked before either is written
-        check_output(target, inputs=inputs, overwrite=overwrite)
     _canvas(figure)
-    for kind, target in paths.items():
-        with atomic_file(target, overwrite=overwrite, inputs=inputs) as partial:
+    # both checked before either is written, both published together
+    with atomic_files(list(paths.values()), overwrite=overwrite, inputs=inputs) as partials:
+        for kind, partial in zip(paths, partials, strict=True):
             figure.savefig(partial, format=kind, dpi=dpi)
     return paths
 

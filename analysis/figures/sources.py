@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,8 +68,9 @@ def unit_layout(zoo) -> dict[str, tuple[int, bool]]:
 @contextlib.contextmanager
 def canonical_copy(path: PathLike, *, permutation: str = "first", scaling: str = "norm",
                    verify: bool = True) -> Iterator[Path]:
-    """The canonical form of a collection, in a temporary folder deleted afterwards (the
-    collection itself if it is canonical already)."""
+    """The canonical form of a collection, in a temporary folder of TMPDIR deleted
+    afterwards (:func:`posteriorzoo.outputs.temporary_folder`), or the collection itself
+    if it is canonical already."""
     from posteriorzoo.collection import canonicalize
     from posteriorzoo.zoo import open_zoo
 
@@ -79,8 +79,11 @@ def canonical_copy(path: PathLike, *, permutation: str = "first", scaling: str =
     if already:
         yield Path(path)
         return
-    with tempfile.TemporaryDirectory(prefix="posteriorzoo-plot-") as folder:
-        target = Path(folder) / "canonical.h5"
+    from posteriorzoo.outputs import temporary_folder
+
+    # locked while in use: a later run removes the folder of a killed one
+    with temporary_folder("plot") as folder:
+        target = folder / "canonical.h5"
         canonicalize(path, target, permutation=permutation, scaling=scaling, verify=verify)
         yield target
 

@@ -4,7 +4,8 @@ Each subcommand lives in a small module of this package that exposes
 ``register(subparsers)``; the module adds its parser and sets ``func``, a callable that
 takes the parsed arguments and returns an exit code. Errors a user can cause derive from
 :class:`posteriorzoo.errors.PosteriorZooError` and are printed as one line on stderr
-with exit code 2.
+with exit code 2; so are I/O errors, and a full disk (``no space left on device: FOLDER
+needs about N MB``) whichever library met it.
 """
 
 from __future__ import annotations
@@ -66,6 +67,20 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     return shlex.join(words)
 
 
+def _no_space_line(error: BaseException) -> str:
+    """One line for a full disk met outside the writers that know the output's size."""
+    import os
+
+    from posteriorzoo.errors import NoSpaceError
+
+    filename = getattr(error, "filename", None)
+    if filename:
+        folder = os.path.dirname(os.path.abspath(os.fspath(filename)))
+    else:
+        folder = "the output's folder"
+    return str(NoSpaceError(folder))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit code (0 ok, 2 bad input)."""
     parser = build_parser()
@@ -89,7 +104,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into e.g. `head`
         sys.stderr.close()
         return 0
-    except OSError as error:  # unreadable files, permissions, I/O errors inside HDF5
+    except (OSError, RuntimeError) as error:
+        # unreadable files, permissions, I/O errors inside HDF5; a full disk that a writer
+        # did not turn into NoSpaceError itself (RuntimeError: HDF5's "file write failed")
+        from posteriorzoo.outputs import is_no_space
+
+        if is_no_space(error):
+            print(f"posteriorzoo {args.command}: error: {_no_space_line(error)}",
+                  file=sys.stderr)
+            return EXIT_BAD_INPUT
+        if isinstance(error, RuntimeError):
+            raise
         print(f"posteriorzoo {args.command}: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

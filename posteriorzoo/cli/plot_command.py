@@ -35,9 +35,12 @@ NOISE_SPLITS = integer_in(0, 1_000)
 _DESCRIPTION = """\
 Draw one figure of the paper (Laurent et al., ICLR 2024) for any collection, without
 writing matplotlib code. Each figure is written twice, as OUT.png (150 dpi) and OUT.pdf
-(vector), each under a temporary name and renamed into place when complete; existing files
-are refused unless --overwrite, an input is never an output and a missing folder is an
-error. --json prints the files written and the figure's numbers.
+(vector), under temporary names renamed into place only when both are complete (the file
+a killed run left of an unfinished pair is replaced by the next run); existing files are
+refused unless --overwrite, an input is never an output and a missing folder is an
+error. Canonical copies go to a locked folder in TMPDIR, removed afterwards (or by the
+next plot if this one is killed). --json prints the files written and the figure's
+numbers.
 
 figures:
   marginals  layer marginals, raw and canonical, with KS p-values between units (Fig. 9)
@@ -333,16 +336,17 @@ def run_collapse(args: argparse.Namespace) -> int:
 
 
 def run_mmd(args: argparse.Namespace) -> int:
-    import tempfile
-
     from analysis.figures.draw import mmd_figure
     from analysis.figures.sources import mmd_noise_band, mmd_values
     from posteriorzoo.collection import compare
+    from posteriorzoo.outputs import temporary_folder
 
     methods = file_stem_names(args.methods)
     inputs = [args.target, *methods.values()]
     _check_outputs(args, inputs)
-    with tempfile.TemporaryDirectory(prefix="posteriorzoo-plot-") as folder:
+    # The canonical copies' folder in TMPDIR is locked while this runs: the next plot
+    # removes it if this one is killed.
+    with temporary_folder("plot") as folder:
         report = compare(args.target, methods, symmetries=args.symmetries, layers=args.layers,
                          permutation=args.permutation, scaling=args.scaling,
                          canonical_dir=folder if args.symmetries == "remove" else None,

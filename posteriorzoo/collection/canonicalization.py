@@ -260,6 +260,7 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
                         overwrite=overwrite, publish=False) as out, \
                 tqdm(total=count, desc="canonicalize", unit="ckpt",
                      disable=not progress) as bar:
+            out.check_space(count)  # a full disk refused before any work
             for start, block, batch, non_finite in _batches(zoo, checkpoints_per_batch):
                 canonical, report = canonicalize_batch(batch, structure, permutation,
                                                        scaling, softmax, solver, signs)

@@ -18,6 +18,11 @@ its temporary name while it is filled and appears only when :meth:`Zoo.publish` 
 its ``with`` block ends without an error): commands that derive a whole collection use
 this, so a killed command leaves nothing. The temporary file of a killed process is
 reclaimed by the next writer of that path.
+
+A full disk is refused before writing where the size is known (a new file, a block of
+checkpoints, a rebuild) with :class:`~posteriorzoo.errors.NoSpaceError`; a write that
+fails anyway abandons the file (:func:`posteriorzoo.zoo.store.abandon`) so HDF5 never
+crashes the process when it closes, and an unpublished file is deleted.
 """
 
 from __future__ import annotations
@@ -59,8 +64,15 @@ from posteriorzoo.zoo.store import (
     _STATE_GROUP,
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_ROWS,
+    METADATA_MARGIN,
     Zoo,
+    abandon,
+    close_or_abandon,
+    new_bytes,
     open_h5,
+    reserved,
+    write_failure,
+    writing_h5,
 )
 
 
@@ -168,10 +180,13 @@ def create_zoo(
     provenance = {"command": command, "versions": library_versions(),
                   "git_commit": git_commit(),
                   "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    outputs.ensure_space(path.parent, METADATA_MARGIN)  # an empty collection: about 10 kB
     # The temporary file is locked from its first byte: see posteriorzoo.outputs.
     temporary, fd = outputs.new_partial(path)
     try:
-        with h5py.File(temporary, "w", libver="latest", locking=False) as handle:
+        with outputs.space_errors(path.parent, needed=METADATA_MARGIN), \
+                writing_h5(h5py.File(temporary, "w", libver="latest", locking=False),
+                           temporary, METADATA_MARGIN) as handle:
             _write_layout(handle, tensor_layout, architecture, dataset, method, num_classes,
                           json_attributes, provenance, validate, chunk_bytes)
         if publish:
@@ -268,7 +283,11 @@ def _writer(path: Path, fd: int, final_path: Path | None = None) -> Zoo:
     try:
         try:
             _upgrade_schema(handle)
-        except (OSError, RuntimeError, KeyError, ValueError, TypeError) as error:
+        except (OSError, RuntimeError) as error:
+            if outputs.is_no_space(error):
+                raise  # a write failed: the file is abandoned below
+            raise ZooFormatError(f"{path}: cannot be read (corrupt file): {error}") from None
+        except (KeyError, ValueError, TypeError) as error:
             raise ZooFormatError(
                 f"{path}: cannot be read (corrupt file): {error}") from None
         zoo = Zoo(path, handle, lock_fd=fd, final_path=final_path)
@@ -278,8 +297,11 @@ def _writer(path: Path, fd: int, final_path: Path | None = None) -> Zoo:
                 dataset.resize(count, axis=0)
         handle.flush()
         handle.swmr_mode = True
+    except (OSError, RuntimeError) as error:
+        abandon(handle)
+        raise write_failure(path, error, METADATA_MARGIN) from None
     except BaseException:
-        handle.close()
+        close_or_abandon(handle)
         raise
     return zoo
 
@@ -311,7 +333,9 @@ def _open_for_append(path: Path) -> Zoo:
             os.close(fd)
             fd = new_fd
         else:
-            handle.close()
+            error = close_or_abandon(handle)
+            if error is not None:
+                raise write_failure(path, error, METADATA_MARGIN) from None
         return _writer(path, fd)
     except BaseException:
         os.close(fd)
@@ -334,9 +358,13 @@ def _rebuild_from_committed(path: Path) -> int:
             digests = np.array([row_digest(row).encode() for row in rows],
                                dtype=ROW_DIGEST_DTYPE)
             attrs["schema_version"] = SCHEMA_VERSION
+        growing = [*old._datasets.values(), old._file["metadata"]]
+        needed = METADATA_MARGIN + new_bytes(growing, 0, count) + len(digests) * 64
+        outputs.ensure_space(path.parent, needed)
         temporary, fd = outputs.new_partial(path)
         try:
-            with h5py.File(temporary, "w", libver="latest", locking=False) as new:
+            with writing_h5(h5py.File(temporary, "w", libver="latest", locking=False),
+                            temporary, needed) as new, reserved(new, temporary, needed):
                 for name, value in attrs.items():
                     new.attrs[name] = value
                 group = new.create_group(_STATE_GROUP)

@@ -8,12 +8,18 @@ Two access patterns are first-class:
 
 Appends are crash-safe: whole checkpoints are written and flushed before the committed
 count advances (see :mod:`posteriorzoo.zoo.lifecycle` for creating and opening files).
+An append first checks that the file system has room for its block; a write that fails
+anyway (a disk filled by another process) abandons the file (:func:`abandon`) and
+raises :class:`~posteriorzoo.errors.NoSpaceError`: the file keeps the checkpoints
+committed before, as if the writer had been killed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import re
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -23,12 +29,14 @@ import h5py
 import numpy as np
 import torch
 
+from posteriorzoo import outputs
 from posteriorzoo._api import public
 from posteriorzoo._faults import fault_point
 from posteriorzoo.dtypes import ArrayLike, as_numpy
 from posteriorzoo.errors import (
     ChecksumError,
     NonFiniteWeightsError,
+    NoSpaceError,
     PosteriorZooError,
     UnknownNameError,
     ZooFormatError,
@@ -57,6 +65,236 @@ _STATE_GROUP = STATE_GROUP
 #: Bytes of whole checkpoints read at once while verifying digests.
 _VERIFY_BLOCK_BYTES = 1 << 28
 _CRASHED_WRITER_MARKERS = ("already open for write", "consistency flags")
+#: File space HDF5 takes beyond the chunks of the data: object headers, chunk indexes,
+#: free-space records (measured: 10 kB for an empty collection, 12 to 25 kB for
+#: collections of 1 to 3,000 checkpoints, of which 2 to 15 kB are not the empty file's).
+METADATA_MARGIN = 1 << 14
+
+
+#: The most bytes of an abandoned file (its metadata: chunk data is left out) copied into
+#: memory; beyond, the stand-in is the file opened read-only, whose writes fail.
+_STAND_IN_LIMIT = 1 << 30
+
+
+def _descriptor(handle: h5py.File) -> int | None:
+    """The operating-system descriptor of an open file (HDF5's default sec2 driver)."""
+    try:
+        descriptor = handle.id.get_vfd_handle() if handle.id.valid else None
+    except (OSError, RuntimeError, ValueError, TypeError):
+        return None
+    return descriptor if isinstance(descriptor, int) and descriptor >= 0 else None
+
+
+def _chunk_ranges(handle: h5py.File) -> list[tuple[int, int]]:
+    """``(offset, size)`` of every allocated chunk of the file's datasets (best effort:
+    nothing when the file cannot tell)."""
+    ranges: list[tuple[int, int]] = []
+
+    def collect(_: str, item: object) -> None:
+        if isinstance(item, h5py.Dataset) and item.chunks is not None:
+            item.id.chunk_iter(lambda info: ranges.append((info.byte_offset, info.size)))
+
+    try:
+        handle.visititems(collect)
+    except Exception:  # a damaged index: copy everything
+        return []
+    return sorted(r for r in ranges if r[0] is not None and r[0] >= 0)
+
+
+def _stand_in(handle: h5py.File, descriptor: int) -> int:
+    """A descriptor that reads like the file and takes writes without touching it: an
+    in-memory copy of its metadata (chunk data, never read again, left out as holes);
+    a read-only descriptor of the file itself where that is not possible."""
+    size = os.fstat(descriptor).st_size
+    skip = _chunk_ranges(handle)
+    copied = size - sum(min(length, max(0, size - offset)) for offset, length in skip)
+    if hasattr(os, "memfd_create") and copied <= _STAND_IN_LIMIT:
+        try:
+            copy = os.memfd_create("posteriorzoo-abandoned", os.MFD_CLOEXEC)
+        except OSError:
+            copy = None
+        if copy is not None:
+            try:
+                os.ftruncate(copy, size)
+                position = 0
+                for offset, length in [*skip, (size, 0)]:
+                    while position < min(offset, size):
+                        piece = os.pread(descriptor, min(1 << 20, offset - position), position)
+                        if not piece:
+                            break
+                        os.pwrite(copy, piece, position)
+                        position += len(piece)
+                    position = max(position, offset + length)
+                return copy
+            except OSError:
+                os.close(copy)
+    return os.open(f"/proc/self/fd/{descriptor}", os.O_RDONLY)
+
+
+_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+@contextlib.contextmanager
+def _file_size_limit_lifted() -> Iterator[None]:
+    """Raise the soft file-size limit (``ulimit -f``) to the hard one for a while: the
+    stand-in of an abandoned file must take writes at any offset of it."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    except (ImportError, OSError, ValueError):
+        yield
+        return
+    if soft == hard:
+        yield
+        return
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def _carry_back_status(copy: int, real: int) -> None:
+    """Write the superblock HDF5 closed the stand-in ``copy`` with into the file ``real``
+    when the two differ only in the status flags (and so the checksum): the file is then
+    marked closed rather than open for writing, readable as before. Only superblocks of
+    version 2 and 3 (the writers' ``libver="latest"``), at the start of the file."""
+    head = os.pread(real, 12, 0)
+    if len(head) < 12 or head[:8] != _SIGNATURE or head[8] not in (2, 3):
+        return
+    size = 12 + 4 * head[9] + 4  # four addresses, then the checksum
+    before, after = os.pread(real, size, 0), os.pread(copy, size, 0)
+    flags, checksum = slice(11, 12), slice(size - 4, size)
+    if (len(before) == len(after) == size and before != after
+            and before[:11] == after[:11] and before[12:size - 4] == after[12:size - 4]
+            and after[flags] == b"\0"):
+        os.pwrite(real, after[flags], 11)
+        os.pwrite(real, after[checksum], size - 4)
+
+
+def abandon(handle: h5py.File) -> None:
+    """Close a file after a failed write without letting HDF5 write to it again.
+
+    HDF5 keeps a file whose flush failed (a full disk) open; closing it fails again, and
+    when the interpreter exits, releasing its datasets crashes the process (a
+    segmentation fault inside ``H5D_close``). So the file's descriptor is first pointed
+    at a stand-in that reads like the file and takes HDF5's remaining writes in memory
+    (:func:`_stand_in`): the close completes, and the file stays as the failed write left
+    it, as if its writer had been killed then (what readers and the next writer handle,
+    see :mod:`posteriorzoo.zoo.lifecycle`). If closing changed nothing but the
+    superblock's "open for writing" flags, those are cleared in the file too, so it
+    reads as a file closed normally.
+    """
+    descriptor = _descriptor(handle)
+    copy = real = None
+    if descriptor is not None:
+        try:
+            stand_in = _stand_in(handle, descriptor)
+            real = os.dup(descriptor)
+        except OSError:
+            stand_in = None
+        if stand_in is not None:
+            try:
+                copy = os.dup(stand_in)
+                os.dup2(stand_in, descriptor)
+            finally:
+                os.close(stand_in)
+    with contextlib.suppress(Exception), _file_size_limit_lifted():
+        if handle.id.valid:
+            handle.close()
+    try:
+        if copy is not None and real is not None and not handle.id.valid:
+            with contextlib.suppress(OSError):
+                _carry_back_status(copy, real)
+    finally:
+        for descriptor in (copy, real):
+            if descriptor is not None:
+                os.close(descriptor)
+
+
+def close_or_abandon(handle: h5py.File) -> BaseException | None:
+    """Flush and close ``handle``; if that fails (a full disk), abandon it (see
+    :func:`abandon`) and return the error."""
+    try:
+        if handle.id.valid:
+            if handle.mode != "r":
+                handle.flush()  # a failure here leaves nothing half-closed
+            handle.close()
+    except (OSError, RuntimeError, ValueError) as error:
+        abandon(handle)
+        return error
+    return None
+
+
+def write_failure(path: Path, error: BaseException, needed: int) -> Exception:
+    """The error to raise for a failed write of ``path``: NoSpaceError when the disk is
+    full (``needed``: the bytes the output needs), otherwise an OSError of one line."""
+    if outputs.is_no_space(error):
+        return NoSpaceError(path.parent, needed)
+    text = str(error)
+    # HDF5's message holds the system's after a time stamp and a buffer address
+    system = re.search(r"error message = '([^']*)'", text)
+    reason = system.group(1) if system else (text.splitlines()[0] if text else
+                                             type(error).__name__)
+    return OSError(f"{path}: cannot be written: {reason}")
+
+
+@contextlib.contextmanager
+def reserved(handle: h5py.File, path: Path, needed: int, report: int | None = None
+             ) -> Iterator[None]:
+    """Reserve ``needed`` bytes of disk past the end of ``handle``'s file for the block's
+    writes (:func:`posteriorzoo.outputs.reserve_space`), and give back what they did not
+    use when it ends. Raises NoSpaceError (``report``: the size its message gives)
+    before the block runs when the space is not free."""
+    descriptor = _descriptor(handle)
+    start = os.fstat(descriptor).st_size if descriptor is not None else 0
+    try:
+        held = descriptor is not None and outputs.reserve_space(descriptor, start, needed)
+    except OSError as error:
+        if outputs.is_no_space(error):
+            raise NoSpaceError(path.parent, needed if report is None else report) from None
+        held = False
+    if not held:  # no reservation on this system: the free space must do
+        outputs.ensure_space(path.parent, needed, report=report)
+    try:
+        yield
+    finally:
+        if held:
+            outputs.release_space(descriptor, start + needed)
+
+
+@contextlib.contextmanager
+def writing_h5(handle: h5py.File, path: Path, needed: int) -> Iterator[h5py.File]:
+    """Yield ``handle`` and close it when the block ends. A failed write or close abandons
+    the file (:func:`abandon`) and raises :func:`write_failure`'s error."""
+    try:
+        yield handle
+    except (OSError, RuntimeError, ValueError) as error:
+        abandon(handle)
+        raise write_failure(path, error, needed) from None
+    except BaseException:
+        close_or_abandon(handle)
+        raise
+    error = close_or_abandon(handle)
+    if error is not None:
+        raise write_failure(path, error, needed) from None
+
+
+def new_bytes(datasets: Iterable[h5py.Dataset], start: int, stop: int) -> int:
+    """File space rows ``start .. stop-1`` take in ``datasets`` chunked along their first
+    axis: the chunks no row before ``start`` touched (HDF5 writes whole chunks)."""
+    total = 0
+    for dataset in datasets:
+        row_bytes = int(np.prod(dataset.shape[1:], dtype=np.int64)) * dataset.dtype.itemsize
+        chunks = dataset.chunks
+        if chunks is None:  # contiguous: exactly the rows
+            total += (stop - start) * row_bytes
+            continue
+        rows = chunks[0]
+        chunk_bytes = int(np.prod(chunks, dtype=np.int64)) * dataset.dtype.itemsize
+        total += (math.ceil(stop / rows) - math.ceil(start / rows)) * chunk_bytes
+    return total
 
 def open_h5(path: Path, mode: str) -> h5py.File:
     """Open an HDF5 file, turning library errors into :class:`ZooFormatError`."""
@@ -196,6 +434,34 @@ class Zoo:
         """Bytes of one checkpoint's tensors."""
         return sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
                    for shape, dtype in self.tensor_layout.values())
+
+    def space_needed(self, checkpoints: int) -> int:
+        """Estimated bytes of file space appending ``checkpoints`` checkpoints takes."""
+        start = len(self)
+        with self._reading("the collection's structure"):
+            growing = [*self._datasets.values(), self._file[METADATA], self._file[ROW_DIGESTS]]
+            return METADATA_MARGIN + new_bytes(growing, start, start + checkpoints)
+
+    def _output_size(self, needed: int) -> int:
+        """What a NoSpaceError says the output needs: ``needed`` more bytes, plus for a
+        collection not yet published what it holds already (a failure deletes it)."""
+        return needed if self.published else needed + outputs.disk_usage(self.path)
+
+    def check_space(self, checkpoints: int) -> None:
+        """Refuse (:class:`~posteriorzoo.errors.NoSpaceError`) unless the collection's
+        folder has room for ``checkpoints`` more checkpoints; writes nothing."""
+        needed = self.space_needed(checkpoints)
+        outputs.ensure_space(self.path.parent, needed, report=self._output_size(needed))
+
+    @contextlib.contextmanager
+    def _writing(self, needed: int) -> Iterator[None]:
+        """Abandon the file when a write fails (see :func:`abandon`), raising NoSpaceError
+        for a full disk (``needed``: the output's size for its message)."""
+        try:
+            yield
+        except (OSError, RuntimeError, ValueError) as error:
+            abandon(self._file)
+            raise write_failure(self.path, error, needed) from None
 
     def dataset_handle(self, key: str) -> h5py.Dataset:
         """The raw h5py dataset of ``key`` (rows past ``len(self)`` are not checkpoints).
@@ -507,28 +773,33 @@ class Zoo:
                      ) -> range:
         start = len(self)
         stop = start + rows.shape[0]
-        for key in self._keys:
-            dataset = self._datasets[key]
-            dataset.resize(stop, axis=0)
-            arrays = blocks[key]
-            if sum(array.nbytes for array in arrays) <= _STACK_BYTES:
-                dataset[start:stop] = np.stack(arrays)
-            else:  # large tensors: one write each rather than a stacked copy
-                for offset, array in enumerate(arrays):
-                    dataset[start + offset] = array
-        table = self._file[METADATA]
-        table.resize(stop, axis=0)
-        table[start:stop] = rows
-        digests = self._file[ROW_DIGESTS]
-        digests.resize(stop, axis=0)
-        digests[start:stop] = np.array([row_digest(row).encode() for row in rows],
-                                       dtype=digests.dtype)
-        # The commit point: data first, then the count that makes it visible.
-        self._file.flush()
-        fault_point("zoo-before-commit")
-        self._file[COMMITTED][0] = stop
-        self._file.flush()
-        fault_point("zoo-commit")
+        needed = self.space_needed(stop - start)
+        report = self._output_size(needed)
+        # The block's disk space is allocated before the file changes: on a full disk the
+        # collection stays as it was, and the writes cannot run out of space midway.
+        with self._writing(report), reserved(self._file, self.path, needed, report):
+            for key in self._keys:
+                dataset = self._datasets[key]
+                dataset.resize(stop, axis=0)
+                arrays = blocks[key]
+                if sum(array.nbytes for array in arrays) <= _STACK_BYTES:
+                    dataset[start:stop] = np.stack(arrays)
+                else:  # large tensors: one write each rather than a stacked copy
+                    for offset, array in enumerate(arrays):
+                        dataset[start + offset] = array
+            table = self._file[METADATA]
+            table.resize(stop, axis=0)
+            table[start:stop] = rows
+            digests = self._file[ROW_DIGESTS]
+            digests.resize(stop, axis=0)
+            digests[start:stop] = np.array([row_digest(row).encode() for row in rows],
+                                           dtype=digests.dtype)
+            # The commit point: data first, then the count that makes it visible.
+            self._file.flush()
+            fault_point("zoo-before-commit")
+            self._file[COMMITTED][0] = stop
+            self._file.flush()
+            fault_point("zoo-commit")
         return range(start, stop)
 
     # ------------------------------------------------------------------ publishing
@@ -547,7 +818,8 @@ class Zoo:
 
         if self._final_path is None:
             return self.path
-        self._file.flush()
+        with self._writing(METADATA_MARGIN):
+            self._file.flush()
         fault_point("zoo-publish")
         publish(self.path, self._final_path, overwrite=overwrite)
         self.path, self._final_path = self._final_path, None
@@ -559,29 +831,47 @@ class Zoo:
             self.close()
             return
         partial = self.path
-        self.close()
-        partial.unlink(missing_ok=True)
+        try:
+            with contextlib.suppress(OSError, PosteriorZooError):  # it is deleted anyway
+                self.close()
+        finally:
+            partial.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Close the file and release the writer's lock."""
-        if self._file.id.valid:
-            self._file.close()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        """Close the file and release the writer's lock.
+
+        A close whose last flush fails (a full disk) abandons the file (:func:`abandon`)
+        and raises NoSpaceError (or OSError).
+        """
+        try:
+            error = close_or_abandon(self._file)
+            if error is not None:
+                raise write_failure(self.path, error, METADATA_MARGIN) from None
+        finally:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
     def __enter__(self) -> Zoo:
         return self
 
     def __exit__(self, exc_type: type | None, *exc_info: object) -> None:
         # An unpublished collection is published when its block completes and deleted
-        # when the block raises: it appears complete or not at all.
-        if self._final_path is None or not self._file.id.valid:
-            self.close()
-        elif exc_type is None:
-            self.publish(overwrite=self._overwrite)
-            self.close()
+        # when the block raises (or a write failed): it appears complete or not at all.
+        if self._final_path is None:
+            if exc_type is None:
+                self.close()
+            else:  # the block's error is the one to report
+                with contextlib.suppress(OSError, PosteriorZooError):
+                    self.close()
+        elif exc_type is None and self._file.id.valid:
+            try:
+                self.publish(overwrite=self._overwrite)
+                self.close()
+            except BaseException:
+                self.discard()
+                raise
         else:
             self.discard()
 
