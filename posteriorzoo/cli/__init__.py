@@ -27,6 +27,7 @@ _SUBCOMMAND_MODULES = (
     "posteriorzoo.cli.train_command",
     "posteriorzoo.cli.canonicalize_command",
     "posteriorzoo.cli.mmd_command",
+    "posteriorzoo.cli.diagnose_command",
     "posteriorzoo.cli.report_command",
     "posteriorzoo.cli.plot_command",
     "posteriorzoo.cli.study_command",

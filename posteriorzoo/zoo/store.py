@@ -669,6 +669,14 @@ class Zoo:
         return [bytes(value).decode(errors="replace")
                 for value in self.stored_metadata()["sha256"]]
 
+    def training_records(self) -> dict[int, dict[str, Any]]:
+        """What each mode's method phase recorded while training (mode id -> record).
+
+        Schema 2 collections store no records, so this is empty for them; the diagnostics
+        (:func:`posteriorzoo.collection.diagnose`) then say what only a record could tell.
+        """
+        return {}
+
     def metadata_dict(self, index: int) -> dict[str, Any]:
         """Metadata row ``index`` as a plain dict (strings decoded)."""
         count = len(self)
