@@ -179,3 +179,29 @@ def test_report_with_the_mmdagg_test_shows_each_decision(collections, tmp_path):
                ("conv1.weight", "conv2.weight", "fc.weight", "fc.bias"))
     page = report.tables()["report.html"]
     assert 'id="tests"' in page and "mmdagg_tests.csv" in report.tables()
+
+
+def test_report_has_each_collections_diagnostics(collections, tmp_path):
+    """The diagnostics section is posteriorzoo diagnose's verdict on each collection: an
+    SGHMC 'chain' of independent checkpoints mixes; the same checkpoints in a random-walk
+    order are flagged."""
+    from posteriorzoo.collection import diagnose
+
+    states = [checkpoint(seed) for seed in range(400, 420)]
+    walk = [dict(states[0])]
+    for state in states[1:]:   # a slowly drifting chain: each step a small move
+        walk.append({k: walk[-1][k] + 0.05 * (state[k] - states[0][k]) for k in state})
+    path = tmp_path / "walk.h5"
+    with create_zoo(path, architecture="optunet", dataset="digits", method="sghmc",
+                    num_classes=10, template=walk[0]) as zoo:
+        zoo.append_many(walk, [{"mode_id": 0, "sample_id": i} for i in range(len(walk))])
+    report = build_report(collections["target"], {"DE": collections["de"], "Walk": path},
+                          splits=3, n_images=100, n_pairs=0, figures=False)
+    rows = {row["name"]: row for row in report.diagnostics}
+    assert rows["DE"]["flags"] == []
+    expected = diagnose(path, predictions=False).flags
+    assert rows["Walk"]["flags"] == expected and "mode 0: ESS below half the samples" in expected
+    files = report.write(tmp_path / "out")
+    assert "## Diagnostics" in files["report.md"].read_text()
+    assert 'id="diagnostics"' in files["report.html"].read_text()
+    assert "ESS below half the samples" in files["diagnostics.csv"].read_text()

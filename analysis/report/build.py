@@ -71,6 +71,7 @@ class ReportResult(CollectionResult):
     per_layer: dict[str, dict[str, dict[str, float]]]
     datasets: dict[str, Any]
     tests: list[dict[str, Any]] = field(default_factory=list)
+    diagnostics: list[dict[str, Any]] = field(default_factory=list)
     figures: dict[str, Any] = field(default_factory=dict, repr=False)
     figure_notes: dict[str, str] = field(default_factory=dict)
 
@@ -78,7 +79,7 @@ class ReportResult(CollectionResult):
         return {"target": self.target, "datasets": self.datasets, "rows": self.rows,
                 "noise_floor": {k: v.to_dict() for k, v in self.noise.items()},
                 "per_layer": self.per_layer, "mmdagg_tests": self.tests,
-                "figures": sorted(self.figures),
+                "diagnostics": self.diagnostics, "figures": sorted(self.figures),
                 "figure_notes": self.figure_notes}
 
     def tables(self) -> dict[str, str]:
@@ -96,6 +97,11 @@ class ReportResult(CollectionResult):
                           for i, x in enumerate(v.splits)))
         files = {"table1.csv": table1, "table2.csv": table2, "noise_floor.csv": noise,
                  "report.md": markdown_page(self), "report.html": html_page(self)}
+        if self.diagnostics:
+            files["diagnostics.csv"] = csv_text(
+                ["name", "method", "flags", "summary"],
+                ([d["name"], d["method"], "; ".join(d["flags"]), d["summary"]]
+                 for d in self.diagnostics))
         if self.tests:
             files["mmdagg_tests.csv"] = csv_text(list(self.tests[0]),
                                                  (list(t.values()) for t in self.tests))
@@ -207,7 +213,7 @@ def build_report(target: str | os.PathLike,
     command : str, optional
         Recorded in the provenance.
     """
-    from posteriorzoo.collection import compare, evaluate
+    from posteriorzoo.collection import compare, diagnose, evaluate
     from posteriorzoo.collection.comparison import parameter_keys
     from posteriorzoo.metrics import OOD_SCORES
     from posteriorzoo.provenance import describe_input, record
@@ -260,6 +266,10 @@ def build_report(target: str | os.PathLike,
                 bins=bins, n_images=n_images, seed=seed,
                 n_pairs=n_pairs if entry["name"] == collapse else 0)
         rows = [_row(entry, comparison, evaluations[entry["name"]]) for entry in entries]
+        # The inputs were verified as compare read them; IDMI is in Table 1 already.
+        diagnostics = [diagnosis_row(entry["name"], diagnose(entry["path"], predictions=False,
+                                                             verify=False))
+                       for entry in entries]
         drawn, notes = ({}, {})
         if figures:
             from analysis.report.figures import report_figures
@@ -271,7 +281,7 @@ def build_report(target: str | os.PathLike,
         info, rows, noise, per_layer,
         {"id": id_data, "ood": ood_data, "images": first.image_counts, "bins": bins,
          "ood_score": ood_score, "collapse": collapse},
-        tests=tests, figures=drawn, figure_notes=notes,
+        tests=tests, diagnostics=diagnostics, figures=drawn, figure_notes=notes,
         provenance=record(
             "posteriorzoo report", command=command,
             inputs={"target": describe_input(target),
@@ -282,6 +292,36 @@ def build_report(target: str | os.PathLike,
                      "test": test, "bins": bins, "ood_score": ood_score,
                      "n_images": n_images, "splits": splits, "n_pairs": n_pairs,
                      "collapse": collapse, "held_out": held_out}))
+
+
+def diagnosis_row(name: str, diagnosis: Any) -> dict[str, Any]:
+    """One line of the report's diagnostics section: the flags and what the samples say
+    (:func:`posteriorzoo.collection.diagnose`)."""
+    parts = []
+    for chain in diagnosis.chains or []:
+        temperature = chain["kinetic_temperature"]
+        shown = ("not recorded" if temperature is None else
+                 ", ".join(f"{t:.2f}" for t in temperature if t is not None)
+                 + f" (exact chain {chain['exact_temperature']:.2f})")
+        parts.append(
+            f"mode {chain['mode']}: {chain['chains']} chain(s) x {chain['draws']} draws, ESS "
+            f"median {chain['ess']['median']:.1f}, R-hat median {chain['r_hat']['median']:.2f},"
+            f" lag-1 autocorrelation {chain['autocorrelation'].get('1', {}).get('median', 0):.2f},"
+            f" halves {chain['drift']['median']:.2f} sd apart, kinetic temperature {shown}")
+    layers = [v for v in diagnosis.variational or [] if v.get("moved_factor") is not None]
+    if layers:
+        worst = max(layers, key=lambda v: v["moved_factor"])
+        parts.append(f"sigma moved at most x{worst['moved_factor']:.2f} from its initial "
+                     f"value ({worst['layer']}: {worst['sample_sigma']:.3g} against "
+                     f"{worst['initial_sigma']:.3g})")
+    accuracy = diagnosis.diversity.get("test_accuracy")
+    if accuracy:
+        parts.append(f"member test accuracy {accuracy['min']:.3f} to {accuracy['max']:.3f} "
+                     f"(std {accuracy['std']:.3f})")
+    if diagnosis.unknown:
+        parts.append(f"{len(diagnosis.unknown)} item(s) not recorded")
+    return {"name": name, "method": diagnosis.method, "flags": list(diagnosis.flags),
+            "summary": "; ".join(parts)}
 
 
 def _row(entry: Mapping[str, Any], comparison: Any, evaluation: Any) -> dict[str, Any]:

@@ -166,6 +166,7 @@ higher for accuracy and AUPR.</p></div>
 <h2>MMD detail (Table 2)</h2>
 {table2}
 {_tests_html(report)}
+{_diagnostics_html(report)}
 <h2>Figures</h2>
 {figures}
 <h2>Provenance</h2>
@@ -182,7 +183,8 @@ def markdown_page(report: ReportResult) -> str:
              "", tables.markdown_table(tables.TABLE1_HEADER, rows1),
              *[f"- {line}" for line in _verdicts(report, markdown_text)], "", caption2, "",
              tables.markdown_table(tables.TABLE2_HEADER,
-                                   tables.table2_rows(report.rows, markdown_text))]
+                                   tables.table2_rows(report.rows, markdown_text)),
+             *_diagnostics_markdown(report)]
     lines += [f"![{name}](figures/{name}.png)\n\n{FIGURE_CAPTIONS.get(name, name)}\n"
               for name in report.figures]
     lines += ["## Provenance", "", "```json",
@@ -196,6 +198,36 @@ def table1_text(report: ReportResult) -> str:
     return "\n".join([caption, "", tables.markdown_table(
         tables.TABLE1_HEADER, tables.table1_rows(report.rows, markdown_text)
         + _noise_rows(report)), *_verdicts(report, markdown_text)])
+
+
+DIAGNOSTICS_CAPTION = (
+    "Diagnostics (posteriorzoo diagnose): what each collection's samples say, whatever its "
+    "method promises. Chains: effective sample size and rank-normalised split R-hat per "
+    "weight (ArviZ; flags below half the draws and above 1.05), lag-1 autocorrelation, the "
+    "distance between the halves of each chain in standard deviations, and the recorded "
+    "kinetic temperature (flag above 1.1 x the exact chain's). Variational: the samples' "
+    "sigma against its initial value (flag within a factor 1.25 in every layer).")
+
+
+def _diagnostics_cells(report: ReportResult) -> list[list[str]]:
+    return [[d["name"], "; ".join(d["flags"]) or "none", d["summary"]]
+            for d in report.diagnostics]
+
+
+def _diagnostics_html(report: ReportResult) -> str:
+    if not report.diagnostics:
+        return ""
+    return "<h2>Diagnostics</h2>" + tables.html_table(
+        ["Method", "Flags", "What the samples say"], _diagnostics_cells(report),
+        caption=DIAGNOSTICS_CAPTION, table_id="diagnostics")
+
+
+def _diagnostics_markdown(report: ReportResult) -> list[str]:
+    if not report.diagnostics:
+        return []
+    cells = [[markdown_text(cell) for cell in row] for row in _diagnostics_cells(report)]
+    return ["", "## Diagnostics", "", DIAGNOSTICS_CAPTION, "",
+            tables.markdown_table(["Method", "Flags", "What the samples say"], cells)]
 
 
 def _tests_html(report: ReportResult) -> str:
