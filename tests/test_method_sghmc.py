@@ -240,3 +240,87 @@ def test_bad_log_posterior_options():
         sghmc.log_posterior_grad(model, params, buffers, batch, 0, 1.0)
     with pytest.raises(InvalidOptionError, match="'prior_precision'"):
         sghmc.log_posterior_grad(model, params, buffers, batch, 10, -1.0)
+
+
+# --- the minibatch-noise correction (Chen et al. section 3.2) --------------------------------
+
+def _noisy_gaussian_chain(correct: bool, noise_std: float, seed: int = 0, chains: int = 2000,
+                          steps: int = 3000, lr: float = 0.01, alpha: float = 0.2):
+    """SGHMC on the 2-D Gaussian target whose exact gradient gets N(0, noise_std^2) added per
+    step, as a minibatch would; ``correct`` subtracts beta_hat from the running estimate.
+    Returns the draws of the last step of ``chains`` parallel chains and the mean kinetic
+    temperature over the second half."""
+    generator = torch.Generator().manual_seed(seed)
+    noise_generator = torch.Generator().manual_seed(seed + 1)
+    state = sghmc.init({"theta": MEAN.expand(chains, 2).clone()})
+    estimate, temperatures = None, []
+    for step in range(steps):
+        exact = -(state.params["theta"] - MEAN) @ PRECISION
+        noisy = exact + noise_std * torch.randn(exact.shape, generator=noise_generator,
+                                                dtype=exact.dtype)
+        beta = None
+        if correct:
+            estimate = sghmc.noise_update(estimate, {"theta": noisy}, 0.99)
+            if step >= 200:
+                beta, capped = sghmc.beta_hat(estimate, lr, alpha)
+                assert capped < 0.01   # the estimate's own noise, rarely past the cap
+        state = sghmc.update(state, {"theta": noisy}, lr, alpha, generator, beta)
+        if step >= steps // 2:
+            temperatures.append(sghmc.kinetic_temperature(state, lr))
+    return state.params["theta"], sum(temperatures) / len(temperatures)
+
+
+def test_exact_chain_has_the_discretisations_kinetic_temperature():
+    _, temperature = _noisy_gaussian_chain(correct=False, noise_std=0.0)
+    assert temperature == pytest.approx(1 / (1 - 0.2 / 2), rel=0.02)
+
+
+def test_gradient_noise_heats_the_chain_and_the_correction_cools_it():
+    # Noise variance V = 16 at lr 0.01: lr V / 2 = 0.08 of alpha = 0.2, so an uncorrected
+    # chain's covariance is inflated by about 1 + lr V / (2 alpha) = 1.4.
+    hot, hot_temperature = _noisy_gaussian_chain(correct=False, noise_std=4.0)
+    assert not _moments_match(hot)
+    assert hot_temperature > 1.3
+    draws, temperature = _noisy_gaussian_chain(correct=True, noise_std=4.0)
+    assert _moments_match(draws)
+    assert temperature == pytest.approx(1 / (1 - 0.2 / 2), rel=0.02)
+
+
+def test_noise_estimate_is_the_gradient_variance():
+    generator = torch.Generator().manual_seed(5)
+    estimate = None
+    for _ in range(3000):
+        estimate = sghmc.noise_update(
+            estimate, {"g": 3.0 + 2.0 * torch.randn(1000, generator=generator,
+                                                    dtype=torch.float64)}, 0.99)
+    assert float(estimate.variance["g"].mean()) == pytest.approx(4.0, rel=0.05)
+    beta, capped = sghmc.beta_hat(estimate, 0.01, 0.5)
+    assert float(beta["g"].mean()) == pytest.approx(0.01 * 4.0 / 2, rel=0.05)
+    _, capped = sghmc.beta_hat(estimate, 1.0, 0.5)     # lr V / 2 = 2 > 0.95 alpha
+    assert capped == 1.0
+
+
+def test_one_step_equals_the_posteriors_library():
+    """posteriors 0.1.3's SGHMC (sigma = 1, temperature 1): m' = m + eps g - eps alpha_p m +
+    N(0, eps (2 alpha_p - eps beta_p)), theta' = theta + eps m. With v = eps m, alpha =
+    eps alpha_p, lr = eps^2 and beta_hat = eps^2 beta_p / 2 its momentum step is ours; its
+    position moves with the old momentum, ours with the new one."""
+    sghmc_lib = pytest.importorskip("posteriors.sgmcmc.sghmc")
+    eps, alpha_p, beta_p = 0.1, 1.0, 2.0
+    theta = torch.tensor([0.3, -1.2, 2.0], dtype=torch.float64)
+    m = torch.tensor([0.5, 0.1, -0.4], dtype=torch.float64)
+    scale = torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)
+
+    def log_posterior(params, batch):
+        return -0.5 * (scale * params["w"] ** 2).sum(), torch.tensor([])
+
+    torch.manual_seed(11)
+    theirs, _ = sghmc_lib.update(sghmc_lib.init({"w": theta}, momenta={"w": m}), None,
+                                 log_posterior, lr=eps, alpha=alpha_p, beta=beta_p)
+    state = sghmc.init({"w": theta}, momentum={"w": eps * m})
+    beta = {"w": torch.full((3,), eps**2 * beta_p / 2, dtype=torch.float64)}
+    ours = sghmc.update(state, {"w": -scale * theta}, eps**2, eps * alpha_p,
+                        torch.Generator().manual_seed(11), beta)
+    torch.testing.assert_close(ours.momentum["w"], eps * theirs.momenta["w"])
+    torch.testing.assert_close(ours.params["w"], theirs.params["w"] - eps * m
+                               + eps * theirs.momenta["w"])

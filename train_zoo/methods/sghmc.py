@@ -1,10 +1,21 @@
 """SGHMC (Chen et al. 2014): stochastic-gradient Hamiltonian Monte Carlo, one chain.
 
-The update (Chen et al.'s "SGD with momentum" form, with the gradient-noise estimate
-``beta_hat = 0``)::
+The update (Chen et al.'s "SGD with momentum" form, eq. 15)::
 
-    v     <- (1 - alpha) v + lr * grad log p(theta | D) + N(0, 2 alpha lr)
+    v     <- (1 - alpha) v + lr * grad log p(theta | D) + N(0, 2 (alpha - beta_hat) lr)
     theta <- theta + v
+
+``beta_hat = lr V_hat / 2`` is the part of the friction the minibatch gradient's own
+noise already supplies (Chen et al. section 3.2), ``V_hat`` the per-coordinate variance of
+the (full-data scale) minibatch gradient. With ``beta_hat = 0`` that noise adds to the
+injected noise and the chain runs hot: its kinetic temperature ``mean(v^2) / lr``
+(:func:`kinetic_temperature`; ``1 / (1 - alpha / 2)`` for an exact chain of this
+discretisation, 1.05 at ``alpha = 0.1``) rises with ``lr V / (2 alpha)``. The trainer
+estimates ``V_hat`` from the running mean of half the squared difference of successive
+minibatch gradients (:class:`GradientNoise`, :func:`noise_update`) and subtracts ``beta_hat``
+(:func:`beta_hat`), capped below ``alpha``: where the cap binds, the step size is too
+large for the gradient noise and the chain stays hot, which the recorded temperature
+shows.
 
 ``log p(theta | D)`` is the *full-data*, untempered log posterior: ``N`` times the mean
 per-example log-likelihood of the minibatch, plus the log prior (:func:`log_posterior`).
@@ -42,9 +53,13 @@ from posteriorzoo.errors import InvalidOptionError
 from train_zoo.methods.common import Params, logits
 
 __all__ = [
+    "GradientNoise",
     "SghmcState",
+    "beta_hat",
     "chain_schedule",
     "init",
+    "kinetic_temperature",
+    "noise_update",
     "log_posterior",
     "log_posterior_grad",
     "prior_precision_from_weight_decay",
@@ -132,8 +147,98 @@ def _noise_std(lr: float, alpha: float) -> float:
     return math.sqrt(2.0 * alpha * lr)
 
 
+@dataclass(frozen=True)
+class GradientNoise:
+    """Running estimate of the minibatch gradient's variance, per coordinate.
+
+    Attributes
+    ----------
+    previous : dict[str, torch.Tensor]
+        The last minibatch gradient seen, keyed like the chain's parameters.
+    variance : dict[str, torch.Tensor]
+        ``V_hat``: the bias-corrected exponentially weighted mean of
+        ``(g_t - g_{t-1})^2 / 2``.
+    count : int
+        Differences seen.
+    decay : float
+        Weight of the past in the running mean.
+    """
+
+    previous: Params
+    variance: Params
+    count: int = 0
+    decay: float = 0.99
+
+
+def noise_update(noise: GradientNoise | None, grad_log_posterior: Mapping[str, torch.Tensor],
+                 decay: float) -> GradientNoise:
+    """Add one minibatch gradient to the running estimate (``None``: start one).
+
+    Two successive minibatch gradients are independent draws around nearly the same true
+    gradient (the chain moves little in one step), so half their squared difference
+    estimates the minibatch noise ``V`` without the slower change of the true gradient
+    along the chain. The exponentially weighted mean (weight ``1 - decay``) is
+    bias-corrected like Adam's moments: ``V_hat = m / (1 - decay^count)``.
+    """
+    decay = _number("noise_decay", decay, 0, 1, strict=True)
+    if decay == 1:
+        raise InvalidOptionError("sghmc option 'noise_decay' must be below 1, not 1")
+    if noise is None:
+        return GradientNoise({k: g.detach().clone() for k, g in grad_log_posterior.items()},
+                             {k: torch.zeros_like(g) for k, g in grad_log_posterior.items()},
+                             0, decay)
+    count = noise.count + 1
+    correction = 1.0 - decay ** count
+    previous_correction = 1.0 - decay ** noise.count if noise.count else 1.0
+    variance = {}
+    for name, g in grad_log_posterior.items():
+        half_square = 0.5 * (g.detach() - noise.previous[name]) ** 2
+        running = noise.variance[name] * previous_correction if noise.count else 0.0
+        variance[name] = (decay * running + (1 - decay) * half_square) / correction
+    return GradientNoise({k: g.detach().clone() for k, g in grad_log_posterior.items()},
+                         variance, count, decay)
+
+
+#: ``beta_hat`` is capped at this fraction of ``alpha`` (the injected noise stays positive).
+BETA_CAP = 0.95
+
+
+def beta_hat(noise: GradientNoise, lr: float, alpha: float) -> tuple[Params, float]:
+    """``min(lr V_hat / 2, BETA_CAP alpha)`` per coordinate, and the fraction capped.
+
+    Returns
+    -------
+    beta : dict[str, torch.Tensor]
+        Keyed like the parameters.
+    capped : float
+        Fraction of the coordinates whose estimate exceeded the cap (there the chain is
+        hotter than its temperature: lower ``lr`` or raise ``alpha``).
+    """
+    cap = BETA_CAP * alpha
+    beta, capped, total = {}, 0, 0
+    for name, variance in noise.variance.items():
+        raw = 0.5 * lr * variance
+        capped += int((raw > cap).sum())
+        total += raw.numel()
+        beta[name] = raw.clamp(max=cap)
+    return beta, capped / max(total, 1)
+
+
+def kinetic_temperature(state: SghmcState, lr: float) -> float:
+    """``mean(v^2) / lr`` over every coordinate of the chain's momentum.
+
+    At the sampler's temperature (1) the momentum of this discretisation has variance
+    ``lr / (1 - alpha / 2)`` per coordinate; minibatch noise that was not corrected for
+    raises it.
+    """
+    squares = sum(float(v.double().square().sum()) for v in state.momentum.values())
+    count = sum(v.numel() for v in state.momentum.values())
+    return squares / count / lr
+
+
 def update(state: SghmcState, grad_log_posterior: Mapping[str, torch.Tensor], lr: float,
-           alpha: float, generator: torch.Generator) -> SghmcState:
+           alpha: float, generator: torch.Generator,
+           beta: Mapping[str, torch.Tensor] | None = None) -> SghmcState:
     """One SGHMC step.
 
     Parameters
@@ -149,23 +254,31 @@ def update(state: SghmcState, grad_log_posterior: Mapping[str, torch.Tensor], lr
     generator : torch.Generator
         The only source of randomness (on the parameters' device); one standard normal
         tensor per parameter, in the parameters' order.
+    beta : Mapping[str, torch.Tensor], optional
+        ``beta_hat`` per coordinate (:func:`beta_hat`), each below ``alpha``; default 0.
 
     Returns
     -------
     SghmcState
-        ``v' = (1 - alpha) v + lr * grad + sqrt(2 alpha lr) * z``, ``theta' = theta + v'``,
-        ``step + 1``.
+        ``v' = (1 - alpha) v + lr * grad + sqrt(2 (alpha - beta) lr) * z``,
+        ``theta' = theta + v'``, ``step + 1``.
     """
     lr = _number("lr", lr, 0, strict=True)
     alpha = _number("alpha", alpha, 0, 1, strict=True)
     _check_like("grad_log_posterior", grad_log_posterior, state.params)
+    if beta is not None:
+        _check_like("beta", beta, state.params)
     std = _noise_std(lr, alpha)
     params, momentum = {}, {}
     for name, theta in state.params.items():
         noise = torch.randn(theta.shape, generator=generator, dtype=theta.dtype,
                             device=theta.device)
+        if beta is not None:
+            noise = noise * torch.sqrt(2.0 * (alpha - beta[name].to(theta.dtype)) * lr)
+        else:
+            noise = std * noise
         velocity = ((1 - alpha) * state.momentum[name]
-                    + lr * grad_log_posterior[name].detach().to(theta.dtype) + std * noise)
+                    + lr * grad_log_posterior[name].detach().to(theta.dtype) + noise)
         momentum[name] = velocity
         params[name] = theta + velocity
     return SghmcState(params=params, momentum=momentum, step=state.step + 1)
