@@ -7,15 +7,19 @@ STAMP := $(VENV)/.installed-stamp
 # build of 2.13.0, and an unpinned torch would pull several GB of CUDA packages.
 TORCH_SPEC ?= torch==2.13.0
 # Test oracles (laplace-torch 0.3 and its curvature backends; torch-uncertainty 0.13 for FPR95,
-# whose metric module the tests load from its file), pinned and installed without
-# their declared dependencies: a plain install would pull torchvision (no working CPU build
+# whose metric module the tests load from its file; BLiTZ 0.2.8 for BBB's layers), pinned
+# and installed without their declared dependencies: a plain install would pull
+# torchvision (no working CPU build
 # next to torch 2.13.0; torchmetrics imports it whenever it is present, then fails) and a
 # CUDA torch. Only tests import them (pytest.importorskip); the package never does.
+# posteriors 0.1.3 (SGHMC's oracle) is the exception: it and its pinned dependencies
+# install normally (ORACLE_DEPS), as the pinned torch satisfies them.
 ORACLE_STAMP := $(VENV)/.oracles-stamp
 ORACLE_DEPS := numpy scipy tqdm packaging typing_extensions einops==0.8.2 opt-einsum==3.4.0
 ORACLES := laplace-torch==0.3 curvlinops-for-pytorch==3.0.1 backpack-for-pytorch==1.7.1 \
 	asdfghjkl==0.1a4 torchmetrics==1.9.0 lightning-utilities==0.15.3 einconv==0.1.0 \
-	unfoldNd==0.2.3 linear_operator==0.6.1 torch-uncertainty==0.13.0
+	unfoldNd==0.2.3 linear_operator==0.6.1 torch-uncertainty==0.13.0 \
+	blitz-bayesian-pytorch==0.2.8
 
 .PHONY: demo test lint bench clean-venv
 

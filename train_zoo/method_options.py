@@ -25,13 +25,19 @@ modules; each number has a range, with its reason at the constants below:
     ``thin`` (200 steps), each at most :data:`MAX_SGHMC_STEPS`, ``prior_precision``
     (``"training"`` for N x weight decay, or a number in :data:`PRIOR_PRECISION_RANGE`).
 ``bbb``
-    The fields of :class:`train_zoo.methods.bbb.BBBOptions` (prior N(0, 0.1^2), rho init
-    -7 / -6, 3 ELBO samples, ``kl_weight`` 1/N when unset).
+    ``preset`` (``"paper"``: SGD at the recipe's learning rate, the paper's Table 1, or
+    ``"trained-variance"``: Adam for ``rho``, whose ``sigma`` then trains), ``optimizer``,
+    ``lr``, ``rho_optimizer`` and ``rho_lr`` (:class:`train_zoo.methods.bbb.BBBTraining`),
+    and the fields of
+    :class:`train_zoo.methods.bbb.BBBOptions` (prior N(0, 0.1^2), rho init -7 / -6, 3 ELBO
+    samples, ``kl_weight`` 1/N when unset); one line of help each in
+    :data:`train_zoo.methods.bbb.OPTION_HELP`. The paper's training records only the
+    latter, as collections made before the others existed
+    (:func:`train_zoo.methods.bbb.resolve_options`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -133,12 +139,12 @@ def _sghmc(options: dict[str, Any], architecture: str, recipe: Recipe) -> dict[s
 
 
 def _bbb(options: dict[str, Any], architecture: str, recipe: Recipe) -> dict[str, Any]:
-    from train_zoo.methods.bbb import BBBOptions
+    from train_zoo.methods.bbb import resolve_options
 
-    names = {field.name for field in dataclasses.fields(BBBOptions)}
-    given = {name: options.pop(name) for name in list(options) if name in names}
+    given = dict(options)
+    options.clear()  # resolve_options names every unknown option with the full list
     try:
-        return dataclasses.asdict(BBBOptions(**given))
+        return resolve_options(given, recipe.lr)
     except InvalidOptionError as error:
         raise InvalidOptionError(f"bbb option {error}") from None
 

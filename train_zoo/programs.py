@@ -50,7 +50,7 @@ from train_zoo.steppers import (
 from train_zoo.torch_engine import TorchSGD, finish, initial_model, torch_batches
 from train_zoo.torch_engine import train_base as torch_train_base
 
-__all__ = ["produce_mode"]
+__all__ = ["BBBTrainingRun", "produce_mode", "train_bbb"]
 
 StateDict = dict[str, torch.Tensor]
 #: Examples per batch when a method reads the training set without training on it.
@@ -178,27 +178,70 @@ def _sghmc(spec, index, data, engine, callbacks, model, seeds):
     return [{**sample, **buffers} for sample in kept], result.steps
 
 
-def _bbb(spec, index, data, engine, callbacks, seeds):
+@dataclasses.dataclass(frozen=True)
+class BBBTrainingRun:
+    """One mode's trained BBB posterior (:func:`train_bbb`).
+
+    Attributes
+    ----------
+    model : nn.Module
+        The base architecture (its own weights unused).
+    state : bbb.BBBState
+        The variational posterior at the end.
+    buffers : dict of str to tensor or None
+        BatchNorm statistics (torch engine), None on the fast engine.
+    steps : int
+    engine : str
+        The engine that ran it (``fast`` or ``torch``).
+    record : dict
+        What the diagnostics need, JSON-able: ``{"method": "bbb", "layers": {name:
+        {"sigma_median_start", "sigma_median_end", "rho_max_change"}}, "elbo":
+        {"first_epoch": {...}, "last_epoch": {...}}}``
+        (:func:`train_zoo.methods.bbb.variance_record`,
+        :meth:`train_zoo.steppers.ElboLog.record`).
+    """
+
+    model: nn.Module
+    state: bbb.BBBState
+    buffers: dict[str, torch.Tensor] | None
+    steps: int
+    engine: str
+    record: dict[str, object]
+
+
+def train_bbb(spec: ZooSpec, index: int, data: TrainingData, engine: str,
+              callbacks: Sequence[object] = ()) -> BBBTrainingRun:
+    """Train mode ``index`` of a BBB spec: the variational posterior and its record."""
     recipe = spec.recipe
+    seeds = checkpoint_seeds(spec.base_seed, index)
     num_data = len(data.train)
-    options = resolve_kl_weight(spec.method_options, num_data)
+    options, training = bbb.split_options(resolve_kl_weight(spec.method_options, num_data),
+                                          recipe.lr)
     model = initial_model(spec, seeds.init)
-    state = bbb.init(model, _generator(seeds.init), **options)
+    start = bbb.init(model, _generator(seeds.init), **options)
     noise = _generator(seeds.noise)
     layout = layout_for(model, data) if engine == "fast" else None
-    run = BBBRun(noise, num_data, recipe.momentum, recipe.nesterov)
+    run = BBBRun(noise, num_data, recipe.momentum, recipe.nesterov, training.optimizer,
+                 training.rho_optimizer, training.rho_lr_factor)
     if layout is not None:
-        stepper = FastBBBStepper(FastBBB(layout, state), run)
+        stepper = FastBBBStepper(FastBBB(layout, start), run)
     else:
-        stepper = BBBStepper(state, model, run)
+        stepper = BBBStepper(start, model, run)
     result = fit(stepper, _batches(engine, layout, data, spec, seeds.data),
-                 recipe.learning_rate, recipe.epochs, index=index, phase="bbb",
-                 callbacks=callbacks)
-    buffers = getattr(stepper, "buffers", None)
-    samples = bbb.sample(model, stepper.bbb_state(), _generator(seeds.sample),
-                         spec.samples_per_mode, buffers=buffers)
-    used = "fast" if layout is not None else "torch"
-    return samples, result.steps, used
+                 training.schedule(recipe.learning_rate, recipe.lr), recipe.epochs,
+                 index=index, phase="bbb", callbacks=[*callbacks, stepper.log])
+    state = stepper.bbb_state()
+    record = {"method": "bbb", "layers": bbb.variance_record(start, state),
+              "elbo": stepper.log.record()}
+    return BBBTrainingRun(model, state, getattr(stepper, "buffers", None), result.steps,
+                          "fast" if layout is not None else "torch", record)
+
+
+def _bbb(spec, index, data, engine, callbacks, seeds):
+    run = train_bbb(spec, index, data, engine, callbacks)
+    samples = bbb.sample(run.model, run.state, _generator(seeds.sample),
+                         spec.samples_per_mode, buffers=run.buffers)
+    return samples, run.steps, run.engine, run.record
 
 
 def produce_mode(spec: ZooSpec, index: int, data: TrainingData, engine: str,
@@ -225,7 +268,7 @@ def produce_mode(spec: ZooSpec, index: int, data: TrainingData, engine: str,
     started = time.perf_counter()
     seeds = checkpoint_seeds(spec.base_seed, index)
     if spec.method == "bbb":
-        samples, steps, used = _bbb(spec, index, data, engine, callbacks, seeds)
+        samples, steps, used, _ = _bbb(spec, index, data, engine, callbacks, seeds)
     else:
         model, steps, used = _train_base(spec, index, data, engine, callbacks)
         if spec.method == "de":

@@ -99,16 +99,65 @@ class SghmcStepper:
 @dataclass(frozen=True)
 class BBBRun:
     """What every BBB step takes besides the batch: the noise generator, the training-set
-    size (the KL weight's default 1 / N) and the recipe's SGD momentum."""
+    size (the KL weight's default 1 / N), the recipe's SGD momentum, and the optimisers
+    (:class:`~train_zoo.methods.bbb.BBBTraining`: ``rho``'s learning rate is the means'
+    times ``rho_lr_factor`` at every step)."""
 
     generator: torch.Generator
     num_data: int
     momentum: float
     nesterov: bool
+    optimizer: str = "sgd"
+    rho_optimizer: str = "sgd"
+    rho_lr_factor: float = 1.0
+
+    def rho_lr(self, lr: float) -> float:
+        """The learning rate of ``rho`` when the means' is ``lr`` (``lr`` itself for a
+        factor of 1, so the paper's runs are unchanged to the bit)."""
+        return lr if self.rho_lr_factor == 1 else lr * self.rho_lr_factor
+
+
+class ElboLog:
+    """The ELBO's terms averaged over each epoch, kept for the first and the last.
+
+    The BBB steppers :meth:`add` every step's terms; as a callback of
+    :func:`train_zoo.loop.fit` it closes an epoch at ``on_epoch_end``. :meth:`record` is
+    JSON-able.
+    """
+
+    def __init__(self, kl_weight: float) -> None:
+        self.kl_weight = kl_weight
+        self._nll, self._kl, self._steps = 0.0, 0.0, 0
+        self.first: dict[str, float] | None = None
+        self.last: dict[str, float] | None = None
+
+    def add(self, nll: float, kl: float) -> None:
+        self._nll += nll
+        self._kl += kl
+        self._steps += 1
+
+    def on_epoch_end(self, info, weights) -> None:
+        if not self._steps:
+            return
+        nll, kl = self._nll / self._steps, self._kl / self._steps
+        epoch = {"epoch": info.epoch, "steps": self._steps, "nll": nll, "kl": kl,
+                 "kl_weight": self.kl_weight, "negative_elbo": nll + self.kl_weight * kl}
+        if self.first is None:
+            self.first = epoch
+        self.last = epoch
+        self._nll, self._kl, self._steps = 0.0, 0.0, 0
+
+    def record(self) -> dict[str, dict[str, float] | None]:
+        """``{"first_epoch": ..., "last_epoch": ...}``, each with the epoch (0-based), its
+        steps, the mean expected NLL per example (``nll``), KL in nats (``kl``),
+        ``kl_weight`` and ``negative_elbo = nll + kl_weight * kl`` (per example); None
+        before an epoch has ended."""
+        return {"first_epoch": self.first, "last_epoch": self.last}
 
 
 class BBBStepper:
-    """BBB's SGD on the negative ELBO with torch.func (:func:`train_zoo.methods.bbb.step`)."""
+    """BBB's SGD or Adam on the negative ELBO with torch.func
+    (:func:`train_zoo.methods.bbb.elbo_and_grad`, :func:`~train_zoo.methods.bbb.update`)."""
 
     def __init__(self, state: bbb.BBBState, model: nn.Module, run: BBBRun) -> None:
         self.state = state
@@ -116,13 +165,18 @@ class BBBStepper:
         self.buffers = {name: value.detach().clone() for name, value in model.named_buffers()}
         self.run = run
         self.stopped = False
+        self.log = ElboLog(state.options.kl_weight_for(run.num_data))
 
     def step(self, batch: tuple, lr: float) -> float:
         self.model.train()
-        self.state, loss = bbb.step(self.state, self.model, self.buffers, batch,
-                                    self.run.generator, self.run.num_data, lr,
-                                    momentum=self.run.momentum, nesterov=self.run.nesterov)
-        value = float(loss)
+        terms, grads = bbb.elbo_and_grad(self.state, self.model, self.buffers, batch,
+                                         self.run.generator, self.run.num_data)
+        self.state = bbb.update(self.state, grads, lr, momentum=self.run.momentum,
+                                nesterov=self.run.nesterov, optimizer=self.run.optimizer,
+                                rho_lr=self.run.rho_lr(lr),
+                                rho_optimizer=self.run.rho_optimizer)
+        self.log.add(float(terms.nll), float(terms.kl))
+        value = float(terms.loss)
         self.stopped = not math.isfinite(value)
         return value
 
@@ -134,17 +188,22 @@ class BBBStepper:
 
 
 class FastBBBStepper:
-    """BBB's SGD on the numba kernels (:class:`~train_zoo.methods.bbb_fast.FastBBB`)."""
+    """BBB's SGD or Adam on the numba kernels
+    (:class:`~train_zoo.methods.bbb_fast.FastBBB`)."""
 
     def __init__(self, fast: FastBBB, run: BBBRun) -> None:
         self.fast = fast
         self.run = run
         self.stopped = False
+        self.log = ElboLog(fast.options.kl_weight_for(run.num_data))
 
     def step(self, batch: tuple, lr: float) -> float:
         x, labels = batch
         loss = self.fast.step(x, labels, self.run.generator, self.run.num_data, lr,
-                              momentum=self.run.momentum, nesterov=self.run.nesterov)
+                              momentum=self.run.momentum, nesterov=self.run.nesterov,
+                              optimizer=self.run.optimizer, rho_lr=self.run.rho_lr(lr),
+                              rho_optimizer=self.run.rho_optimizer)
+        self.log.add(self.fast.nll, self.fast.kl)
         self.stopped = not math.isfinite(loss)
         return loss
 

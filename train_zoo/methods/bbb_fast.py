@@ -27,7 +27,14 @@ from posteriorzoo.errors import InvalidOptionError
 from train_zoo.fast.gradients import fast_loss_and_grad
 from train_zoo.fast.kernels import sgd_update
 from train_zoo.fast.layout import NetLayout
-from train_zoo.methods.bbb import _HALF_LOG_2PI, BBBGrads, BBBState, draw_noise
+from train_zoo.methods.bbb import (
+    _HALF_LOG_2PI,
+    OPTIMIZERS,
+    BBBState,
+    OptimizerState,
+    _adam,
+    draw_noise,
+)
 from train_zoo.methods.common import Params
 
 __all__ = ["FastBBB"]
@@ -41,9 +48,11 @@ class FastBBB:
     """A :class:`BBBState` of an OptuNet-shaped network, stepped by the numba kernels.
 
     Holds ``mu`` and ``rho`` in one flat float32 vector ``params`` ``(2P,)`` (``mu`` then
-    ``rho``, each in state_dict order) with SGD's momentum buffer. Each step draws its
-    noise with :func:`draw_noise` exactly as :func:`~train_zoo.methods.bbb.loss_and_grad`
-    does and takes one kernel call per ELBO sample; the loss is cross-entropy.
+    ``rho``, each in state_dict order) with the optimisers' buffers (SGD's momentum, or
+    Adam's two moments; one optimiser for ``mu``, one for ``rho``). Each step draws its
+    noise with :func:`draw_noise` exactly as
+    :func:`~train_zoo.methods.bbb.loss_and_grad` does and takes one kernel call per ELBO
+    sample; the loss is cross-entropy.
 
     Parameters
     ----------
@@ -59,7 +68,15 @@ class FastBBB:
     mu, rho : float32 arrays ``(P,)``
         Views into ``params``.
     grad, momentum_buffer : float32 arrays ``(2 P,)``
-        The last step's gradient and SGD's momentum buffer.
+        The last step's gradient and SGD's momentum buffers.
+    adam_first, adam_second : float32 arrays ``(2 P,)``
+        Adam's moments (zeros where Adam has not stepped).
+    buffers : dict
+        ``{"mu": (kind, steps) or None, "rho": ...}``: which optimiser's buffers each
+        half holds and its steps (None: none yet, or SGD without momentum).
+    nll, kl : float
+        The last step's terms of the loss (:class:`~train_zoo.methods.bbb.ElboTerms`):
+        the expected NLL per example and the KL in nats.
     """
 
     def __init__(self, layout: NetLayout, state: BBBState) -> None:
@@ -79,10 +96,21 @@ class FastBBB:
         self.rho = self.params[self.size:]
         self.grad = np.zeros_like(self.params)
         self.momentum_buffer = np.zeros_like(self.params)
-        self.has_buffer = state.momentum is not None
-        if self.has_buffer:
-            self.momentum_buffer[:] = np.concatenate([_flat(state.momentum.mu, keys),
-                                                      _flat(state.momentum.rho, keys)])
+        self.adam_first = np.zeros_like(self.params)
+        self.adam_second = np.zeros_like(self.params)
+        self.nll, self.kl = math.nan, math.nan
+        self._parts = {"mu": slice(0, self.size), "rho": slice(self.size, 2 * self.size)}
+        self.buffers: dict[str, tuple[str, int] | None] = {}
+        for group, old in (("mu", state.mu_buffers), ("rho", state.rho_buffers)):
+            self.buffers[group] = None if old is None else (old.kind, old.steps)
+            if old is None:
+                continue
+            part = self._parts[group]
+            if old.kind == "sgd":
+                self.momentum_buffer[part] = _flat(old.first, keys)
+            else:
+                self.adam_first[part] = _flat(old.first, keys)
+                self.adam_second[part] = _flat(old.second, keys)
         self._like = {key: torch.empty(value.shape, dtype=torch.float32)
                       for key, value in state.rho.items()}
         self._wgrad = np.empty(self.size, dtype=np.float32)
@@ -141,20 +169,62 @@ class FastBBB:
             grad_sigma -= np.float32(kl_weight) / sigma
         self.grad[:self.size] = grad_mu
         self.grad[self.size:] = grad_sigma * dsigma_drho
+        self.nll, self.kl = data / count, kl
         return float(np.float32(data / count + kl_weight * kl))
 
     def step(self, x: np.ndarray, labels: np.ndarray, generator: torch.Generator,
-             num_data: int, lr: float, *, momentum: float = 0.0, nesterov: bool = False
-             ) -> float:
-        """:meth:`loss_and_grad` then the SGD step of :func:`~train_zoo.methods.bbb.update`
-        (bit-identical to it given the same gradient); returns the loss before the update."""
+             num_data: int, lr: float, *, momentum: float = 0.0, nesterov: bool = False,
+             optimizer: str = "sgd", rho_lr: float | None = None,
+             rho_optimizer: str | None = None) -> float:
+        """:meth:`loss_and_grad` then the step of :func:`~train_zoo.methods.bbb.update`
+        (SGD: bit-identical to it given the same gradient; Adam: the same function on the
+        flat halves); returns the loss before the update."""
         if nesterov and momentum == 0:
             raise InvalidOptionError("nesterov needs momentum > 0")
+        rho_optimizer = optimizer if rho_optimizer is None else rho_optimizer
+        kinds = {"mu": optimizer, "rho": rho_optimizer}
+        for (group, kind), option in zip(kinds.items(), ("optimizer", "rho_optimizer"),
+                                         strict=True):
+            if kind not in OPTIMIZERS:
+                raise InvalidOptionError(f"{option} must be one of {', '.join(OPTIMIZERS)}, "
+                                         f"not {kind!r}")
+            held = self.buffers[group]
+            if held is not None and held[0] != kind:
+                raise InvalidOptionError(f"{option} is {kind}, but the state holds the "
+                                         f"buffers of {held[0]}")
         loss = self.loss_and_grad(x, labels, generator, num_data)
-        sgd_update(self.params, self.grad, self.momentum_buffer, lr, 0.0, momentum, nesterov,
-                   self.has_buffer)
-        self.has_buffer = self.has_buffer or momentum != 0
+        rates = {"mu": lr, "rho": lr if rho_lr is None else rho_lr}
+        if kinds == {"mu": "sgd", "rho": "sgd"} and rates["mu"] == rates["rho"] \
+                and self.buffers["mu"] == self.buffers["rho"]:
+            # the paper's step: one call, as before each half had its own optimiser
+            sgd_update(self.params, self.grad, self.momentum_buffer, lr, 0.0, momentum,
+                       nesterov, self.buffers["mu"] is not None)
+        else:
+            for group, part in self._parts.items():
+                if kinds[group] == "adam":
+                    self._adam_step(part, rates[group], self._steps(group) + 1)
+                else:
+                    sgd_update(self.params[part], self.grad[part], self.momentum_buffer[part],
+                               rates[group], 0.0, momentum, nesterov,
+                               self.buffers[group] is not None)
+        for group, kind in kinds.items():
+            if kind == "adam" or momentum != 0:
+                self.buffers[group] = (kind, self._steps(group) + 1)
         return loss
+
+    def _steps(self, group: str) -> int:
+        held = self.buffers[group]
+        return 0 if held is None else held[1]
+
+    def _adam_step(self, part: slice, lr: float, steps: int) -> None:
+        """:func:`~train_zoo.methods.bbb._adam` on one flat half."""
+        value, first, second = _adam(
+            torch.from_numpy(self.params[part]), torch.from_numpy(self.grad[part]),
+            torch.from_numpy(self.adam_first[part]), torch.from_numpy(self.adam_second[part]),
+            steps, lr)
+        self.params[part] = value.numpy()
+        self.adam_first[part] = first.numpy()
+        self.adam_second[part] = second.numpy()
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The current means in state_dict layout, without copying.
@@ -169,13 +239,21 @@ class FastBBB:
         return self.layout.views(self.mu)
 
     def state(self) -> BBBState:
-        """A copy as a :class:`BBBState` (momentum buffers included once used)."""
+        """A copy as a :class:`BBBState` (the optimisers' buffers included once used)."""
         def tensors(flat: np.ndarray) -> Params:
             return {key: torch.from_numpy(value.copy())
                     for key, value in self.layout.views(flat).items()}
-        momentum = None
-        if self.has_buffer:
-            momentum = BBBGrads(mu=tensors(self.momentum_buffer[:self.size]),
-                                rho=tensors(self.momentum_buffer[self.size:]))
+
+        buffers = {}
+        for group, part in self._parts.items():
+            held = self.buffers[group]
+            if held is None:
+                buffers[group] = None
+            elif held[0] == "sgd":
+                buffers[group] = OptimizerState("sgd", held[1],
+                                                tensors(self.momentum_buffer[part]))
+            else:
+                buffers[group] = OptimizerState("adam", held[1], tensors(self.adam_first[part]),
+                                                tensors(self.adam_second[part]))
         return BBBState(mu=tensors(self.mu), rho=tensors(self.rho), options=self.options,
-                        momentum=momentum)
+                        mu_buffers=buffers["mu"], rho_buffers=buffers["rho"])
