@@ -109,6 +109,20 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_killed_train_leaves_nothing_or_a_resumable_file": ("train", "sigkill"),
         "test_workers_end_when_the_train_process_is_killed": ("train", "orphans"),
     },
+    "test_training_records.py": {
+        "test_a_bad_record_is_refused_before_anything_is_written": ("train", "all or nothing"),
+        "test_a_record_without_checkpoints_is_refused": ("train", "all or nothing"),
+        "test_a_changed_record_is_refused_by_verify_and_by_verified_reads": ("verify",
+                                                                              "content"),
+        "test_a_record_that_is_not_json_is_refused_even_with_its_digest": ("verify",
+                                                                            "content"),
+        "test_a_crafted_record_table_is_refused_at_open": ("info", "structure"),
+        "test_sigkill_between_the_record_and_the_commit_leaves_no_record": ("train",
+                                                                             "sigkill"),
+        "test_a_resumed_writer_records_the_killed_mode_again": ("train", "sigkill"),
+        "test_records_of_an_uncommitted_block_are_dropped_by_the_next_writer": (
+            "train", "all or nothing"),
+    },
     "test_escaping.py": {
         "test_report_with_hostile_names": ("report", "escaping"),
         "test_plot_with_hostile_names": ("plot", "escaping"),

@@ -223,6 +223,20 @@ def _undeclared_rows(path: Path, workdir: Path) -> None:
         handle["committed"][0] = 10**7
 
 
+def _records_wrong_dtype(path: Path, workdir: Path) -> None:
+    """A training-record table whose records are narrower than the format's."""
+    narrow = np.dtype([("mode_id", "<i8"), ("record", "S100"), ("sha256", "S64")])
+    with h5py.File(path, "r+", locking=False) as handle:
+        _replace_dataset(handle, "mode_records", shape=(0,), maxshape=(None,), chunks=(1,),
+                         dtype=narrow)
+
+
+def _records_undeclared_rows(path: Path, workdir: Path) -> None:
+    """More training records declared than the file has checkpoint rows."""
+    with h5py.File(path, "r+", locking=False) as handle:
+        handle["mode_records"].resize(10**7, axis=0)
+
+
 def named_cases() -> dict[str, tuple[str, Craft]]:
     """Every deterministic case: ``{name: (class, craft)}``."""
     cases: dict[str, tuple[str, Craft]] = {}
@@ -240,6 +254,8 @@ def named_cases() -> dict[str, tuple[str, Craft]]:
         "state-entry-deleted": _delete("state/fc.bias"), "short-dataset": _short_dataset,
         "extra-member": _extra_member, "extra-state": _extra_state,
         "wrong-shape": _wrong_shape, "undeclared-rows": _undeclared_rows,
+        "records-deleted": _delete("mode_records"), "records-wrong-dtype": _records_wrong_dtype,
+        "records-undeclared-rows": _records_undeclared_rows,
     }
     content = {
         "nan-unflagged": _nan_unflagged, "changed-weight": _changed_weight,

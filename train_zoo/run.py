@@ -2,10 +2,12 @@
 
 The unit of work is a *mode* (:func:`train_zoo.programs.produce_mode`): a base network and
 the ``samples_per_mode`` samples around it, stored with ``mode_id`` (the mode) and
-``sample_id`` (the draw) and appended in one commit. Rerunning the same command after a
-crash or SIGKILL produces exactly the modes the file does not hold yet, so the run ends
-with ``modes x samples_per_mode`` distinct, complete checkpoints whatever happened before,
-bit-identical to an uninterrupted run (a mode depends only on its seeds).
+``sample_id`` (the draw) and appended in one commit with the mode's training record
+(what its method phase recorded, :meth:`posteriorzoo.zoo.Zoo.training_records`).
+Rerunning the same command after a crash or SIGKILL produces exactly the modes the file
+does not hold yet, so the run ends with ``modes x samples_per_mode`` distinct, complete
+checkpoints whatever happened before, bit-identical to an uninterrupted run (a mode
+depends only on its seeds).
 
 A new collection is built under a temporary, locked name next to the output and appears
 at the output path right after its first checkpoint is committed; from then on it is an
@@ -203,10 +205,13 @@ def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: object |
                     if len(mode) < spec.samples_per_mode:
                         continue
                     del pending[result.index]
-                    # A mode's samples in one commit: a collection holds whole modes only.
+                    # A mode's samples in one commit, with what its method phase recorded
+                    # (the same record on every sample): a collection holds whole modes.
+                    record = mode[0].record
                     zoo.append_many([r.state for r in mode],
                                     [r.metadata(spec.recipe.epochs, spec.recipe_hash, source)
-                                     for r in mode])
+                                     for r in mode],
+                                    records=None if record is None else {result.index: record})
                     if not zoo.published:
                         zoo.publish()  # from now on an ordinary, resumable collection
                     trained += len(mode)

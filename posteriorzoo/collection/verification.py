@@ -1,4 +1,5 @@
-"""Verify a collection: structure, architecture, per-checkpoint digests, manifest.
+"""Verify a collection: structure, architecture, per-checkpoint and per-record digests,
+manifest.
 
 :func:`verify` checks a collection file end to end and returns a :class:`VerifyResult`
 (what ``posteriorzoo verify`` prints); :func:`require_ok` turns a failed verification
@@ -15,7 +16,7 @@ import h5py
 
 from posteriorzoo._api import public
 from posteriorzoo.collection._open import Source, opened, source_path
-from posteriorzoo.errors import ChecksumError, ZooFormatError
+from posteriorzoo.errors import ChecksumError, PosteriorZooError, ZooFormatError
 from posteriorzoo.provenance import describe_input, record
 from posteriorzoo.results import CollectionResult, csv_text
 from posteriorzoo.zoo.manifest import MANIFEST_NAME, read_manifest, sha256_file
@@ -39,6 +40,11 @@ class VerifyResult(CollectionResult):
         Checkpoints holding NaN/inf without the ``diverged`` flag.
     metadata_mismatches : list of int
         Checkpoints whose metadata rows differ from their stored SHA-256.
+    records : int
+        Training records of committed modes (schema 3; 0 for older files).
+    record_mismatches : list of int
+        Modes whose training records differ from their stored SHA-256 or are not JSON
+        objects.
     manifest : str
         ``"absent"``, ``"matches"``, ``"MISMATCH"``, ``"unreadable"`` or ``"does not list
         this file"``: what a ``SHA256SUMS`` next to the file says of it.
@@ -54,6 +60,8 @@ class VerifyResult(CollectionResult):
     digest_mismatches: list[int] = field(default_factory=list)
     nonfinite_unflagged: list[int] = field(default_factory=list)
     metadata_mismatches: list[int] = field(default_factory=list)
+    records: int = 0
+    record_mismatches: list[int] = field(default_factory=list)
     manifest: str = "absent"
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -65,7 +73,8 @@ class VerifyResult(CollectionResult):
     def summary(self) -> str:
         """One line: the verdict and the counts behind it."""
         if self.ok:
-            return (f"{self.path}: OK, {self.checkpoints} checkpoints verified "
+            records = f" and {self.records} training records" if self.records else ""
+            return (f"{self.path}: OK, {self.checkpoints} checkpoints{records} verified "
                     f"(digests match; manifest {self.manifest})")
         return f"{self.path}: CORRUPT: " + "; ".join(self.problems)
 
@@ -74,6 +83,7 @@ class VerifyResult(CollectionResult):
                 "digest_mismatches": self.digest_mismatches,
                 "nonfinite_unflagged": self.nonfinite_unflagged,
                 "metadata_mismatches": self.metadata_mismatches,
+                "records": self.records, "record_mismatches": self.record_mismatches,
                 "manifest": self.manifest, "problems": self.problems, "notes": self.notes}
 
     def tables(self) -> dict[str, str]:
@@ -94,8 +104,9 @@ def verify(source: Source, *, progress: bool = False, command: str | None = None
     Checks that it opens as a collection (its layout, :mod:`posteriorzoo.zoo.layout`,
     and that its tensors fit its architecture when it is registered); that every HDF5
     object and attribute can be read (HDF5's own header checksums catch damage to the
-    file's structure); that each checkpoint's tensors and metadata row equal the SHA-256
-    digests stored when they were written; that non-finite weights only occur in
+    file's structure); that each checkpoint's tensors and metadata row, and each committed
+    mode's training record, equal the SHA-256 digests stored when they were written (and
+    that the records are JSON objects); that non-finite weights only occur in
     checkpoints flagged ``diverged``; and, if a ``SHA256SUMS`` next to the file lists it,
     the whole file's digest.
 
@@ -127,6 +138,7 @@ def verify(source: Source, *, progress: bool = False, command: str | None = None
         if not zoo.has_row_digests:
             result.notes.append("metadata rows are not covered by digests (schema 1 file)")
         _check_digests(zoo, result, progress)
+        _check_records(zoo, result)
     digest = _check_manifest(path, result)
     result.provenance = record("posteriorzoo verify", command=command,
                                inputs={"collection": describe_input(path, digest)})
@@ -184,6 +196,24 @@ def _check_digests(zoo: Zoo, report: VerifyResult, progress: bool) -> None:
                                                        "flag")):
         if indices:
             report.problems.append(f"{len(indices)} checkpoint(s) {what} (first: {indices[:5]})")
+
+
+def _check_records(zoo: Zoo, report: VerifyResult) -> None:
+    """Each committed mode's training record against its digest (schema 3 files)."""
+    if not zoo.has_training_records:
+        report.notes.append("the file stores no training records (schema 1 or 2 file)")
+        return
+    try:
+        report.records = len(zoo.record_rows())
+        problems = zoo.check_records()
+    except PosteriorZooError as error:
+        report.problems.append(f"training records unreadable: {error}")
+        return
+    report.record_mismatches = [mode for mode, _ in problems]
+    if problems:
+        mode, problem = problems[0]
+        report.problems.append(f"{len(problems)} training record(s) damaged (modes "
+                               f"{report.record_mismatches[:5]}; mode {mode}: {problem})")
 
 
 def _check_manifest(path: Path, report: VerifyResult) -> str | None:

@@ -10,6 +10,9 @@ its parsed attributes. It refuses, with one :class:`ZooFormatError` line each:
 - members that are not part of the format, a state entry that is a group, a metadata
   table of another dtype, a committed count that is negative, not an integer or larger
   than the rows behind it;
+- a training-record table (``/mode_records``, schema 3) of another dtype or shape, not
+  chunked and resizable, or with more rows than the metadata table (each record row is
+  written after its mode's checkpoint rows);
 - attributes of the wrong type or with invalid JSON;
 - more committed bytes than the file can hold (rows declared but never written).
 """
@@ -26,7 +29,7 @@ import h5py
 import numpy as np
 
 from posteriorzoo.errors import ZooFormatError
-from posteriorzoo.zoo.schema import FORMAT_NAME, METADATA_DTYPE, SCHEMA_VERSION
+from posteriorzoo.zoo.schema import FORMAT_NAME, METADATA_DTYPE, RECORD_DTYPE, SCHEMA_VERSION
 
 STATE_GROUP = "state"
 METADATA = "metadata"
@@ -34,7 +37,12 @@ COMMITTED = "committed"
 #: Per-row SHA-256 of the metadata table (schema 2 and later).
 ROW_DIGESTS = "metadata_sha256"
 ROW_DIGEST_DTYPE = np.dtype("S64")
-_MEMBERS = {STATE_GROUP, METADATA, COMMITTED, ROW_DIGESTS}
+#: One row per recorded mode: what its method phase recorded while training (schema 3).
+MODE_RECORDS = "mode_records"
+#: The members of each schema version's files.
+_MEMBERS_OF = {1: {STATE_GROUP, METADATA, COMMITTED},
+               2: {STATE_GROUP, METADATA, COMMITTED, ROW_DIGESTS},
+               3: {STATE_GROUP, METADATA, COMMITTED, ROW_DIGESTS, MODE_RECORDS}}
 _JSON_ATTRIBUTES = {"model_options": dict, "recipe": dict, "created_by": dict,
                     "state_keys": list, "annotations": dict}
 _STRING_ATTRIBUTES = ("architecture", "dataset", "method")
@@ -133,11 +141,11 @@ def read_layout(handle: h5py.File, path: str | os.PathLike) -> Layout:
         raise _fail(path, f"schema version {version} is invalid")
     absent = [name for name in _REQUIRED if name not in attrs]
     members = set(handle.keys())
-    needed = {STATE_GROUP, METADATA, COMMITTED} | ({ROW_DIGESTS} if version >= 2 else set())
-    absent += [f"/{member}" for member in sorted(needed - members)]
+    expected = _MEMBERS_OF[version]
+    absent += [f"/{member}" for member in sorted(expected - members)]
     if absent:
         raise _fail(path, f"damaged collection, missing {absent}")
-    unexpected = sorted(members - _MEMBERS)
+    unexpected = sorted(members - expected)
     if unexpected:
         raise _fail(path, f"unexpected members {unexpected[:3]}; not a collection file")
     _check_links_and_storage(handle, path)
@@ -179,6 +187,10 @@ def _check_datasets(handle: h5py.File, path: Path, layout: Layout) -> int:
     committed = int(committed_ds[0])
     if committed < 0:
         raise _fail(path, f"/committed is negative ({committed})")
+    # The record table's length first: a writer extends the metadata table before it,
+    # so a reader following a writer never sees more records than metadata rows.
+    records = _dataset(handle, MODE_RECORDS, path) if layout.schema_version >= 3 else None
+    record_rows = records.shape[0] if records is not None and records.ndim == 1 else 0
     metadata = _dataset(handle, METADATA, path)
     if metadata.dtype != METADATA_DTYPE or metadata.ndim != 1:
         raise _fail(path, "/metadata has another layout than this schema's metadata table")
@@ -188,6 +200,8 @@ def _check_datasets(handle: h5py.File, path: Path, layout: Layout) -> int:
         if digests.dtype != ROW_DIGEST_DTYPE or digests.ndim != 1:
             raise _fail(path, f"/{ROW_DIGESTS} is not a column of SHA-256 digests")
         rows.append(digests.shape[0])
+    if records is not None:
+        _check_records(records, record_rows, metadata.shape[0], path)
     group = handle[STATE_GROUP]
     if not isinstance(group, h5py.Group):
         raise _fail(path, "/state is not a group")
@@ -216,6 +230,20 @@ def _check_datasets(handle: h5py.File, path: Path, layout: Layout) -> int:
         raise _fail(path, f"declares {committed} checkpoints of {checkpoint_bytes} bytes, "
                           f"more than the file's {size} bytes")
     return committed
+
+
+def _check_records(records: h5py.Dataset, record_rows: int, metadata_rows: int, path: Path
+                   ) -> None:
+    """``/mode_records``: exactly the format's table, chunked and resizable, and no longer
+    than the metadata table (a record row is written after its mode's checkpoint rows)."""
+    if records.dtype != RECORD_DTYPE or records.ndim != 1:
+        raise _fail(path, f"/{MODE_RECORDS} has another layout than this schema's table of "
+                          "training records")
+    if records.chunks is None or records.maxshape != (None,):
+        raise _fail(path, f"/{MODE_RECORDS} is not a chunked, resizable table")
+    if record_rows > metadata_rows:
+        raise _fail(path, f"/{MODE_RECORDS} declares {record_rows} training records, "
+                          f"more than the {metadata_rows} checkpoint rows stored")
 
 
 def _has_fd(handle: h5py.File) -> bool:

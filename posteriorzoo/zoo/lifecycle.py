@@ -6,9 +6,10 @@ stays consistent at every instant, and follow one protocol (see
 checkpoints and their metadata rows, flush, and only then advance ``/committed``. A
 writer killed at any point leaves a file that readers open with exactly the checkpoints
 committed before the kill. The next writer finds HDF5's "open for write" flag left
-behind and rebuilds the file from its committed checkpoints (into a temporary file
-renamed over the original) before appending. Writers hold an exclusive ``flock`` on the
-file, so a second writer fails fast with :class:`ZooBusyError` instead of corrupting it.
+behind and rebuilds the file from its committed checkpoints and their modes' training
+records (into a temporary file renamed over the original) before appending. Writers hold
+an exclusive ``flock`` on the file, so a second writer fails fast with
+:class:`ZooBusyError` instead of corrupting it.
 
 New files are built under a temporary name next to the target
 (``.NAME.partial-PID-RANDOM``, the convention of :mod:`posteriorzoo.outputs`) and linked
@@ -51,16 +52,19 @@ from posteriorzoo.errors import (
 )
 from posteriorzoo.provenance import git_commit, library_versions
 from posteriorzoo.zoo.architecture import check_architecture
-from posteriorzoo.zoo.layout import ROW_DIGEST_DTYPE, ROW_DIGESTS
+from posteriorzoo.zoo.layout import MODE_RECORDS, ROW_DIGEST_DTYPE, ROW_DIGESTS
 from posteriorzoo.zoo.schema import (
     FORMAT_NAME,
     METADATA_DTYPE,
+    RECORD_DTYPE,
     SCHEMA_VERSION,
     canonical_json,
     row_digest,
 )
 from posteriorzoo.zoo.store import (
     _METADATA_CHUNK_ROWS,
+    _RECORD_BLOCK_ROWS,
+    _RECORD_CHUNK_ROWS,
     _STATE_GROUP,
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_ROWS,
@@ -226,7 +230,15 @@ def _write_layout(handle: h5py.File, tensor_layout: Mapping[str, tuple[tuple[int
                           chunks=(_METADATA_CHUNK_ROWS,), dtype=METADATA_DTYPE)
     handle.create_dataset(ROW_DIGESTS, shape=(0,), maxshape=(None,),
                           chunks=(_METADATA_CHUNK_ROWS,), dtype=ROW_DIGEST_DTYPE)
+    _create_records(handle, np.zeros(0, dtype=RECORD_DTYPE))
     handle.create_dataset("committed", data=np.zeros(1, dtype=np.int64))
+
+
+def _create_records(handle: h5py.File, rows: np.ndarray) -> None:
+    """``/mode_records`` holding ``rows``: made with the file, because a writer in SWMR
+    mode (every append) cannot create members."""
+    handle.create_dataset(MODE_RECORDS, data=rows, maxshape=(None,),
+                          chunks=(_RECORD_CHUNK_ROWS,), dtype=RECORD_DTYPE)
 
 
 @public
@@ -276,8 +288,9 @@ def _lock(path: Path) -> int:
 def _writer(path: Path, fd: int, final_path: Path | None = None) -> Zoo:
     """A writable Zoo on ``path``, whose lock ``fd`` the caller holds (and hands over).
 
-    Rows past the committed count (an interrupted append) are cut off, schema 1 files get
-    their metadata row digests, and SWMR mode starts.
+    Schema 1 and 2 files are upgraded to schema 3, rows past the committed count (an
+    interrupted append) are cut off, and so are training records that do not describe a
+    committed mode (only each mode's last record is kept); then SWMR mode starts.
     """
     handle = open_h5(path, "a")
     try:
@@ -295,6 +308,7 @@ def _writer(path: Path, fd: int, final_path: Path | None = None) -> Zoo:
         for dataset in [*zoo._datasets.values(), handle["metadata"], handle[ROW_DIGESTS]]:
             if dataset.shape[0] != count:
                 dataset.resize(count, axis=0)
+        _keep_committed_records(zoo)
         handle.flush()
         handle.swmr_mode = True
     except (OSError, RuntimeError) as error:
@@ -306,17 +320,40 @@ def _writer(path: Path, fd: int, final_path: Path | None = None) -> Zoo:
     return zoo
 
 
+def _keep_committed_records(zoo: Zoo) -> None:
+    """Cut ``/mode_records`` down to the last record of each committed mode (rows of a
+    block that never committed would otherwise describe a mode appended later)."""
+    table = zoo._file[MODE_RECORDS]
+    keep = sorted(zoo.record_rows().values())
+    if keep == list(range(table.shape[0])):
+        return
+    # Row keep[i] moves to i <= keep[i]: in ascending blocks no row is overwritten before
+    # it moved, and memory holds one block.
+    for start in range(0, len(keep), _RECORD_BLOCK_ROWS):
+        block = keep[start:start + _RECORD_BLOCK_ROWS]
+        table[start:start + len(block)] = table[block]
+    table.resize(len(keep), axis=0)
+
+
 def _upgrade_schema(handle: h5py.File) -> None:
-    """Give a schema 1 file its metadata row digests (computed from the rows as they are)."""
-    if ROW_DIGESTS in handle or handle.attrs.get("schema_version") != 1:
+    """Bring a schema 1 or 2 file to schema 3: schema 1 files get their metadata row
+    digests (computed from the rows as they are), both an empty table of training records.
+    A file with members its version does not have is left for Zoo() to refuse."""
+    version = handle.attrs.get("schema_version")
+    if not isinstance(version, int | np.integer) or int(version) not in (1, 2) \
+            or MODE_RECORDS in handle:
+        return
+    if version == 1 and ROW_DIGESTS in handle:
         return
     if "committed" not in handle or "metadata" not in handle:
         return  # not a collection: Zoo() says what is wrong
-    count = int(handle["committed"][0])
-    rows = handle["metadata"][:count]
-    digests = np.array([row_digest(row).encode() for row in rows], dtype=ROW_DIGEST_DTYPE)
-    handle.create_dataset(ROW_DIGESTS, data=digests, maxshape=(None,),
-                          chunks=(_METADATA_CHUNK_ROWS,), dtype=ROW_DIGEST_DTYPE)
+    if version == 1:
+        count = int(handle["committed"][0])
+        rows = handle["metadata"][:count]
+        digests = np.array([row_digest(row).encode() for row in rows], dtype=ROW_DIGEST_DTYPE)
+        handle.create_dataset(ROW_DIGESTS, data=digests, maxshape=(None,),
+                              chunks=(_METADATA_CHUNK_ROWS,), dtype=ROW_DIGEST_DTYPE)
+    _create_records(handle, np.zeros(0, dtype=RECORD_DTYPE))
     handle.attrs["schema_version"] = SCHEMA_VERSION
 
 
@@ -343,7 +380,8 @@ def _open_for_append(path: Path) -> Zoo:
 
 
 def _rebuild_from_committed(path: Path) -> int:
-    """Copy the committed checkpoints of a crashed writer's file into a clean file.
+    """Copy the committed checkpoints of a crashed writer's file, and the training records
+    of their modes, into a clean file (of the current schema).
 
     Returns a locked descriptor of the new file, which has replaced ``path``.
     """
@@ -357,9 +395,13 @@ def _rebuild_from_committed(path: Path) -> int:
         else:
             digests = np.array([row_digest(row).encode() for row in rows],
                                dtype=ROW_DIGEST_DTYPE)
-            attrs["schema_version"] = SCHEMA_VERSION
+        keep = sorted(old.record_rows().values())
+        records = (old._file[MODE_RECORDS][keep] if keep
+                   else np.zeros(0, dtype=RECORD_DTYPE))
+        attrs["schema_version"] = SCHEMA_VERSION
         growing = [*old._datasets.values(), old._file["metadata"]]
-        needed = METADATA_MARGIN + new_bytes(growing, 0, count) + len(digests) * 64
+        needed = (METADATA_MARGIN + new_bytes(growing, 0, count) + len(digests) * 64
+                  + len(records) * RECORD_DTYPE.itemsize)
         outputs.ensure_space(path.parent, needed)
         temporary, fd = outputs.new_partial(path)
         try:
@@ -379,6 +421,7 @@ def _rebuild_from_committed(path: Path) -> int:
                                    chunks=(_METADATA_CHUNK_ROWS,), dtype=METADATA_DTYPE)
                 new.create_dataset(ROW_DIGESTS, data=digests, maxshape=(None,),
                                    chunks=(_METADATA_CHUNK_ROWS,), dtype=ROW_DIGEST_DTYPE)
+                _create_records(new, records)
                 new.create_dataset("committed", data=np.array([count], dtype=np.int64))
             os.replace(temporary, path)
         except BaseException:

@@ -9,12 +9,23 @@ A collection is one HDF5 file::
     /metadata        one row per checkpoint (compound dtype, columns below)
     /metadata_sha256 one SHA-256 per metadata row (schema 2), so a changed value in
                      the table (an accuracy, a seed) is detected like a changed weight
+    /mode_records    one row per recorded mode (schema 3; :data:`RECORD_DTYPE`):
+                     ``mode_id``, ``record`` (what the mode's method phase recorded while
+                     training, as canonical JSON of at most :data:`RECORD_BYTES` bytes)
+                     and ``sha256`` (the digest of those bytes)
     /committed       int64[1]: the number of complete checkpoints; rows past it are
                      leftovers of an interrupted append and are never read
 
 Nothing else: no links, no external or virtual storage, no compression
 (:mod:`posteriorzoo.zoo.layout` refuses files that have them). Schema 1 files (without
-row digests) are read; a writer upgrades them to schema 2.
+row digests) and schema 2 files (without training records) are read; a writer upgrades
+them to schema 3 before it appends.
+
+A training record belongs to the collection once its mode has committed checkpoints: a
+record row is written in the same block as its mode's checkpoints, before the committed
+count advances, so a killed writer leaves either no record or one whose mode was
+committed. A mode recorded twice (a resumed run appends it again) is described by its
+last row. Records are JSON objects whose numbers are finite (``null`` where unknown).
 
 Strings in the metadata are fixed-length UTF-8 bytes, because HDF5's single-writer /
 multiple-reader mode (used for crash-safe appends) does not support variable-length data.
@@ -33,7 +44,15 @@ from posteriorzoo._api import public
 from posteriorzoo.errors import ZooSchemaError
 
 FORMAT_NAME = "posteriorzoo-collection"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+#: The largest training record, in bytes of canonical JSON (a ResNet-18 BBB record, 62
+#: tensors' sigmas, takes about 8 kB).
+RECORD_BYTES = 16384
+#: One row of ``/mode_records``.
+RECORD_DTYPE = np.dtype([("mode_id", "<i8"), ("record", f"S{RECORD_BYTES}"),
+                         ("sha256", "S64")])
+#: Nesting deeper than this is not a record but an attack on the JSON parser.
+_RECORD_DEPTH = 32
 
 
 @dataclass(frozen=True)
@@ -101,6 +120,62 @@ def checkpoint_digest(arrays: Mapping[str, np.ndarray], keys: list[str]) -> str:
         digest.update(header.encode())
         digest.update(array.tobytes())
     return digest.hexdigest()
+
+
+def record_bytes(record: object, mode_id: int) -> bytes:
+    """A training record as the canonical JSON bytes stored for it.
+
+    The record must be a JSON object of text keys whose values are JSON: text, finite
+    numbers (numpy scalars are taken as the numbers they hold), booleans, ``None``,
+    lists or tuples, and objects, at most :data:`RECORD_BYTES` bytes once encoded.
+    Raises :class:`ZooSchemaError` naming what is wrong and where.
+    """
+    if not isinstance(record, Mapping):
+        raise ZooSchemaError(f"training record of mode {mode_id} must be a JSON object "
+                             f"(a dict), not {type(record).__name__}")
+    plain = _plain_json(record, "the record", 0, mode_id)
+    data = canonical_json(plain).encode("utf-8")
+    if len(data) > RECORD_BYTES:
+        raise ZooSchemaError(f"training record of mode {mode_id} is {len(data)} bytes of "
+                             f"JSON; the limit is {RECORD_BYTES}")
+    return data
+
+
+def _plain_json(value: object, where: str, depth: int, mode_id: int) -> object:
+    """``value`` as plain JSON types, or ZooSchemaError (``where``: its place, for the
+    message)."""
+    def refuse(problem: str) -> ZooSchemaError:
+        return ZooSchemaError(f"training record of mode {mode_id}: {where} {problem}")
+
+    if depth > _RECORD_DEPTH:
+        raise refuse(f"is nested more than {_RECORD_DEPTH} levels deep")
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    if isinstance(value, int | np.integer):
+        return int(value)
+    if isinstance(value, float | np.floating):
+        if not np.isfinite(value):
+            raise refuse(f"is {float(value)}; JSON numbers must be finite (use None "
+                         "for unknown)")
+        return float(value)
+    if isinstance(value, list | tuple):
+        return [_plain_json(item, f"{where}[{position}]", depth + 1, mode_id)
+                for position, item in enumerate(value)]
+    if isinstance(value, Mapping):
+        plain = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise refuse(f"has the key {key!r}; JSON object keys are text")
+            plain[key] = _plain_json(item, f"{where}[{key!r}]", depth + 1, mode_id)
+        return plain
+    raise refuse(f"is a {type(value).__name__}, not a JSON value")
+
+
+def record_digest(data: bytes) -> str:
+    """SHA-256 hex digest of a training record's stored bytes."""
+    return hashlib.sha256(data).hexdigest()
 
 
 def row_digest(row: np.void | np.ndarray) -> str:

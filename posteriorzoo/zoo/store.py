@@ -6,8 +6,9 @@ Two access patterns are first-class:
   read from one dataset chunked along the checkpoint axis;
 - checkpoint i as a state_dict, ``zoo.state_dict(i)`` -> ``{key: torch.Tensor}``.
 
-Appends are crash-safe: whole checkpoints are written and flushed before the committed
-count advances (see :mod:`posteriorzoo.zoo.lifecycle` for creating and opening files).
+Appends are crash-safe: whole checkpoints, and the training records of their modes, are
+written and flushed before the committed count advances (see
+:mod:`posteriorzoo.zoo.lifecycle` for creating and opening files).
 An append first checks that the file system has room for its block; a write that fails
 anyway (a disk filled by another process) abandons the file (:func:`abandon`) and
 raises :class:`~posteriorzoo.errors.NoSpaceError`: the file keeps the checkpoints
@@ -17,6 +18,7 @@ committed before, as if the writer had been killed.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -45,13 +47,23 @@ from posteriorzoo.errors import (
 from posteriorzoo.provenance import library_versions
 from posteriorzoo.zoo import schema
 from posteriorzoo.zoo.architecture import check_architecture
-from posteriorzoo.zoo.layout import COMMITTED, METADATA, ROW_DIGESTS, STATE_GROUP, read_layout
+from posteriorzoo.zoo.layout import (
+    COMMITTED,
+    METADATA,
+    MODE_RECORDS,
+    ROW_DIGESTS,
+    STATE_GROUP,
+    read_layout,
+)
 from posteriorzoo.zoo.schema import (
     METADATA_DTYPE,
+    RECORD_DTYPE,
     canonical_json,
     checkpoint_digest,
     decode_table,
     metadata_row,
+    record_bytes,
+    record_digest,
     row_digest,
 )
 
@@ -59,6 +71,10 @@ from posteriorzoo.zoo.schema import (
 DEFAULT_CHUNK_BYTES = 1 << 18
 MAX_CHUNK_ROWS = 1024
 _METADATA_CHUNK_ROWS = 256
+#: One training record (16.5 kB) per chunk: a record allocates no space for others.
+_RECORD_CHUNK_ROWS = 1
+#: Training records read at once (about 4 MB).
+_RECORD_BLOCK_ROWS = 256
 #: Batches of one tensor up to this size are stacked into one write.
 _STACK_BYTES = 1 << 24
 _STATE_GROUP = STATE_GROUP
@@ -296,6 +312,37 @@ def new_bytes(datasets: Iterable[h5py.Dataset], start: int, stop: int) -> int:
         total += (math.ceil(stop / rows) - math.ceil(start / rows)) * chunk_bytes
     return total
 
+
+def last_record_rows(mode_ids: Iterable[int], committed_modes: set[int]) -> dict[int, int]:
+    """``{mode: row}``: the last row of ``/mode_records`` (whose ``mode_id`` column is
+    ``mode_ids``) of each mode in ``committed_modes``; rows of other modes are leftovers of
+    an interrupted append."""
+    rows: dict[int, int] = {}
+    for index, mode in enumerate(mode_ids):
+        if int(mode) in committed_modes:
+            rows[int(mode)] = index
+    return rows
+
+
+def parse_record(data: bytes) -> dict[str, Any] | None:
+    """A stored training record as a dict; None unless it is a JSON object of finite
+    numbers (what :func:`posteriorzoo.zoo.schema.record_bytes` writes)."""
+    def refuse(constant: str) -> None:
+        raise ValueError(constant)
+
+    def finite(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):  # 1e999
+            raise ValueError(text)
+        return value
+
+    try:
+        value = json.loads(data.decode("utf-8"), parse_constant=refuse, parse_float=finite)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def open_h5(path: Path, mode: str) -> h5py.File:
     """Open an HDF5 file, turning library errors into :class:`ZooFormatError`."""
     try:
@@ -405,6 +452,11 @@ class Zoo:
         """Whether metadata rows carry digests (schema 2; schema 1 files have none)."""
         return ROW_DIGESTS in self._file
 
+    @property
+    def has_training_records(self) -> bool:
+        """Whether the file can hold training records (schema 3; older files have none)."""
+        return MODE_RECORDS in self._file
+
     def __len__(self) -> int:
         """Number of complete checkpoints."""
         return self._committed()
@@ -435,12 +487,17 @@ class Zoo:
         return sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
                    for shape, dtype in self.tensor_layout.values())
 
-    def space_needed(self, checkpoints: int) -> int:
-        """Estimated bytes of file space appending ``checkpoints`` checkpoints takes."""
+    def space_needed(self, checkpoints: int, records: int = 0) -> int:
+        """Estimated bytes of file space appending ``checkpoints`` checkpoints (and
+        ``records`` training records) takes."""
         start = len(self)
         with self._reading("the collection's structure"):
             growing = [*self._datasets.values(), self._file[METADATA], self._file[ROW_DIGESTS]]
-            return METADATA_MARGIN + new_bytes(growing, start, start + checkpoints)
+            needed = METADATA_MARGIN + new_bytes(growing, start, start + checkpoints)
+            if records and self.has_training_records:
+                table = self._file[MODE_RECORDS]
+                needed += new_bytes([table], table.shape[0], table.shape[0] + records)
+            return needed
 
     def _output_size(self, needed: int) -> int:
         """What a NoSpaceError says the output needs: ``needed`` more bytes, plus for a
@@ -672,10 +729,69 @@ class Zoo:
     def training_records(self) -> dict[int, dict[str, Any]]:
         """What each mode's method phase recorded while training (mode id -> record).
 
-        Schema 2 collections store no records, so this is empty for them; the diagnostics
-        (:func:`posteriorzoo.collection.diagnose`) then say what only a record could tell.
+        Only modes with committed checkpoints, in ascending order; a mode recorded more
+        than once (a resumed run appended it again) is described by its last record.
+        Schema 1 and 2 collections store no records, so this is empty for them; the
+        diagnostics (:func:`posteriorzoo.collection.diagnose`) then say what only a
+        record could tell. With ``verify=True`` each record is checked against its stored
+        SHA-256 (a mismatch raises :class:`ChecksumError`); a record that is not a JSON
+        object raises :class:`ZooFormatError`.
         """
-        return {}
+        records = {}
+        for mode, data, digest in self._stored_records():
+            if self.verify and record_digest(data) != digest:
+                raise ChecksumError(
+                    f"{self.path}: the training record of mode {mode} is corrupt: it "
+                    "differs from its stored SHA-256; 'posteriorzoo verify' reports all damage")
+            record = parse_record(data)
+            if record is None:
+                raise ZooFormatError(f"{self.path}: the training record of mode {mode} is "
+                                     "not a JSON object of finite numbers (corrupt file)")
+            records[mode] = record
+        return records
+
+    def check_records(self) -> list[tuple[int, str]]:
+        """Check the training records of the committed modes: ``(mode, problem)`` pairs.
+
+        A problem is a record whose bytes differ from its stored SHA-256, or one that is
+        not a JSON object of finite numbers.
+        """
+        problems = []
+        for mode, data, digest in self._stored_records():
+            if record_digest(data) != digest:
+                problems.append((mode, "its training record differs from its stored SHA-256"))
+            elif parse_record(data) is None:
+                problems.append((mode, "its training record is not a JSON object"))
+        return problems
+
+    def record_rows(self) -> dict[int, int]:
+        """``{mode: row of /mode_records}``: the row describing each committed mode."""
+        if not self.has_training_records:
+            return {}
+        table = self.stored_metadata()
+        committed_modes = {int(mode) for mode in table["mode_id"] if mode >= 0}
+        with self._reading("the training records"):
+            records = self._file[MODE_RECORDS]
+            if self._file.swmr_mode:
+                records.refresh()
+            # A record is written in the block that commits its mode's checkpoints, never
+            # more records than checkpoints: rows past the committed count are leftovers.
+            stop = min(records.shape[0], len(table))
+            mode_ids = records.fields("mode_id")[:stop] if stop else np.zeros(0, np.int64)
+        return last_record_rows(mode_ids.tolist(), committed_modes)
+
+    def _stored_records(self) -> Iterator[tuple[int, bytes, str]]:
+        """``(mode, record bytes, stored SHA-256)`` of each committed mode, ascending."""
+        by_row = sorted((row, mode) for mode, row in self.record_rows().items())
+        found = []
+        for start in range(0, len(by_row), _RECORD_BLOCK_ROWS):
+            block = by_row[start:start + _RECORD_BLOCK_ROWS]
+            with self._reading("the training records"):
+                rows = self._file[MODE_RECORDS][[row for row, _ in block]]
+            for (_, mode), stored in zip(block, rows, strict=True):
+                found.append((mode, bytes(stored["record"]),
+                              bytes(stored["sha256"]).decode(errors="replace")))
+        return iter(sorted(found))
 
     def metadata_dict(self, index: int) -> dict[str, Any]:
         """Metadata row ``index`` as a plain dict (strings decoded)."""
@@ -700,6 +816,7 @@ class Zoo:
         self,
         state_dicts: Sequence[Mapping[str, ArrayLike]],
         metadata: Sequence[Mapping[str, Any]] | None = None,
+        records: Mapping[int, Mapping[str, Any]] | None = None,
     ) -> range:
         """Append whole checkpoints atomically; returns their indices.
 
@@ -708,6 +825,11 @@ class Zoo:
         anything is written, so a bad one leaves the file untouched. Metadata keys are
         column names of :data:`posteriorzoo.zoo.schema.METADATA_COLUMNS`; ``versions``
         defaults to the running library versions, ``method`` to the collection's method.
+
+        ``records`` maps a ``mode_id`` of these checkpoints to what its method phase
+        recorded while training (a JSON object, see
+        :func:`posteriorzoo.zoo.schema.record_bytes`); each is validated with the
+        checkpoints and committed with them (:meth:`training_records` reads them back).
         """
         if not self.writable:
             raise ZooFormatError(f"{self.path}: opened read-only; use open_zoo(path, mode='r+')")
@@ -715,9 +837,41 @@ class Zoo:
         if len(metadata) != len(state_dicts):
             raise ZooSchemaError("state_dicts and metadata differ in length")
         if not state_dicts:
+            if records:
+                raise ZooSchemaError("a training record is appended with its mode's "
+                                     "checkpoints; none were given")
             return range(len(self), len(self))
         rows, stacks = self.prepare(state_dicts, metadata)
-        return self._write_block(stacks, rows)
+        return self._write_block(stacks, rows, self.prepare_records(records, rows))
+
+    def prepare_records(self, records: Mapping[int, Mapping[str, Any]] | None,
+                        rows: np.ndarray) -> np.ndarray:
+        """Validate training records for the checkpoints whose metadata rows are ``rows``
+        and build their ``/mode_records`` rows (ascending mode) without writing anything.
+
+        Raises :class:`ZooSchemaError` for a key that is not a ``mode_id`` of ``rows``, or
+        a record that is not JSON (see :func:`posteriorzoo.zoo.schema.record_bytes`).
+        """
+        if not records:
+            return np.zeros(0, dtype=RECORD_DTYPE)
+        if not isinstance(records, Mapping):
+            raise ZooSchemaError(f"training records must map mode_id to a record, not "
+                                 f"{type(records).__name__}")
+        if not self.has_training_records:  # pragma: no cover - writers upgrade the file
+            raise ZooFormatError(f"{self.path}: this collection cannot hold training records")
+        modes = {int(mode) for mode in rows["mode_id"]}
+        prepared = []
+        for mode, record in records.items():
+            if isinstance(mode, bool | np.bool_) or not isinstance(mode, int | np.integer):
+                raise ZooSchemaError(f"training records are keyed by mode_id (an integer), "
+                                     f"not {mode!r}")
+            if mode < 0 or int(mode) not in modes:
+                raise ZooSchemaError(
+                    f"training record of mode {mode}: no checkpoint of this append has "
+                    f"mode_id {mode}; a record is appended with its mode's checkpoints")
+            data = record_bytes(record, int(mode))
+            prepared.append((int(mode), data, record_digest(data).encode()))
+        return np.array(sorted(prepared), dtype=RECORD_DTYPE)
 
     def prepare(self, state_dicts: Sequence[Mapping[str, ArrayLike]],
                 metadata: Sequence[Mapping[str, Any]]
@@ -777,11 +931,12 @@ class Zoo:
             arrays[key] = array
         return arrays
 
-    def _write_block(self, blocks: Mapping[str, Sequence[np.ndarray]], rows: np.ndarray
-                     ) -> range:
+    def _write_block(self, blocks: Mapping[str, Sequence[np.ndarray]], rows: np.ndarray,
+                     records: np.ndarray | None = None) -> range:
         start = len(self)
         stop = start + rows.shape[0]
-        needed = self.space_needed(stop - start)
+        records = records if records is not None else np.zeros(0, dtype=RECORD_DTYPE)
+        needed = self.space_needed(stop - start, len(records))
         report = self._output_size(needed)
         # The block's disk space is allocated before the file changes: on a full disk the
         # collection stays as it was, and the writes cannot run out of space midway.
@@ -802,6 +957,14 @@ class Zoo:
             digests.resize(stop, axis=0)
             digests[start:stop] = np.array([row_digest(row).encode() for row in rows],
                                            dtype=digests.dtype)
+            if len(records):
+                # The checkpoint rows reach the file first: whatever a kill leaves, the
+                # record table is never longer than the metadata table (layout checks).
+                self._file.flush()
+                table = self._file[MODE_RECORDS]
+                first = table.shape[0]
+                table.resize(first + len(records), axis=0)
+                table[first:] = records
             # The commit point: data first, then the count that makes it visible.
             self._file.flush()
             fault_point("zoo-before-commit")
