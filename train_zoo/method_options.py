@@ -20,10 +20,14 @@ modules; each number has a range, with its reason at the constants below:
     ``prior_precision`` (``"marglik"``, ``"training"`` for N x weight decay, or a number
     in :data:`PRIOR_PRECISION_RANGE`).
 ``sghmc``
-    ``lr`` (0.004, per example: the step size on the full-data log posterior is
-    ``lr / N``), ``alpha`` (friction 0.1, in (0, 1]), ``burn_in`` (2000 steps) and
-    ``thin`` (200 steps), each at most :data:`MAX_SGHMC_STEPS`, ``prior_precision``
-    (``"training"`` for N x weight decay, or a number in :data:`PRIOR_PRECISION_RANGE`).
+    ``lr`` (2e-4, per example: the step size on the full-data log posterior is
+    ``lr / N``), ``alpha`` (friction 0.1, in (0, 1]), ``burn_in`` (10,000 steps) and
+    ``thin`` (2,000 steps), each at most :data:`MAX_SGHMC_STEPS`, ``prior_precision``
+    (``"training"`` for N x weight decay, or a number in :data:`PRIOR_PRECISION_RANGE`),
+    ``chains`` (1: independent chains per mode from its base network, each keeping
+    ``samples_per_mode / chains`` samples), ``noise_correction`` (true: subtract Chen et
+    al.'s ``beta_hat`` estimated from the minibatch gradients) and ``noise_decay`` (0.99,
+    the running estimate's weight of the past). See :data:`SGHMC_LR`.
 ``bbb``
     ``preset`` (``"paper"``: SGD at the recipe's learning rate, the paper's Table 1, or
     ``"trained-variance"``: Adam for ``rho``, whose ``sigma`` then trains), ``optimizer``,
@@ -42,7 +46,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
-from posteriorzoo.options import check_integer, check_name, check_number, show
+from posteriorzoo.options import check_bool, check_integer, check_name, check_number, show
 from train_zoo.recipes import MAX_EPOCHS, Recipe
 
 METHODS = ("de", "mc-dropout", "swag", "laplace", "sghmc", "bbb")
@@ -60,6 +64,14 @@ MAX_SWAG_SCALE = 100.0
 #: (below, Laplace's G + delta I stops being positive definite in float64); above the
 #: upper bound the prior alone fixes every weight to within 1e-4 of zero.
 PRIOR_PRECISION_RANGE = (1e-8, 1e8)
+#: SGHMC chains per mode: each repeats the whole chain (burn-in included).
+MAX_CHAINS = 64
+#: SGHMC's defaults, measured on OptuNet / Fashion-MNIST from a trained network (batch 64,
+#: N = 60,000): at lr 2e-4 per example (eta = lr / N) and friction 0.1 the corrected chain's
+#: kinetic temperature is 1.07 against the exact chain's 1.05, with beta_hat capped on 4%
+#: of the coordinates; at 4e-4 it is 1.21 (28% capped), at the former 4e-3 without the
+#: correction 7.6. Thinning and burn-in are long because such a small step moves slowly.
+SGHMC_LR, SGHMC_BURN_IN, SGHMC_THIN = 2e-4, 10_000, 2_000
 #: SGHMC steps (burn-in, thinning): time, one gradient step each.
 MAX_SGHMC_STEPS = 100_000_000
 
@@ -128,13 +140,19 @@ def _sghmc(options: dict[str, Any], architecture: str, recipe: Recipe) -> dict[s
     if alpha > 1:
         raise InvalidOptionError(f"sghmc option 'alpha' must be at most 1, not {show(alpha)}")
     return {
-        "lr": check_number(option("lr"), options.pop("lr", 0.004), 0, strict=True),
+        "lr": check_number(option("lr"), options.pop("lr", SGHMC_LR), 0, strict=True),
         "alpha": alpha,
-        "burn_in": check_integer(option("burn_in"), options.pop("burn_in", 2000), 0,
+        "burn_in": check_integer(option("burn_in"), options.pop("burn_in", SGHMC_BURN_IN), 0,
                                  MAX_SGHMC_STEPS),
-        "thin": check_integer(option("thin"), options.pop("thin", 200), 1, MAX_SGHMC_STEPS),
+        "thin": check_integer(option("thin"), options.pop("thin", SGHMC_THIN), 1,
+                              MAX_SGHMC_STEPS),
         "prior_precision": _prior("sghmc", options.pop("prior_precision", "training"),
                                   ("training",)),
+        "chains": check_integer(option("chains"), options.pop("chains", 1), 1, MAX_CHAINS),
+        "noise_correction": check_bool(option("noise_correction"),
+                                       options.pop("noise_correction", True)),
+        "noise_decay": check_number(option("noise_decay"), options.pop("noise_decay", 0.99),
+                                    0, strict=True, maximum=0.9999),
     }
 
 

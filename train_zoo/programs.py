@@ -24,6 +24,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -55,6 +56,8 @@ __all__ = ["BBBTrainingRun", "produce_mode", "train_bbb"]
 StateDict = dict[str, torch.Tensor]
 #: Examples per batch when a method reads the training set without training on it.
 READ_BATCH = 500
+#: SGHMC steps whose gradients fill the noise estimate before beta_hat is subtracted.
+NOISE_WARM_UP = 100
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -122,8 +125,10 @@ def _swag(spec, index, data, engine, callbacks, model, seeds):
     state = swag.init(params, max_rank=opts["rank"])
     for iterate in collector.kept:
         state = swag.update(state, iterate)
+    record = {"method": "swag", "iterates": state.count, "rank": int(state.deviations.shape[0]),
+              "scale": opts["scale"], "epochs": opts["epochs"]}
     if state.count < 2:  # the phase stopped early (diverged): keep the last weights
-        return [model.state_dict()] * spec.samples_per_mode, result.steps
+        return [model.state_dict()] * spec.samples_per_mode, result.steps, record
     samples = swag.sample(state, _generator(seeds.sample), spec.samples_per_mode,
                           opts["scale"], buffers=buffers)
     if buffers:  # BatchNorm statistics of every sample, from the training data
@@ -132,7 +137,7 @@ def _swag(spec, index, data, engine, callbacks, model, seeds):
             sample.update(swag.recompute_batchnorm(
                 model, params, buffers, torch_batches(data, recipe, seeds.method,
                                                       augment=False)(0)))
-    return samples, result.steps
+    return samples, result.steps, record
 
 
 def _laplace(spec, index, data, engine, callbacks, model, seeds):
@@ -148,16 +153,35 @@ def _laplace(spec, index, data, engine, callbacks, model, seeds):
             weight_decay=spec.recipe.weight_decay if prior == "training" else None)
     except PosteriorZooError as error:  # a diverged base network, a too small prior
         raise type(error)(f"laplace mode {index}: {error}") from None
-    return laplace.sample(model, state, _generator(seeds.sample), spec.samples_per_mode), 0
+    evidence = float(state.log_evidence)
+    record = {"method": "laplace", "structure": state.structure,
+              "prior_precision": float(state.prior_precision),
+              "prior_source": state.prior_source,
+              "log_evidence": evidence if math.isfinite(evidence) else None}
+    return (laplace.sample(model, state, _generator(seeds.sample), spec.samples_per_mode), 0,
+            record)
+
+
+def _chain_seed(seed: int, chain: int) -> int:
+    """Chain 0 keeps the mode's own seed (a one-chain mode is unchanged); chain c > 0 a
+    word derived from (seed, c)."""
+    if chain == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, chain]).generate_state(1, np.uint32)[0])
 
 
 def _sghmc(spec, index, data, engine, callbacks, model, seeds):
+    """``chains`` independent chains from the trained base network, each keeping
+    ``samples_per_mode / chains`` samples (chain-major: sample j is chain
+    ``j // (samples_per_mode / chains)``)."""
     opts = spec.method_options
     num_data = len(data.train)
     prior = opts["prior_precision"]
     if prior == "training":
         prior = sghmc.prior_precision_from_weight_decay(num_data, spec.recipe.weight_decay)
-    keep = sghmc.chain_schedule(opts["burn_in"], opts["thin"], spec.samples_per_mode)
+    chains = opts["chains"]
+    keep = sghmc.chain_schedule(opts["burn_in"], opts["thin"],
+                                spec.samples_per_mode // chains)
     params, buffers = parameters_of(model)
     layout = layout_for(model, data) if engine == "fast" else None
     if layout is not None:
@@ -165,17 +189,26 @@ def _sghmc(spec, index, data, engine, callbacks, model, seeds):
     else:
         gradient = torch_log_posterior(model, buffers, num_data, prior)
     eta = opts["lr"] / num_data
-    stepper = SghmcStepper(params, gradient, eta, opts["alpha"], _generator(seeds.sample),
-                           keep[-1])
-    collector = _Collector(list(params), steps=set(keep))
     steps_per_epoch = math.ceil(len(data.train) / spec.recipe.batch_size)
-    result = fit(stepper, _batches(engine, layout, data, spec, seeds.method),
-                 lambda epoch: eta, math.ceil(keep[-1] / steps_per_epoch), index=index,
-                 phase="sghmc", callbacks=[*callbacks, collector])
-    kept = collector.kept
-    while len(kept) < spec.samples_per_mode:  # a chain that diverged: its last state
-        kept.append({name: value.clone() for name, value in stepper.state.params.items()})
-    return [{**sample, **buffers} for sample in kept], result.steps
+    samples, records, steps = [], [], 0
+    for chain in range(chains):
+        stepper = SghmcStepper(
+            params, gradient, eta, opts["alpha"],
+            _generator(_chain_seed(seeds.sample, chain)), keep[-1],
+            noise_decay=opts["noise_decay"] if opts["noise_correction"] else None,
+            warm_up=NOISE_WARM_UP, record_from=opts["burn_in"])
+        collector = _Collector(list(params), steps=set(keep))
+        result = fit(stepper, _batches(engine, layout, data, spec,
+                                       _chain_seed(seeds.method, chain)),
+                     lambda epoch: eta, math.ceil(keep[-1] / steps_per_epoch), index=index,
+                     phase="sghmc", callbacks=[*callbacks, collector])
+        kept = collector.kept
+        while len(kept) < len(keep):  # a chain that diverged: its last state
+            kept.append({name: value.clone() for name, value in stepper.state.params.items()})
+        samples += [{**sample, **buffers} for sample in kept]
+        records.append({"chain": chain, **stepper.record()})
+        steps += result.steps
+    return samples, steps, {"method": "sghmc", "chains": records}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,8 +300,9 @@ def produce_mode(spec: ZooSpec, index: int, data: TrainingData, engine: str,
     """
     started = time.perf_counter()
     seeds = checkpoint_seeds(spec.base_seed, index)
+    record = None
     if spec.method == "bbb":
-        samples, steps, used, _ = _bbb(spec, index, data, engine, callbacks, seeds)
+        samples, steps, used, record = _bbb(spec, index, data, engine, callbacks, seeds)
     else:
         model, steps, used = _train_base(spec, index, data, engine, callbacks)
         if spec.method == "de":
@@ -278,21 +312,24 @@ def produce_mode(spec: ZooSpec, index: int, data: TrainingData, engine: str,
                                      _generator(seeds.sample), spec.samples_per_mode)
         else:
             program = {"swag": _swag, "laplace": _laplace, "sghmc": _sghmc}[spec.method]
-            samples, extra = program(spec, index, data, engine, callbacks, model, seeds)
+            samples, extra, record = program(spec, index, data, engine, callbacks, model,
+                                             seeds)
             steps += extra
-    return _evaluate(spec, index, samples, seeds, steps, started, used, data)
+    return _evaluate(spec, index, samples, seeds, steps, started, used, data, record)
 
 
 def _evaluate(spec: ZooSpec, index: int, samples: Sequence[StateDict], seeds: CheckpointSeeds,
-              steps: int, started: float, engine: str, data: TrainingData
-              ) -> list[CheckpointResult]:
+              steps: int, started: float, engine: str, data: TrainingData,
+              record: dict | None = None) -> list[CheckpointResult]:
     """Each sample loaded into the base architecture and evaluated; the mode's shared time
-    is split evenly over its samples."""
+    is split evenly over its samples, and every sample carries the mode's ``record``."""
     share = (time.perf_counter() - started) / len(samples)
     base = initial_model(spec, seeds.init, training=False)
     results = []
     for number, sample in enumerate(samples):
         base.load_state_dict(sample)
-        results.append(finish(spec, index, base, seeds, steps, time.perf_counter() - share,
-                              engine, data, sample=number))
+        result = finish(spec, index, base, seeds, steps, time.perf_counter() - share,
+                        engine, data, sample=number)
+        result.record = record
+        results.append(result)
     return results

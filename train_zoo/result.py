@@ -35,6 +35,10 @@ class CheckpointResult:
         Which engine trained it (``torch``, ``fast``, ``vectorised``).
     sample : int
         The draw around the mode (0 .. samples_per_mode-1); stored as ``sample_id``.
+    record : dict or None
+        What the mode's method phase recorded (JSON-able; the same for every sample of a
+        mode): SGHMC's kinetic temperature per chain, BBB's sigma and ELBO terms, SWAG's
+        rank and iterates, Laplace's prior precision and evidence. None for DE.
     """
 
     index: int
@@ -46,6 +50,7 @@ class CheckpointResult:
     steps: int
     engine: str
     sample: int = 0
+    record: dict[str, Any] | None = None
 
     def metadata(self, epochs: int, recipe_hash: str, source: str) -> dict[str, Any]:
         """The checkpoint's metadata row for :meth:`posteriorzoo.zoo.Zoo.append`."""

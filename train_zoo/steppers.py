@@ -74,10 +74,19 @@ class SghmcStepper:
 
     ``lr`` of :meth:`step` is ignored: the chain's step size ``eta`` is fixed. The chain
     stops after ``total_steps`` updates or at a non-finite loss.
+
+    With ``noise_decay`` set, the running variance of the minibatch gradients
+    (:func:`~train_zoo.methods.sghmc.noise_update`) gives ``beta_hat``
+    (:func:`~train_zoo.methods.sghmc.beta_hat`), subtracted from the injected noise once
+    ``warm_up`` steps have filled the estimate. After ``record_from`` steps the stepper
+    averages the kinetic temperature and the fraction of capped ``beta_hat``
+    (:meth:`record`).
     """
 
     def __init__(self, params: Params, gradient: LogPosteriorGradient, eta: float,
-                 alpha: float, generator: torch.Generator, total_steps: int) -> None:
+                 alpha: float, generator: torch.Generator, total_steps: int, *,
+                 noise_decay: float | None = None, warm_up: int = 0,
+                 record_from: int = 0) -> None:
         self.state = sghmc.init(params)
         self.gradient = gradient
         self.eta = eta
@@ -85,15 +94,41 @@ class SghmcStepper:
         self.generator = generator
         self.total_steps = total_steps
         self.stopped = total_steps == 0
+        self.noise_decay = noise_decay
+        self.warm_up = warm_up
+        self.record_from = record_from
+        self.noise: sghmc.GradientNoise | None = None
+        self._temperature = self._capped = 0.0
+        self._recorded = 0
 
     def step(self, batch: tuple, lr: float) -> float:
         loss, grads = self.gradient(self.state.params, batch)
-        self.state = sghmc.update(self.state, grads, self.eta, self.alpha, self.generator)
+        beta, capped = None, 0.0
+        if self.noise_decay is not None:
+            self.noise = sghmc.noise_update(self.noise, grads, self.noise_decay)
+            if self.state.step >= self.warm_up:
+                beta, capped = sghmc.beta_hat(self.noise, self.eta, self.alpha)
+        self.state = sghmc.update(self.state, grads, self.eta, self.alpha, self.generator,
+                                  beta)
+        if self.state.step > self.record_from:
+            self._temperature += sghmc.kinetic_temperature(self.state, self.eta)
+            self._capped += capped
+            self._recorded += 1
         self.stopped = self.state.step >= self.total_steps or not math.isfinite(loss)
         return loss
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: value.numpy() for name, value in self.state.params.items()}
+
+    def record(self) -> dict[str, float | int | None]:
+        """What the chain did after ``record_from``: the mean kinetic temperature
+        ``mean(v^2) / eta`` (its exact-chain value ``1 / (1 - alpha / 2)`` beside it), the
+        mean fraction of coordinates whose ``beta_hat`` was capped, and the steps."""
+        count = self._recorded
+        return {"kinetic_temperature": self._temperature / count if count else None,
+                "exact_temperature": 1.0 / (1.0 - self.alpha / 2.0),
+                "beta_hat_capped": self._capped / count if count else None,
+                "steps": self.state.step, "recorded_steps": count}
 
 
 @dataclass(frozen=True)
