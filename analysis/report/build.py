@@ -123,6 +123,9 @@ class ReportResult(CollectionResult):
 def _label(zoo: Any, taken: set[str], stem: str) -> str:
     multi = zoo.annotations.get("posterior") == "multi-mode"
     label = METHOD_LABELS.get(zoo.method, zoo.method)
+    preset = ((zoo.recipe or {}).get("method_options") or {}).get("preset")
+    if isinstance(preset, str) and preset != "paper":   # e.g. BBB (trained-variance)
+        label = f"{label} ({preset})"
     label = f"MM-{label}" if multi else label
     return label if label not in taken else stem
 

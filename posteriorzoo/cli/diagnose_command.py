@@ -66,8 +66,7 @@ def _print(result) -> None:
               f"drift {chain['drift']['median']:.2f} sd, kinetic temperature "
               f"{_number(chain['kinetic_temperature'])}")
     for layer in data["variational"] or []:
-        if layer["layer"] == "(recorded)":
-            print(f"  mode {layer['mode']} recorded: {json.dumps(layer['record'])}")
+        if layer["layer"] == "(recorded)":   # printed with the build records below
             continue
         print(f"  mode {layer['mode']} {layer['layer']}: sigma {layer['sample_sigma']:.3g} "
               f"(initial {layer['initial_sigma']:.3g}, moved x{layer['moved_factor']:.2f})")
