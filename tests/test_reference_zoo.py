@@ -36,8 +36,8 @@ def test_unknown_reference_name():
 
 
 def test_every_method_and_its_multi_mode_version_is_shipped():
-    assert set(METHODS) == {"mc-dropout", "bbb", "swag", "laplace", "sghmc"} | {
-        f"{method}-multi-mode" for method in ("mc-dropout", "bbb", "swag", "laplace")}
+    single = {"mc-dropout", "bbb", "bbb-trained-variance", "swag", "laplace", "sghmc"}
+    assert set(METHODS) == single | {f"{method}-multi-mode" for method in single - {"sghmc"}}
     assert set(COLLECTIONS) == {"target", "de", *METHODS}
     for name in COLLECTIONS:
         assert (ROOT / SPECS[name]).is_file(), SPECS[name]
@@ -54,7 +54,10 @@ def test_reference_collection_is_complete_and_made_by_its_spec(name):
         assert zoo.recipe == spec.collection_recipe(num_data=60_000)   # BBB: kl_weight 1/N
         assert (zoo.architecture, zoo.dataset) == ("optunet", "fashion-mnist")
         assert zoo.method == spec.method == name.removesuffix("-multi-mode").replace(
-            "target", "de")
+            "target", "de").removesuffix("-trained-variance")
+        if name.startswith("bbb"):   # the preset tells the two BBB versions apart
+            preset = zoo.recipe["method_options"].get("preset", "paper")
+            assert preset == ("trained-variance" if "trained-variance" in name else "paper")
         assert zoo.model_options == {}          # every sample is a plain OptuNet
         if spec.method != "de":
             assert zoo.annotations["posterior"] == (

@@ -1,16 +1,22 @@
 """The reference zoo shipped with the package: OptuNet on Fashion-MNIST.
 
-Eleven collections, produced by the mass trainer from the specs in the repository's
+Thirteen collections, produced by the mass trainer from the specs in the repository's
 ``specs/`` folder with the paper's 60-epoch OptuNet recipe (the exact commands and times
 are in data_card.md):
 
 - ``"target"``: 1,000 independently trained checkpoints (the target posterior);
 - ``"de"``: 100 further ones (a Deep Ensemble, disjoint from the target);
-- the single-mode method collections ``"mc-dropout"``, ``"bbb"``, ``"swag"``,
-  ``"laplace"`` and ``"sghmc"``: 100 samples around one base network (one chain);
+- the single-mode method collections ``"mc-dropout"``, ``"bbb"``, ``"bbb-trained-variance"``,
+  ``"swag"``, ``"laplace"`` and ``"sghmc"``: 100 samples around one base network (SGHMC:
+  four chains of 25 from it);
 - the multi-mode ones ``"mc-dropout-multi-mode"``, ``"bbb-multi-mode"``,
-  ``"swag-multi-mode"`` and ``"laplace-multi-mode"``: 10 samples around each of 10 base
-  networks.
+  ``"bbb-trained-variance-multi-mode"``, ``"swag-multi-mode"`` and
+  ``"laplace-multi-mode"``: 10 samples around each of 10 base networks.
+
+``"bbb"`` uses the paper's settings (its sigma never leaves its initial value; the
+paper's Table 1), ``"bbb-trained-variance"`` the preset whose sigma trains (the
+``preset`` in the recipe's method options, and the file name, tell them apart; the
+``method`` attribute of both is ``bbb``).
 
 Every sample is an ordinary OptuNet checkpoint, so all collections compare alike.
 
@@ -29,8 +35,9 @@ from posteriorzoo.errors import UnknownNameError, ZooFormatError
 from posteriorzoo.zoo import Zoo, open_zoo
 
 #: The method collections in the order of the paper's Table 1 (single-, then multi-mode).
-METHODS = ("mc-dropout", "bbb", "swag", "laplace", "sghmc", "mc-dropout-multi-mode",
-           "bbb-multi-mode", "swag-multi-mode", "laplace-multi-mode")
+METHODS = ("mc-dropout", "bbb", "bbb-trained-variance", "swag", "laplace", "sghmc",
+           "mc-dropout-multi-mode", "bbb-multi-mode", "bbb-trained-variance-multi-mode",
+           "swag-multi-mode", "laplace-multi-mode")
 #: Name -> file name of every shipped collection.
 COLLECTIONS = {name: f"optunet-fashion-mnist-{name}.h5" for name in ("target", "de", *METHODS)}
 #: Name -> the spec that produced it, relative to the repository root.
