@@ -59,7 +59,7 @@ def test_shipped_bbb_variance_is_flagged_as_untrained():
     sigma = {row["layer"]: row["sample_sigma"] for row in result.variational}
     assert sigma["fc.weight"] == pytest.approx(9.3e-4, rel=0.05)
     assert sigma["conv1.weight"] == pytest.approx(2.5e-3, rel=0.05)
-    assert result.flags == ["mode 0: variance did not train"]
+    assert result.flags == ["variance did not train (mode 0)"]
 
 
 def test_deep_ensemble_has_no_flags(tmp_path):

@@ -200,7 +200,7 @@ def test_report_has_each_collections_diagnostics(collections, tmp_path):
     rows = {row["name"]: row for row in report.diagnostics}
     assert rows["DE"]["flags"] == []
     expected = diagnose(path, predictions=False).flags
-    assert rows["Walk"]["flags"] == expected and "mode 0: ESS below half the samples" in expected
+    assert rows["Walk"]["flags"] == expected and "ESS below half the samples (mode 0)" in expected
     files = report.write(tmp_path / "out")
     assert "## Diagnostics" in files["report.md"].read_text()
     assert 'id="diagnostics"' in files["report.html"].read_text()

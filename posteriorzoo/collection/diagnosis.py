@@ -46,6 +46,8 @@ __all__ = ["DiagnoseResult", "diagnose"]
 CHAIN_METHODS = ("sghmc",)
 #: Methods with a mean-field Gaussian posterior whose samples are ``mu + sigma * eps``.
 VARIATIONAL_METHODS = ("bbb",)
+#: Methods whose phase records what it did while training (DE and MC Dropout have none).
+RECORDING_METHODS = ("sghmc", "bbb", "swag", "laplace")
 NOT_RECORDED = ("unknown: not recorded (the collection was made before training records "
                 "were stored)")
 
@@ -69,7 +71,8 @@ class DiagnoseResult(CollectionResult):
         Per mode and layer: initial sigma, the samples' sigma, how far it moved, and the
         recorded start / end values.
     flags : list of str
-        Every :data:`posteriorzoo.diagnostics.FLAGS` entry raised, with the mode.
+        Every :data:`posteriorzoo.diagnostics.FLAGS` entry raised, with the modes that
+        raise it (``"variance did not train (modes 0, 1, 3)"``).
     unknown : list of str
         What could not be known, and why.
     """
@@ -218,6 +221,16 @@ def _diversity(zoo, metadata, predictions: bool, data_dir: str | None,
     return diversity
 
 
+def _grouped(flags: list[str]) -> list[str]:
+    """``"mode 3: X"`` flags of several modes as one ``"X (modes 0, 1, 3)"``."""
+    modes: dict[str, list[str]] = {}
+    for flag in flags:
+        mode, _, text = flag.partition(": ")
+        modes.setdefault(text, []).append(mode.removeprefix("mode "))
+    return [f"{text} (mode{'s' if len(found) > 1 else ''} {', '.join(found)})"
+            for text, found in modes.items()]
+
+
 @public
 def diagnose(source: Source, *, predictions: bool = True, data_dir: str | None = None,
              lags: tuple[int, ...] = DEFAULT_LAGS, verify: bool = True,
@@ -255,8 +268,9 @@ def diagnose(source: Source, *, predictions: bool = True, data_dir: str | None =
             variational = _variational_part(zoo, modes, layers, options, records, flags,
                                             unknown)
         build = {str(mode): record_ for mode, record_ in records.items()}
-        if not records and zoo.method not in ("de",):
+        if not records and zoo.method in RECORDING_METHODS:
             unknown.append(f"build-time records {NOT_RECORDED}")
+        flags = _grouped(flags)
         diversity = _diversity(zoo, metadata, predictions, data_dir, unknown)
         path = source_path(source)
         return DiagnoseResult(
