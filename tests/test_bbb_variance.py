@@ -8,36 +8,23 @@ minutes on one core: run with ``-m slow``). Without the Fashion-MNIST files both
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from zoo_helpers import load_script, need_fashion_mnist
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bbb_variance.py"
 LAYERS = ["conv1.weight", "conv2.weight", "fc.weight", "fc.bias"]
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bbb_variance", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _need_data() -> None:
-    from posteriorzoo.data import dataset_files
-    from posteriorzoo.errors import PosteriorZooError
-
-    try:
-        dataset_files("fashion-mnist", download=False)
-    except PosteriorZooError:
-        pytest.skip("the Fashion-MNIST files are not installed")
+    return load_script(SCRIPT)
 
 
 def test_smoke_run_prints_the_table_and_records_it(tmp_path, capsys):
-    _need_data()
+    need_fashion_mnist()
     out = tmp_path / "variance.json"
     _script().main(["--images", "2000", "--epochs", "2", "--elbo-samples", "2",
                     "--json", str(out)])
@@ -68,7 +55,7 @@ def test_trained_variance_reaches_the_mean_field_optimum(tmp_path):
     """The acceptance measurement: OptuNet / Fashion-MNIST, the full 60-epoch recipe, one
     mode of each preset: every layer's median learned sigma within a factor 2 of the
     GGN-diagonal optimum, and a higher ELBO than the paper's settings."""
-    _need_data()
+    need_fashion_mnist()
     out = tmp_path / "variance.json"
     code = _script().main(["--json", str(out)])
     record = json.loads(out.read_text())

@@ -7,36 +7,23 @@ it); without it, or without the Fashion-MNIST files, the test is skipped.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from zoo_helpers import load_script, need_fashion_mnist
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_methods.py"
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_methods", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _need_data() -> None:
-    from posteriorzoo.data import dataset_files
-    from posteriorzoo.errors import PosteriorZooError
-
-    try:
-        dataset_files("fashion-mnist", download=False)
-    except PosteriorZooError:
-        pytest.skip("the Fashion-MNIST files are not installed")
+    return load_script(BENCH)
 
 
 def test_quick_run_prints_every_row_and_our_ggn_matches_laplace_torch(tmp_path, capsys):
     pytest.importorskip("laplace", reason="laplace-torch 0.3 (the baseline) is not installed")
-    _need_data()
+    need_fashion_mnist()
     out = tmp_path / "methods.json"
     code = _bench().main(["--quick", "--weights", "random", "--ggn-images", "512",
                           "--batch-sizes", "64,128", "--calibration-images", "256",

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import h5py
 import pytest
-from fuzz_driver import make_collection
+from fuzz_driver import SPEC, make_collection
 from zoo_helpers import assert_one_line_error, checkpoint, run
 
 from posteriorzoo import outputs
@@ -41,14 +41,6 @@ from posteriorzoo.zoo import create_zoo, open_zoo
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = "--no-progress"
-SPEC = """name = "full"
-recipe = "optunet-mnist"
-dataset = "digits"
-checkpoints = 1
-base_seed = 3
-[recipe_overrides]
-epochs = 1
-"""
 #: HDF5's message for a write that found the disk full, as h5py raises it.
 HDF5_FULL = ("Unable to synchronously flush file (file write failed: time = Mon Jan  1 "
              "00:00:00 2026\n, filename = 'x.h5', file descriptor = 5, errno = 28, error "

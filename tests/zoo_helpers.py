@@ -57,3 +57,26 @@ def assert_one_line_error(code, err, *fragments):
     assert len(lines) == 1, lines
     for fragment in fragments:
         assert fragment in lines[0]
+
+
+def load_script(path: Path):
+    """A benchmark script (not a package module) imported from its file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def need_fashion_mnist() -> None:
+    """Skip the calling test when Debian's Fashion-MNIST files are not installed."""
+    import pytest
+
+    from posteriorzoo.data import dataset_files
+    from posteriorzoo.errors import PosteriorZooError
+
+    try:
+        dataset_files("fashion-mnist", download=False)
+    except PosteriorZooError:
+        pytest.skip("the Fashion-MNIST files are not installed")
