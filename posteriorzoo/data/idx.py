@@ -26,6 +26,7 @@ from typing import BinaryIO
 import numpy as np
 
 from posteriorzoo._api import public
+from posteriorzoo._streams import READ_CHUNK, read_up_to
 from posteriorzoo.errors import DataFormatError
 
 __all__ = ["IDX_TYPES", "MAX_IDX_BYTES", "read_idx", "write_idx"]
@@ -46,23 +47,8 @@ _CODE_OF_KIND = {(dt.kind, dt.itemsize): code for code, dt in IDX_TYPES.items()}
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
-_CHUNK = 1 << 20
-
-
-def _read_up_to(stream: BinaryIO, count: int) -> bytes:
-    """Up to ``count`` bytes (fewer only at the end of the stream)."""
-    parts, missing = [], count
-    while missing > 0:
-        piece = stream.read(min(missing, _CHUNK))
-        if not piece:
-            break
-        parts.append(piece)
-        missing -= len(piece)
-    return b"".join(parts)
-
-
 def _read_values(path: Path, stream: BinaryIO, max_bytes: int) -> np.ndarray:
-    head = _read_up_to(stream, 4)
+    head = read_up_to(stream, 4)
     if len(head) < 4:
         raise DataFormatError(f"{path}: not an IDX file ({len(head)} bytes, header needs 4)")
     zero0, zero1, code, ndim = head[0], head[1], head[2], head[3]
@@ -74,7 +60,7 @@ def _read_values(path: Path, stream: BinaryIO, max_bytes: int) -> np.ndarray:
         known = ", ".join(f"0x{c:02X}" for c in IDX_TYPES)
         raise DataFormatError(f"{path}: unknown IDX type code 0x{code:02X} (known: {known})")
     header_len = 4 + 4 * ndim
-    dims = _read_up_to(stream, 4 * ndim)
+    dims = read_up_to(stream, 4 * ndim)
     if len(dims) < 4 * ndim:
         raise DataFormatError(
             f"{path}: truncated IDX header ({4 + len(dims)} bytes, {ndim} dimensions need "
@@ -91,7 +77,7 @@ def _read_values(path: Path, stream: BinaryIO, max_bytes: int) -> np.ndarray:
     values = np.empty(expected // dtype.itemsize, dtype=dtype)
     view, filled = memoryview(values).cast("B"), 0
     while filled < expected:
-        piece = stream.read(min(expected - filled, _CHUNK))
+        piece = stream.read(min(expected - filled, READ_CHUNK))
         if not piece:
             break
         view[filled:filled + len(piece)] = piece

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from posteriorzoo._api import public
+from posteriorzoo._streams import READ_CHUNK, read_up_to
 from posteriorzoo.errors import ZooFormatError
 
 #: The ``format`` header value of checkpoints written by
@@ -68,7 +69,6 @@ NUMPY_DTYPES: Mapping[str, np.dtype] = {
     "I8": np.dtype("i1"), "I16": np.dtype("<i2"), "I32": np.dtype("<i4"),
     "I64": np.dtype("<i8"), "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
 SUPPORTED_DTYPES = frozenset(NUMPY_DTYPES)
-_READ_CHUNK = 2**20
 
 GZIP_MAGIC = b"\x1f\x8b"
 TAR_MAGIC = b"ustar"
@@ -302,25 +302,12 @@ def _tensor_entries(header: Mapping[str, Any], name: str) -> tuple[dict[str, _En
     return entries, position
 
 
-def _read_bytes(stream: BinaryIO, count: int) -> bytes:
-    """Up to ``count`` bytes of ``stream`` (fewer only at its end), read in chunks of at
-    most 1 MiB so that a lying length never makes one huge request."""
-    parts, missing = [], count
-    while missing > 0:
-        piece = stream.read(min(missing, _READ_CHUNK))
-        if not piece:
-            break
-        parts.append(piece)
-        missing -= len(piece)
-    return b"".join(parts)
-
-
 def _read_into(stream: BinaryIO, buffer: bytearray) -> int:
     """Fill ``buffer`` from ``stream`` in chunks of at most 1 MiB; returns the bytes placed
     (fewer than its length only at the end of the stream)."""
     view, filled = memoryview(buffer), 0
     while filled < len(buffer):
-        piece = stream.read(min(len(buffer) - filled, _READ_CHUNK))
+        piece = stream.read(min(len(buffer) - filled, READ_CHUNK))
         if not piece:
             break
         view[filled:filled + len(piece)] = piece
@@ -349,11 +336,11 @@ def read_safetensors(stream: BinaryIO, size: int, name: str, limits: ReadLimits,
     (else sorted keys, as safetensors returns them), so a round trip preserves the
     model's order.
     """
-    prefix = _read_bytes(stream, 9)
+    prefix = read_up_to(stream, 9)
     found = _safetensors_header_size(prefix, size, limits)
     if isinstance(found, str):
         raise ZooFormatError(f"{name}: not a valid safetensors file ({found})")
-    text = prefix[8:] + _read_bytes(stream, found - 1)
+    text = prefix[8:] + read_up_to(stream, found - 1)
     if len(text) != found:
         raise ZooFormatError(f"{name}: truncated safetensors header")
     header = load_json(text, f"{name}: the safetensors header")
