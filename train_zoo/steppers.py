@@ -131,6 +131,77 @@ class SghmcStepper:
                 "steps": self.state.step, "recorded_steps": count}
 
 
+class WhitenedSghmcStepper:
+    """One SGHMC chain with a constant mass matrix, run in whitened coordinates
+    (:class:`~train_zoo.methods.sghmc.Whitening`) for ``total_steps`` steps.
+
+    The chain starts at ``params`` plus ``start_offset`` in whitened coordinates (a
+    standard normal draw there is a draw of the Laplace approximation around ``params``).
+    The gradient noise covariance (:func:`~train_zoo.methods.sghmc.dense_noise_update`)
+    sets the injected noise (:func:`~train_zoo.methods.sghmc.dense_noise_factor`) from
+    ``warm_up`` steps on, refreshed every ``refresh`` steps: its eigendecomposition costs
+    more than a step. ``lr`` of :meth:`step` is ignored. :meth:`record` is
+    :class:`SghmcStepper`'s in whitened coordinates (``mean(v_z^2) / lr_z``).
+    """
+
+    def __init__(self, params: Params, gradient: LogPosteriorGradient,
+                 whitening: sghmc.Whitening, lr: float, alpha: float,
+                 generator: torch.Generator, total_steps: int, *,
+                 start_offset: torch.Tensor | None = None, noise_decay: float | None = None,
+                 warm_up: int = 0, record_from: int = 0, refresh: int = 100) -> None:
+        self.like = {name: value.detach() for name, value in params.items()}
+        self.whitening = whitening
+        self.z = whitening.whiten(flatten(self.like))
+        if start_offset is not None:
+            self.z = self.z + start_offset.double()
+        self.momentum = torch.zeros_like(self.z)
+        self.gradient = gradient
+        self.lr, self.alpha, self.generator = lr, alpha, generator
+        self.total_steps, self.steps = total_steps, 0
+        self.stopped = total_steps == 0
+        self.noise_decay, self.warm_up, self.refresh = noise_decay, warm_up, refresh
+        self.record_from = record_from
+        self.noise: sghmc.DenseGradientNoise | None = None
+        self.factor, self.capped = sghmc.dense_noise_factor(None, lr, alpha, self.z.numel())
+        self._temperature = self._capped = 0.0
+        self._recorded = 0
+        self.params = self._params()
+
+    def _params(self) -> Params:
+        return unflatten(self.whitening.unwhiten(self.z), self.like)
+
+    def step(self, batch: tuple, lr: float) -> float:
+        loss, grads = self.gradient(self.params, batch)
+        grad_z = self.whitening.gradient(flatten(grads))
+        if self.noise_decay is not None:
+            self.noise = sghmc.dense_noise_update(self.noise, grad_z, self.noise_decay)
+            if self.steps >= self.warm_up and (self.steps - self.warm_up) % self.refresh == 0:
+                self.factor, self.capped = sghmc.dense_noise_factor(
+                    self.noise, self.lr, self.alpha, self.z.numel())
+        self.z, self.momentum = sghmc.whitened_update(self.z, self.momentum, grad_z, self.lr,
+                                                      self.alpha, self.factor, self.generator)
+        self.steps += 1
+        self.params = self._params()
+        if self.steps > self.record_from:
+            self._temperature += float(self.momentum.square().mean()) / self.lr
+            self._capped += self.capped
+            self._recorded += 1
+        self.stopped = (self.steps >= self.total_steps or not math.isfinite(loss)
+                        or not bool(torch.isfinite(self.z).all()))
+        return loss
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: value.numpy() for name, value in self.params.items()}
+
+    def record(self) -> dict[str, float | int | None]:
+        """:meth:`SghmcStepper.record`, in whitened coordinates."""
+        count = self._recorded
+        return {"kinetic_temperature": self._temperature / count if count else None,
+                "exact_temperature": 1.0 / (1.0 - self.alpha / 2.0),
+                "beta_hat_capped": self._capped / count if count else None,
+                "steps": self.steps, "recorded_steps": count, "whitened": True}
+
+
 @dataclass(frozen=True)
 class BBBRun:
     """What every BBB step takes besides the batch: the noise generator, the training-set

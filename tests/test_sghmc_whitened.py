@@ -1,0 +1,134 @@
+"""SGHMC with a constant mass matrix, run in whitened coordinates (train_zoo.methods.sghmc:
+Whitening, dense_noise_update, dense_noise_factor, whitened_update).
+
+The target is a 3-D Gaussian whose covariance has a condition number of 10^4: a plain
+chain with a step size the stiffest direction allows cannot cross the flattest one in the
+same number of steps; the whitened chain, given the target's precision, samples it
+exactly, with and without correlated gradient noise (corrected by the dense estimate).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from train_zoo.methods import sghmc
+
+DIM = 3
+ROTATION = torch.linalg.qr(torch.tensor([[1.0, 0.3, -0.2], [0.5, 1.0, 0.4], [-0.1, 0.7, 1.0]],
+                                        dtype=torch.float64))[0]
+COVARIANCE = ROTATION @ torch.diag(torch.tensor([1e-4, 0.3, 1.0], dtype=torch.float64)) \
+    @ ROTATION.T
+PRECISION = torch.linalg.inv(COVARIANCE)
+MEAN = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+WHITENING = sghmc.Whitening(torch.linalg.cholesky(PRECISION))
+# The gradient noise in whitened coordinates: correlated, variance up to 16, so that
+# lr V / 2 = 0.08 of alpha at lr 0.01 (correctable; uncorrected it heats the chain by ~40%).
+NOISE_Z = torch.tensor([[16.0, 6.0, 0.0], [6.0, 9.0, 2.0], [0.0, 2.0, 4.0]], dtype=torch.float64)
+LR, ALPHA, CHAINS, STEPS = 0.01, 0.2, 2000, 1000
+START = MEAN + torch.tensor([3.0, -2.0, 1.0], dtype=torch.float64)
+
+
+def _log_posterior_grad(theta: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+    exact = -(theta - MEAN) @ PRECISION
+    if noise is None:
+        return exact
+    # noise = L e with e ~ N(0, NOISE_Z): in z coordinates (L^-1 g) its covariance is NOISE_Z
+    return exact + noise @ torch.linalg.cholesky(NOISE_Z).T @ WHITENING.cholesky.T
+
+
+def _whitened_chains(noise_std: float, correct: bool, seed: int = 0):
+    """``CHAINS`` parallel whitened chains from START; their last states and the mean kinetic
+    temperature over the second half."""
+    generator = torch.Generator().manual_seed(seed)
+    noise_generator = torch.Generator().manual_seed(seed + 1)
+    z = WHITENING.whiten(START.expand(CHAINS, DIM).clone())
+    momentum = torch.zeros_like(z)
+    estimate, temperatures = None, []
+    factor, _ = sghmc.dense_noise_factor(None, LR, ALPHA, DIM)
+    for step in range(STEPS):
+        noise = None
+        if noise_std:
+            noise = noise_std * torch.randn(z.shape, generator=noise_generator,
+                                            dtype=torch.float64)
+        grad_z = WHITENING.gradient(_log_posterior_grad(WHITENING.unwhiten(z), noise))
+        if correct:
+            estimate = sghmc.dense_noise_update(estimate, grad_z, 0.99)
+            if step >= 200 and step % 50 == 0:
+                factor, capped = sghmc.dense_noise_factor(estimate, LR, ALPHA, DIM)
+                assert capped == 0.0
+        z, momentum = sghmc.whitened_update(z, momentum, grad_z, LR, ALPHA, factor, generator)
+        if step >= STEPS // 2:
+            temperatures.append(float(momentum.square().mean()) / LR)
+    return WHITENING.unwhiten(z), sum(temperatures) / len(temperatures)
+
+
+def _moments_match(draws: torch.Tensor) -> bool:
+    """Mean and covariance within 5 standard errors (independent chains) of the target's,
+    compared in whitened coordinates, where the target is N(L^T mean, I): there an error in
+    the stiffest direction counts as much as one in the flattest."""
+    z = WHITENING.whiten(draws)
+    n = z.shape[0]
+    mean_ok = ((z.mean(0) - WHITENING.whiten(MEAN)).abs() < 5 / math.sqrt(n)).all()
+    identity = torch.eye(DIM, dtype=torch.float64)
+    standard = torch.sqrt((1 + identity) / n)
+    covariance_ok = ((torch.cov(z.T) - identity).abs() < 5 * standard).all()
+    return bool(mean_ok and covariance_ok)
+
+
+def test_whitening_round_trips_and_maps_the_gradient():
+    theta = torch.randn(5, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    z = WHITENING.whiten(theta)
+    assert torch.allclose(WHITENING.unwhiten(z), theta, atol=1e-10)
+    assert torch.allclose(WHITENING.unwhiten(z[0]), theta[0], atol=1e-10)
+    # grad_z log p(L^-T z) = L^-1 grad_theta: for the Gaussian it is -(z - L^T mean)
+    grad_z = WHITENING.gradient(_log_posterior_grad(theta, None))
+    assert torch.allclose(grad_z, -(z - WHITENING.whiten(MEAN)), atol=1e-8)
+
+
+def test_whitened_chain_samples_an_ill_conditioned_gaussian():
+    draws, temperature = _whitened_chains(noise_std=0.0, correct=False)
+    assert _moments_match(draws)
+    assert temperature == pytest.approx(1 / (1 - ALPHA / 2), rel=0.02)
+
+
+def test_a_plain_chain_with_the_same_steps_does_not():
+    # The stiffest direction (variance 1e-4) bounds a plain chain's step: lr 1e-5 puts it
+    # at lr * curvature = 0.1. The flattest then relaxes over alpha / (lr * 1) = 20,000
+    # steps, so after STEPS the chains are still near START.
+    generator = torch.Generator().manual_seed(0)
+    state = sghmc.init({"theta": START.expand(CHAINS, DIM).clone()})
+    for _ in range(STEPS):
+        gradient = {"theta": _log_posterior_grad(state.params["theta"], None)}
+        state = sghmc.update(state, gradient, 1e-5, ALPHA, generator)
+    assert not _moments_match(state.params["theta"])
+
+
+def test_dense_correction_removes_the_heat_of_correlated_gradient_noise():
+    hot, hot_temperature = _whitened_chains(noise_std=1.0, correct=False)
+    assert hot_temperature > 1.25
+    assert not _moments_match(hot)
+    draws, temperature = _whitened_chains(noise_std=1.0, correct=True)
+    assert _moments_match(draws)
+    assert temperature == pytest.approx(1 / (1 - ALPHA / 2), rel=0.03)
+
+
+def test_dense_noise_estimate_is_the_gradient_covariance():
+    generator = torch.Generator().manual_seed(5)
+    root = torch.linalg.cholesky(NOISE_Z)
+    estimate = None
+    for _ in range(400):
+        sample = 3.0 + torch.randn(500, DIM, generator=generator, dtype=torch.float64) @ root.T
+        estimate = sghmc.dense_noise_update(estimate, sample, 0.99)
+    assert torch.allclose(estimate.covariance, NOISE_Z, rtol=0.05, atol=0.3)
+    factor, capped = sghmc.dense_noise_factor(estimate, LR, ALPHA, DIM)
+    injected = factor @ factor.T
+    expected = 2 * (ALPHA * torch.eye(DIM, dtype=torch.float64) - LR * estimate.covariance / 2) * LR
+    assert torch.allclose(injected, expected, atol=1e-12)
+    assert capped == 0.0
+    _, capped = sghmc.dense_noise_factor(estimate, 1.0, ALPHA, DIM)   # lr V / 2 >> alpha
+    assert capped == 1.0
+    assert math.isclose(float(sghmc.dense_noise_factor(None, LR, ALPHA, DIM)[0][0, 0]),
+                        math.sqrt(2 * ALPHA * LR))
