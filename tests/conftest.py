@@ -13,6 +13,13 @@ import os
 
 # test module -> test function (or one of its parameters, "test[id]") -> (command, class)
 PROBES: dict[str, dict[str, tuple[str, str]]] = {
+    "test_row_order.py": {
+        "test_verify_reports_rows_out_of_mode_order": ("verify", "rows out of order"),
+        "test_reorder_respects_the_output_policy": ("reorder", "output policy"),
+        "test_reorder_refuses_a_damaged_collection_and_writes_nothing": ("reorder", "content"),
+        "test_reorder_waits_for_no_writer": ("reorder", "busy"),
+        "test_killed_reorder_leaves_nothing_and_a_rerun_succeeds": ("reorder", "sigkill"),
+    },
     "test_exchange_hostile.py": {
         "test_export_never_writes_onto_its_input": ("export", "output policy"),
         "test_export_refuses_an_existing_output_unless_overwrite": ("export", "output policy"),

@@ -9,6 +9,13 @@ does not hold yet, so the run ends with ``modes x samples_per_mode`` distinct, c
 checkpoints whatever happened before, bit-identical to an uninterrupted run (a mode
 depends only on its seeds).
 
+Modes are committed in ascending order whatever the number of workers or the backend,
+so row i holds mode i's samples (in ``sample_id`` order): a mode that finishes before
+one of its predecessors waits in memory until they are committed. The backends yield
+modes in order themselves and keep a bounded number of tasks in flight, finished or
+not (:mod:`train_zoo.backends`), so what waits is bounded too. A killed run keeps its
+committed modes, a prefix of the missing ones; the next run produces the rest.
+
 A new collection is built under a temporary, locked name next to the output and appears
 at the output path right after its first checkpoint is committed; from then on it is an
 ordinary resumable file. A run that fails (or is killed) before that leaves nothing at
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +76,23 @@ def missing_indices(spec: ZooSpec, zoo: Zoo) -> list[int]:
     """Modes 0..modes-1 of ``spec`` that ``zoo`` does not hold yet, ascending."""
     done = completed_indices(zoo)
     return [index for index in range(spec.modes) if index not in done]
+
+
+def _warn_if_out_of_order(zoo: Zoo, missing: list[int]) -> None:
+    """Say so when the collection will not end in mode order: its rows already are not
+    (written by an earlier version with several workers), or a mode it lacks comes
+    before one it holds (a gap such a run left)."""
+    from posteriorzoo.zoo.reorder import collection_row_order
+
+    ordering = collection_row_order(zoo)
+    done = completed_indices(zoo)
+    late = [index for index in missing if done and index < max(done)]
+    if ordering.in_order and not late:
+        return
+    problem = (ordering.describe(len(zoo)) if not ordering.in_order else
+               f"mode {late[0]} will be appended after mode {max(done)}")
+    warnings.warn(f"{zoo.path}: {problem}; `posteriorzoo reorder {zoo.path} --in-place` "
+                  "puts the rows in mode order once the run is complete", stacklevel=3)
 
 
 def _annotations(spec: ZooSpec) -> dict[str, object]:
@@ -191,35 +216,54 @@ def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: object |
     # that (missing data, an error in a worker, a kill) leaves nothing at ``out``.
     with open_collection(spec, out, command, verify) as zoo:
         missing = missing_indices(spec, zoo)
+        if len(zoo):
+            _warn_if_out_of_order(zoo, missing)
         trained = diverged = steps = 0
         source = f"train_zoo spec {spec.name}"
         with tqdm(total=spec.checkpoints,
                   initial=(spec.modes - len(missing)) * spec.samples_per_mode, unit="ckpt",
                   desc=f"train {Path(out).name}", disable=not progress) as bar:
+
+            def commit(mode: list) -> None:
+                """A mode's samples in one commit, with what its method phase recorded
+                (the same record on every sample): a collection holds whole modes."""
+                nonlocal trained, diverged, steps
+                record = mode[0].record
+                zoo.append_many([r.state for r in mode],
+                                [r.metadata(spec.recipe.epochs, spec.recipe_hash, source)
+                                 for r in mode],
+                                records=None if record is None else {mode[0].index: record})
+                if not zoo.published:
+                    zoo.publish()  # from now on an ordinary, resumable collection
+                trained += len(mode)
+                diverged += sum(r.diverged for r in mode)
+                steps += mode[0].steps
+                elapsed = time.perf_counter() - started
+                bar.set_postfix(steps_per_s=f"{steps / elapsed:.0f}", diverged=diverged)
+                bar.update(len(mode))
+
             results = backend.run(spec, missing, engine)
-            pending: dict[int, list] = {}
+            assembling: dict[int, list] = {}  # modes whose samples are still coming
+            finished: dict[int, list] = {}  # whole modes waiting for a predecessor
+            next_position = 0  # missing[next_position] is the next mode to commit
             try:
                 for result in results:
-                    mode = pending.setdefault(result.index, [])
+                    mode = assembling.setdefault(result.index, [])
                     mode.append(result)
                     if len(mode) < spec.samples_per_mode:
                         continue
-                    del pending[result.index]
-                    # A mode's samples in one commit, with what its method phase recorded
-                    # (the same record on every sample): a collection holds whole modes.
-                    record = mode[0].record
-                    zoo.append_many([r.state for r in mode],
-                                    [r.metadata(spec.recipe.epochs, spec.recipe_hash, source)
-                                     for r in mode],
-                                    records=None if record is None else {result.index: record})
-                    if not zoo.published:
-                        zoo.publish()  # from now on an ordinary, resumable collection
-                    trained += len(mode)
-                    diverged += sum(r.diverged for r in mode)
-                    steps += mode[0].steps
-                    elapsed = time.perf_counter() - started
-                    bar.set_postfix(steps_per_s=f"{steps / elapsed:.0f}", diverged=diverged)
-                    bar.update(len(mode))
+                    finished[result.index] = assembling.pop(result.index)
+                    # Mode order: commit every finished mode whose predecessors are in.
+                    while (next_position < len(missing)
+                           and missing[next_position] in finished):
+                        commit(finished.pop(missing[next_position]))
+                        next_position += 1
+                if finished:  # a backend that skipped a mode: keep what was trained
+                    for index in sorted(finished):
+                        commit(finished.pop(index))
+                    raise RuntimeError(f"the backend never produced mode "
+                                       f"{missing[next_position]}; the modes after it were "
+                                       "committed out of order")
             finally:
                 close = getattr(results, "close", None)
                 if close is not None:  # stop the backend's workers now on an error

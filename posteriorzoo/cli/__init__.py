@@ -23,6 +23,7 @@ EXIT_BAD_INPUT = 2
 
 _SUBCOMMAND_MODULES = (
     "posteriorzoo.cli.zoo_commands",
+    "posteriorzoo.cli.reorder_command",
     "posteriorzoo.cli.hub_commands",
     "posteriorzoo.cli.train_command",
     "posteriorzoo.cli.canonicalize_command",

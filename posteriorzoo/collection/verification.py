@@ -1,5 +1,5 @@
 """Verify a collection: structure, architecture, per-checkpoint and per-record digests,
-manifest.
+manifest, and whether its rows are in mode order.
 
 :func:`verify` checks a collection file end to end and returns a :class:`VerifyResult`
 (what ``posteriorzoo verify`` prints); :func:`require_ok` turns a failed verification
@@ -20,6 +20,7 @@ from posteriorzoo.errors import ChecksumError, PosteriorZooError, ZooFormatError
 from posteriorzoo.provenance import describe_input, record
 from posteriorzoo.results import CollectionResult, csv_text
 from posteriorzoo.zoo.manifest import MANIFEST_NAME, read_manifest, sha256_file
+from posteriorzoo.zoo.reorder import collection_row_order
 from posteriorzoo.zoo.store import Zoo
 
 __all__ = ["VerifyResult", "require_ok", "verify"]
@@ -48,8 +49,16 @@ class VerifyResult(CollectionResult):
     manifest : str
         ``"absent"``, ``"matches"``, ``"MISMATCH"``, ``"unreadable"`` or ``"does not list
         this file"``: what a ``SHA256SUMS`` next to the file says of it.
+    rows_out_of_order : int
+        Rows not where mode order puts them (ascending ``mode_id``, then ``sample_id``;
+        rows without a ``mode_id`` are not ordered). Not damage: the checkpoints are
+        intact, but row i no longer holds mode i (``posteriorzoo reorder`` fixes it).
+    first_out_of_order : int or None
+        The first such row.
     problems : list of str
         Everything wrong, one line each (empty when the collection is OK).
+    findings : list of str
+        What is not damage but worth knowing: rows out of mode order.
     notes : list of str
         What was not checked, and why.
     """
@@ -63,7 +72,10 @@ class VerifyResult(CollectionResult):
     records: int = 0
     record_mismatches: list[int] = field(default_factory=list)
     manifest: str = "absent"
+    rows_out_of_order: int = 0
+    first_out_of_order: int | None = None
     problems: list[str] = field(default_factory=list)
+    findings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -71,12 +83,13 @@ class VerifyResult(CollectionResult):
         return not self.problems
 
     def summary(self) -> str:
-        """One line: the verdict and the counts behind it."""
+        """One line: the verdict and the counts behind it, then any finding."""
+        findings = "".join(f"; {finding}" for finding in self.findings)
         if self.ok:
             records = f" and {self.records} training records" if self.records else ""
             return (f"{self.path}: OK, {self.checkpoints} checkpoints{records} verified "
-                    f"(digests match; manifest {self.manifest})")
-        return f"{self.path}: CORRUPT: " + "; ".join(self.problems)
+                    f"(digests match; manifest {self.manifest}){findings}")
+        return f"{self.path}: CORRUPT: " + "; ".join(self.problems) + findings
 
     def payload(self) -> dict[str, Any]:
         return {"path": str(self.path), "ok": self.ok, "checkpoints": self.checkpoints,
@@ -84,7 +97,9 @@ class VerifyResult(CollectionResult):
                 "nonfinite_unflagged": self.nonfinite_unflagged,
                 "metadata_mismatches": self.metadata_mismatches,
                 "records": self.records, "record_mismatches": self.record_mismatches,
-                "manifest": self.manifest, "problems": self.problems, "notes": self.notes}
+                "manifest": self.manifest, "rows_out_of_order": self.rows_out_of_order,
+                "first_out_of_order": self.first_out_of_order, "problems": self.problems,
+                "findings": self.findings, "notes": self.notes}
 
     def tables(self) -> dict[str, str]:
         """``bad_checkpoints.csv``: one row per damaged checkpoint and what is wrong."""
@@ -108,7 +123,9 @@ def verify(source: Source, *, progress: bool = False, command: str | None = None
     mode's training record, equal the SHA-256 digests stored when they were written (and
     that the records are JSON objects); that non-finite weights only occur in
     checkpoints flagged ``diverged``; and, if a ``SHA256SUMS`` next to the file lists it,
-    the whole file's digest.
+    the whole file's digest. Rows out of mode order (row i not holding mode i's samples,
+    see :func:`posteriorzoo.zoo.row_order`) are a finding, not a problem: the result
+    stays OK.
 
     Parameters
     ----------
@@ -139,6 +156,7 @@ def verify(source: Source, *, progress: bool = False, command: str | None = None
             result.notes.append("metadata rows are not covered by digests (schema 1 file)")
         _check_digests(zoo, result, progress)
         _check_records(zoo, result)
+        _check_row_order(zoo, result)
     digest = _check_manifest(path, result)
     result.provenance = record("posteriorzoo verify", command=command,
                                inputs={"collection": describe_input(path, digest)})
@@ -214,6 +232,22 @@ def _check_records(zoo: Zoo, report: VerifyResult) -> None:
         mode, problem = problems[0]
         report.problems.append(f"{len(problems)} training record(s) damaged (modes "
                                f"{report.record_mismatches[:5]}; mode {mode}: {problem})")
+
+
+def _check_row_order(zoo: Zoo, report: VerifyResult) -> None:
+    """Whether row i holds mode i's samples: rows in ascending (mode_id, sample_id)."""
+    try:
+        ordering = collection_row_order(zoo)
+    except PosteriorZooError:
+        return  # an unreadable metadata table is reported by the digest checks
+    report.rows_out_of_order = ordering.out_of_place
+    report.first_out_of_order = ordering.first
+    if not ordering.in_order:
+        report.findings.append(f"{ordering.describe(report.checkpoints)}; `posteriorzoo "
+                               "reorder` writes them in order, digests unchanged")
+    if ordering.unknown:
+        report.notes.append(f"{ordering.unknown} row(s) have no mode_id: their order is "
+                            "not checked")
 
 
 def _check_manifest(path: Path, report: VerifyResult) -> str | None:

@@ -9,6 +9,7 @@ exporting collections is the collection layer's (:mod:`posteriorzoo.collection`)
 >>> with open_zoo("zoo.h5") as zoo:
 ...     conv2 = zoo.layer("conv2.weight")        # (N, 10, 1, 5, 5)
 ...     model.load_state_dict(zoo.state_dict(0))
+>>> reorder_collection("old.h5", "ordered.h5")   # rows in mode order, digests kept
 """
 
 from posteriorzoo.zoo.archives import read_release_archive
@@ -16,6 +17,7 @@ from posteriorzoo.zoo.formats import ReadLimits, read_checkpoint, sniff_format
 from posteriorzoo.zoo.keymap import KeyMap
 from posteriorzoo.zoo.lifecycle import create_zoo, open_zoo
 from posteriorzoo.zoo.manifest import MANIFEST_NAME, sha256_file, verify_manifest, write_manifest
+from posteriorzoo.zoo.reorder import ReorderResult, RowOrder, reorder_collection, row_order
 from posteriorzoo.zoo.schema import METADATA_COLUMNS, checkpoint_digest, recipe_hash
 from posteriorzoo.zoo.store import Zoo, iter_checkpoints
 
@@ -24,6 +26,8 @@ __all__ = [
     "METADATA_COLUMNS",
     "KeyMap",
     "ReadLimits",
+    "ReorderResult",
+    "RowOrder",
     "Zoo",
     "checkpoint_digest",
     "create_zoo",
@@ -32,6 +36,8 @@ __all__ = [
     "read_checkpoint",
     "read_release_archive",
     "recipe_hash",
+    "reorder_collection",
+    "row_order",
     "sha256_file",
     "sniff_format",
     "verify_manifest",

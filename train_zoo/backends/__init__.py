@@ -1,6 +1,9 @@
 """Where training runs. Every backend has ``run(spec, indices, engine) -> Iterator[result]``:
-it produces the given modes and yields each :class:`CheckpointResult` as soon as it is
-done (a mode's samples together), so one writer can append them to the collection at once.
+it produces the given modes and yields their :class:`CheckpointResult` in the order of
+``indices`` (mode order, a mode's samples together), each as soon as it and the modes
+before it are done, so one writer can append them to the collection at once, in order.
+A mode that finishes before an earlier one waits, counted among the tasks in flight, so
+the results held back are bounded.
 
 - :class:`SerialBackend`: in this process (supports callbacks);
 - :class:`LocalBackend`: a pool of processes on this machine, one torch thread each;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import multiprocessing
@@ -97,7 +98,9 @@ class LocalBackend:
     networks than one process using every core (benchmarks/bench_training.py measures
     both). Processes are started with ``spawn`` (fresh interpreters: forking a process
     that already runs torch threads is unsafe). At most ``2 * workers`` groups are in
-    flight, so results stream back while the rest wait.
+    flight, so results stream back while the rest wait. Results are yielded in the order
+    of ``indices`` (mode order): a group that finishes before an earlier one waits, and
+    counts among those in flight, so no more are started while it does.
 
     Workers end with the process that started them, even when it is killed by SIGKILL
     (see :func:`_exit_with_parent`); when the consumer stops early or a task fails, the
@@ -123,13 +126,19 @@ class LocalBackend:
                                    initargs=(self.threads, os.getpid()))
         finished = False
         try:
-            running: set[Future] = set()
-            while pending_groups or running:
-                while pending_groups and len(running) < 2 * self.workers:
-                    running.add(pool.submit(_train_group, spec, pending_groups.pop(0), engine))
-                done, running = wait(running, return_when=FIRST_COMPLETED)
-                for future in done:
-                    yield from future.result()
+            # Groups in submission (mode) order, running or done but not yet yielded: at
+            # most 2 * workers, so results that finish early wait in bounded memory.
+            window: collections.deque[Future] = collections.deque()
+            while pending_groups or window:
+                while pending_groups and len(window) < 2 * self.workers:
+                    window.append(pool.submit(_train_group, spec, pending_groups.pop(0), engine))
+                running = [future for future in window if not future.done()]
+                if running:
+                    done, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        future.result()  # a failed task stops the run now, not in its turn
+                while window and window[0].done():
+                    yield from window.popleft().result()
             finished = True
         finally:
             if finished:

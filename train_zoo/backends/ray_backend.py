@@ -8,8 +8,10 @@ Every task trains one group of checkpoint indices with
 the worker loads the data set once (:func:`train_zoo.data.load_training_data` caches it
 per process) and returns a list of :class:`CheckpointResult`, whose weights are numpy
 arrays (no torch tensors cross the object store). The driver keeps a bounded number of
-tasks in flight and yields each result as soon as its task finishes (``ray.wait``), so the
-caller, the only writer of the zoo file, appends it at once.
+tasks in flight and yields the results in mode order as soon as a task and those before
+it have finished (``ray.wait``), so the caller, the only writer of the zoo file, appends
+each mode at once, in order; a task that finishes early waits with its results and
+counts among those in flight.
 
 On a cluster every node needs posteriorzoo installed (same torch build for bit-identical
 weights) and the data set reachable (``data_dir`` of the spec, or the default locations).
@@ -72,7 +74,8 @@ class RayBackend:
         Checkpoint indices per task (with ``engine="vectorised"`` a group trains in
         lockstep; otherwise one after another in the same worker).
     max_in_flight : int or None
-        Tasks submitted but not yet collected (default: twice the cluster's CPUs).
+        Tasks whose results are not yet yielded: running, or finished and waiting for
+        an earlier one (default: twice the cluster's CPUs).
     init_options : mapping, optional
         Extra keyword arguments of ``ray.init`` (e.g. ``runtime_env``).
     """
@@ -96,7 +99,7 @@ class RayBackend:
             ) -> Iterator[CheckpointResult]:
         """Train checkpoints ``indices`` of ``spec``; yield each result once, as it completes.
 
-        Results come in completion order, not index order. The engine is checked and Ray
+        Results come in the order of ``indices`` (mode order). The engine is checked and Ray
         imported here, before anything starts; the Ray instance is started (or connected
         to) on the first iteration and shut down when the iterator is exhausted or closed.
         """
@@ -128,12 +131,19 @@ class RayBackend:
             # Tasks are deterministic, so Ray's retries after a worker crash are safe.
             task = ray.remote(num_cpus=1)(train_group)
             spec_ref = ray.put(spec)
+            # Tasks in submission (mode) order, running or finished but not yet yielded:
+            # at most ``limit``, so results that finish early wait in bounded memory.
+            finished: dict[int, list[CheckpointResult]] = {}  # id(ref) -> its results
             while pending or running:
                 while pending and len(running) < limit:
                     running.append(task.remote(spec_ref, pending.pop(0), engine))
-                done, running = ray.wait(running, num_returns=1)
-                for ref in done:
-                    yield from ray.get(ref)
+                waiting = [ref for ref in running if id(ref) not in finished]
+                if waiting:
+                    done, _ = ray.wait(waiting, num_returns=1)
+                    for ref in done:  # a failed task raises here, not in its turn
+                        finished[id(ref)] = ray.get(ref)
+                while running and id(running[0]) in finished:
+                    yield from finished.pop(id(running.pop(0)))
         finally:
             for ref in running:  # closed early or failed: drop the rest
                 with contextlib.suppress(Exception):
