@@ -35,7 +35,14 @@ import json
 import unicodedata
 from typing import Any
 
-__all__ = ["html_safe_json", "html_text", "markdown_text", "matplotlib_text", "visible"]
+__all__ = ["MMD_DISPLAY_SCALE", "html_safe_json", "html_text", "markdown_text",
+           "matplotlib_text", "scaled_label", "visible"]
+
+#: MMD^2 values are shown multiplied by this wherever a person reads them (``posteriorzoo
+#: mmd``'s table, ``report``, ``plot mmd``), as the paper's Table 1 shows them; each
+#: header says so (:func:`scaled_label`). CSV and JSON keep the raw values and record
+#: the factor as ``display_scale``.
+MMD_DISPLAY_SCALE = 100
 
 # Characters with a meaning in Markdown inline text or in a GitHub-style table cell.
 _MARKDOWN_SPECIAL = set("\\`*_[]|~$#")
@@ -91,3 +98,9 @@ def html_safe_json(value: Any, **options: Any) -> str:
     provenance embedded in a page)."""
     text = json.dumps(value, **options)
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def scaled_label(label: str, scale: float = MMD_DISPLAY_SCALE) -> str:
+    """A header for values shown multiplied by ``scale``: ``"MMD (x 100)"`` (``label``
+    alone for a scale of 1)."""
+    return label if scale == 1 else f"{label} (x {scale:g})"

@@ -142,6 +142,12 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_train_refuses_a_prior_precision_out_of_range_when_the_spec_is_read": (
             "train", "bad option"),
     },
+    "test_same_stem.py": {
+        "test_compare_files_with_the_same_stem": ("compare", "same stem"),
+        "test_canonical_copy_names_are_unique_and_safe": ("compare", "same stem"),
+        "test_report_with_methods_of_the_same_stem": ("report", "same stem"),
+        "test_plot_mmd_with_the_same_stem_uses_the_canonical_target": ("plot", "same stem"),
+    },
     "test_option_ranges.py": {     # its generated tests log each case themselves
         "test_every_beyond_one_epoch_is_refused_before_training": ("study", "bad option"),
         "test_toy_networks_times_points_and_norm_are_bounded": ("study", "bad option"),

@@ -126,4 +126,8 @@ def test_the_checker_sees_violations():
 
 def test_the_result_base_is_neutral():
     """Every layer may build on ``posteriorzoo.results``: it imports no layer itself."""
-    assert GRAPH["posteriorzoo.results"] <= {"posteriorzoo.outputs"}
+    # errors and text are leaves (standard library only), as outputs is
+    assert GRAPH["posteriorzoo.results"] <= {"posteriorzoo.outputs", "posteriorzoo.errors",
+                                             "posteriorzoo.text"}
+    for leaf in ("posteriorzoo.errors", "posteriorzoo.text"):
+        assert not GRAPH[leaf], leaf

@@ -239,8 +239,8 @@ def test_outputs_record_provenance(zoos, tmp_path):
     summary_rows = list(csv.DictReader(paths["mmd_summary.csv"].read_text().splitlines()))
     assert (summary_rows[0]["m"], summary_rows[0]["n"]) == ("30", "12")
     markdown = paths["mmd_report.md"].read_text()
-    assert ("| Method | n | MMD median | MMD mean | MMD max | NS-MMD median | NS-MMD mean | "
-            "NS-MMD max |") in markdown
+    assert ("| Method | n | MMD median (x 100) | MMD mean (x 100) | MMD max (x 100) | "
+            "NS-MMD median (x 100) | NS-MMD mean (x 100) | NS-MMD max (x 100) |") in markdown
     row = next(line for line in markdown.splitlines() if line.startswith("| near |"))
     assert f"{report.summary('near').median * 100:.4f}" in row
     assert sha256_file(zoos["near"]) in markdown

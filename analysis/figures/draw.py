@@ -36,7 +36,7 @@ from analysis.figures.statistics import (
     unit_position,
 )
 from posteriorzoo.errors import InvalidOptionError
-from posteriorzoo.text import matplotlib_text
+from posteriorzoo.text import MMD_DISPLAY_SCALE, matplotlib_text, scaled_label
 
 __all__ = ["collapse_figure", "marginals_figure", "mass_figure", "mmd_figure", "pca_figure"]
 
@@ -304,24 +304,27 @@ def _value_scale(ax: Axes, values: np.ndarray) -> str:
 def mmd_figure(per_layer: Mapping[str, Mapping[str, float]],
                noise: Mapping[str, tuple[float, float]] | None = None,
                symmetries: str = "keep", *, statistic: str = "median",
-               kernels: int = 20) -> Figure:
+               kernels: int = 20, scale: float = MMD_DISPLAY_SCALE) -> Figure:
     """MMD^2 of each method to the target, per layer, with the noise band.
 
     Parameters
     ----------
     per_layer : mapping of str to mapping of str to float
         ``{method: {layer: MMD^2}}``: the statistic over the kernels of each layer's
-        unbiased MMD^2 (:class:`~posteriorzoo.collection.CompareResult`); it may be
+        unbiased MMD^2 (:class:`~posteriorzoo.collection.CompareResult`), raw; it may be
         slightly negative.
     noise : mapping of str to (float, float), optional
         ``{layer: (low, high)}``: the range of the same statistic between disjoint random
-        halves of the target, shaded as "target vs target (noise floor)".
+        halves of the target, shaded as "target vs target (noise floor)"; raw.
     symmetries : {"keep", "remove"}
         Whether the weights were compared as stored (MMD) or canonical (NS-MMD).
     statistic : str
         Which statistic over the kernels the values are (for the axis label).
     kernels : int
         Number of kernels (for the axis label).
+    scale : float
+        The values and the band are drawn multiplied by this, and the axis label says so
+        (default :data:`~posteriorzoo.text.MMD_DISPLAY_SCALE`, as every MMD table).
 
     Returns
     -------
@@ -341,7 +344,7 @@ def mmd_figure(per_layer: Mapping[str, Mapping[str, float]],
     if noise:
         for i, name in enumerate(layers):
             if name in noise:
-                low, high = noise[name]
+                low, high = (scale * bound for bound in noise[name])
                 ax.fill_between([i - 0.42, i + 0.42], low, high, color="0.6", alpha=0.35,
                                 linewidth=0, label=NOISE_LABEL if not everything else None)
                 everything += [low, high]
@@ -350,20 +353,21 @@ def mmd_figure(per_layer: Mapping[str, Mapping[str, float]],
     for k, (method, values) in enumerate(per_layer.items()):
         offset = (k - (count - 1) / 2) * min(0.6 / max(count, 1), 0.15)
         xs = [i + offset for i, name in enumerate(layers) if name in values]
-        ys = [float(values[name]) for name in layers if name in values]
+        ys = [scale * float(values[name]) for name in layers if name in values]
         everything += ys
         ax.plot(xs, ys, linestyle="none", marker=markers[k % len(markers)], markersize=6,
                 label=matplotlib_text(method))
-    scale = _value_scale(ax, np.asarray(everything, dtype=np.float64))
+    axis_scale = _value_scale(ax, np.asarray(everything, dtype=np.float64))
     ax.set_xticks(range(len(layers)), [matplotlib_text(name) for name in layers], rotation=30,
                   ha="right", fontsize=8)
     ax.set_xlim(-0.6, len(layers) - 0.4)
     ax.set_xlabel("layer (one parameter tensor)")
     name = "MMD" if symmetries == "keep" else "NS-MMD"
-    ax.set_ylabel(f"{name}$^2$ to the target (unitless)\n{matplotlib_text(statistic)} over "
-                  f"{kernels} kernels, {scale.split(' ')[0]} scale", fontsize=9)
-    if scale.startswith("symlog"):
-        _note(ax, f"y axis {scale}", "lower left")
+    ax.set_ylabel(f"{scaled_label(name + '$^2$', scale)} to the target (unitless)\n"
+                  f"{matplotlib_text(statistic)} over "
+                  f"{kernels} kernels, {axis_scale.split(' ')[0]} scale", fontsize=9)
+    if axis_scale.startswith("symlog"):
+        _note(ax, f"y axis {axis_scale}", "lower left")
     title = RAW_TITLE if symmetries == "keep" else CANONICAL_TITLE
     ax.set_title(f"{name} per layer and method ({title})")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)

@@ -25,6 +25,7 @@ from posteriorzoo.errors import InvalidOptionError, PosteriorZooError
 from posteriorzoo.mmd.noise import NoiseFloor, noise_floor
 from posteriorzoo.options import check_choice, check_integer
 from posteriorzoo.results import CollectionResult, csv_text
+from posteriorzoo.text import MMD_DISPLAY_SCALE
 
 #: The ranges of the numeric options (``posteriorzoo report`` parses the same): ECE bins
 #: (with more bins than test images most are empty), noise-floor splits (each is one more
@@ -76,7 +77,9 @@ class ReportResult(CollectionResult):
     figure_notes: dict[str, str] = field(default_factory=dict)
 
     def payload(self) -> dict[str, Any]:
-        return {"target": self.target, "datasets": self.datasets, "rows": self.rows,
+        # MMD values stay raw here and in the CSV; the tables show them x display_scale
+        return {"target": self.target, "datasets": self.datasets,
+                "display_scale": MMD_DISPLAY_SCALE, "rows": self.rows,
                 "noise_floor": {k: v.to_dict() for k, v in self.noise.items()},
                 "per_layer": self.per_layer, "mmdagg_tests": self.tests,
                 "diagnostics": self.diagnostics, "figures": sorted(self.figures),
@@ -246,9 +249,9 @@ def build_report(target: str | os.PathLike,
         with open_zoo(target) as zoo:
             keys = parameter_keys(zoo)
             target_arrays["keep"] = {key: zoo.layer(key) for key in keys}
-        copy = canonical / f"{target.stem}-canonical.h5"
-        source = copy if copy.is_file() else target        # an already-canonical target
-        with open_zoo(source) as zoo:
+        # compare's canonical copy of the target (the target itself if it is canonical
+        # already), named by compare: never guessed from the file name
+        with open_zoo(comparison.canonical_target or target) as zoo:
             target_arrays["remove"] = {key: zoo.layer(key) for key in keys}
         held_out = int(np.median([e["n"] for e in entries]))
         held_out = min(held_out, info["n"] - 2)

@@ -14,7 +14,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from analysis.report import tables
-from posteriorzoo.text import html_safe_json, html_text, markdown_text
+from posteriorzoo.text import (
+    MMD_DISPLAY_SCALE,
+    html_safe_json,
+    html_text,
+    markdown_text,
+    scaled_label,
+)
 
 if TYPE_CHECKING:
     from analysis.report.build import ReportResult
@@ -61,10 +67,10 @@ def _noise_rows(report: ReportResult) -> list[list[str]]:
         if noise is None:
             return "-"
         low, high = noise.band
-        return f"[{100 * low:.3f}, {100 * high:.3f}]"
+        return f"[{MMD_DISPLAY_SCALE * low:.3f}, {MMD_DISPLAY_SCALE * high:.3f}]"
 
     def halves(noise: Any) -> str:
-        return "-" if noise is None else f"{100 * noise.halves['median']:.3f}"
+        return "-" if noise is None else f"{MMD_DISPLAY_SCALE * noise.halves['median']:.3f}"
 
     any_noise = keep or remove
     split_n = any_noise.held_out if any_noise else 0
@@ -89,7 +95,7 @@ def _verdicts(report: ReportResult, escape: Callable[[str], str] = _same) -> lis
             if noise is None or value is None:
                 continue
             inside = noise.contains(value)
-            parts.append(f"{label} {100 * value:.3f} is "
+            parts.append(f"{scaled_label(label)} {MMD_DISPLAY_SCALE * value:.3f} is "
                          f"{'inside' if inside else 'outside'} the noise band")
         if parts:
             lines.append(f"{escape(row['name'])}: " + "; ".join(parts))
@@ -105,13 +111,15 @@ def _captions(report: ReportResult, escape: Callable[[str], str] = _same
     ood = (f"OOD: {escape(data['ood'])} ({images.get('ood', 0)} images, score "
            f"{data['ood_score']})" if data.get("ood") else "no OOD set")
     table1 = (f"Table 1. MMD and NS-MMD: layer-weighted median over the 20 MMDAgg kernels "
-              f"of the unbiased MMD^2 to the target, x 100. Predictive metrics of each "
+              f"of the unbiased MMD^2 to the target, x {MMD_DISPLAY_SCALE:g}. Predictive "
+              "metrics of each "
               f"collection's posterior predictive (average softmax) on {escape(data['id'])} "
               f"({images.get('id', 0)} images; ECE with {data['bins']} bins); {ood}. "
               f"Acc, ECE, AUPR, FPR95 in %; Brier x 100; IDMI and OODMI in nats x 100. "
               f"Blue rows: the target against itself (the noise floor).")
     table2 = ("Table 2 detail: the median, mean and maximum over the 20 kernels, each "
-              "averaged over layers with their parameter counts, MMD^2 x 100; n is the "
+              f"averaged over layers with their parameter counts, MMD^2 x {MMD_DISPLAY_SCALE:g}; "
+              "n is the "
               "method's number of samples (the target has "
               f"{report.target['n']}).")
     return table1, table2
@@ -153,7 +161,8 @@ def html_page(report: ReportResult) -> str:
 <div class="note"><p><b>How to read this page.</b> <b>MMD</b> is the maximum mean
 discrepancy between a method's samples and the target's checkpoints, layer by layer, as
 the unbiased estimate of MMD<sup>2</sup> (it can be slightly negative when the two are
-alike), shown x 100. <b>NS-MMD</b> ("no symmetries") is the same after every collection
+alike), shown x {MMD_DISPLAY_SCALE:g}. <b>NS-MMD</b> ("no symmetries") is the same after every
+collection
 is put in canonical form: permutations of hidden units sorted, ReLU scalings normalised,
 the softmax shift removed, so that checkpoints which compute the same function compare
 as equal. The <b>noise floor</b> is the same statistic between disjoint draws of the

@@ -11,12 +11,14 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from posteriorzoo.text import html_text
+from posteriorzoo.text import MMD_DISPLAY_SCALE, html_text, scaled_label
 
 #: Table 1's columns: (key, header, display multiplier, what the header means).
 TABLE1_COLUMNS = (
-    ("mmd", "MMD", 100.0, "MMD^2 x 100, symmetries kept (layer-weighted median over kernels)"),
-    ("ns_mmd", "NS-MMD", 100.0, "MMD^2 x 100 with symmetries removed (No Symmetries)"),
+    ("mmd", scaled_label("MMD"), MMD_DISPLAY_SCALE,
+     f"MMD^2 x {MMD_DISPLAY_SCALE:g}, symmetries kept (layer-weighted median over kernels)"),
+    ("ns_mmd", scaled_label("NS-MMD"), MMD_DISPLAY_SCALE,
+     f"MMD^2 x {MMD_DISPLAY_SCALE:g} with symmetries removed (No Symmetries)"),
     ("accuracy", "Acc", 100.0, "accuracy of the posterior predictive, %"),
     ("ece", "ECE", 100.0, "expected calibration error (top label), %"),
     ("brier", "Brier", 100.0, "Brier score x 100 (sum over classes; 0 is perfect)"),
@@ -25,10 +27,12 @@ TABLE1_COLUMNS = (
     ("idmi", "IDMI", 100.0, "mutual information on in-distribution images, nats x 100"),
     ("oodmi", "OODMI", 100.0, "mutual information on OOD images, nats x 100"),
 )
-#: The Table 2 detail: (key, header); MMD^2 x 100 like Table 1.
-TABLE2_COLUMNS = (("n", "n"), ("mmd_median", "MMD median"), ("mmd_mean", "MMD mean"),
-                  ("mmd_max", "MMD max"), ("ns_mmd_median", "NS-MMD median"),
-                  ("ns_mmd_mean", "NS-MMD mean"), ("ns_mmd_max", "NS-MMD max"),
+#: The Table 2 detail: (key, header); MMD^2 x MMD_DISPLAY_SCALE like Table 1.
+TABLE2_COLUMNS = (("n", "n"), ("mmd_median", scaled_label("MMD median")),
+                  ("mmd_mean", scaled_label("MMD mean")), ("mmd_max", scaled_label("MMD max")),
+                  ("ns_mmd_median", scaled_label("NS-MMD median")),
+                  ("ns_mmd_mean", scaled_label("NS-MMD mean")),
+                  ("ns_mmd_max", scaled_label("NS-MMD max")),
                   ("rejected_layers", "layers rejected"))
 GROUPS = ("single-mode", "multi-mode", "other")
 
@@ -61,9 +65,10 @@ def table1_rows(rows: Sequence[Mapping[str, Any]],
 
 def table2_rows(rows: Sequence[Mapping[str, Any]],
                 escape: Callable[[str], str] = _same) -> list[list[str]]:
-    """The MMD detail as text cells (MMD^2 x 100, four digits), names through ``escape``."""
+    """The MMD detail as text cells (MMD^2 x :data:`MMD_DISPLAY_SCALE`, four digits),
+    names through ``escape``."""
     return [[escape(row["name"])] + [shown(row.get(key), 1.0 if key in ("n", "rejected_layers")
-                                   else 100.0, 4) for key, _ in TABLE2_COLUMNS]
+                                   else MMD_DISPLAY_SCALE, 4) for key, _ in TABLE2_COLUMNS]
             for row in rows]
 
 

@@ -14,6 +14,7 @@ from posteriorzoo.cli._types import (
     number_in,
     seed_option,
 )
+from posteriorzoo.text import MMD_DISPLAY_SCALE
 
 # The ranges of the numeric options (each is checked when the command line is parsed).
 #: Bandwidths per kernel family: each adds two kernels, one pass over the distances each.
@@ -29,7 +30,9 @@ BISECTIONS = integer_in(1, 100)
 #: MiB of features per block: smaller blocks only stream slower; the block is in memory.
 BLOCK_MB = number_in(1, 1e6)
 
-_DESCRIPTION = """\
+#: The display factor as the help shows it ("x 100").
+_X = f"x {MMD_DISPLAY_SCALE:g}"
+_DESCRIPTION = f"""\
 Compare each METHOD collection with the TARGET collection (the posterior estimated by
 independently trained checkpoints), layer by layer, with the unbiased MMD^2 under MMDAgg's
 20 kernels (10 Laplace on L1 distances, 10 Gaussian on L2 distances, MMDAgg's bandwidth
@@ -50,7 +53,9 @@ values and bandwidths), mmd_summary.csv (one row per method and treatment, with 
 mmd_report.json (every number, and the provenance: command, versions, git commit, seeds,
 the input files with their SHA-256) and mmd_report.md (a table laid out like the paper's
 Table 2, the per-layer figures, provenance). The Markdown table is also printed (--json:
-the JSON instead).
+the JSON instead). Tables show MMD^2 {_X} (--scale), as 'report' and 'plot mmd' do, and
+every header says so ("MMD median ({_X})"); CSV and JSON hold the raw values (the JSON
+records the factor as display_scale).
 """
 
 _EPILOG = """\
@@ -100,10 +105,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"bandwidths per kernel family: 2N kernels; "
                              f"{BANDWIDTHS.range_text} (time: each kernel is one more pass "
                              "over the distances) (default: %(default)s)")
-    parser.add_argument("--scale", type=SCALE, default=1.0,
+    parser.add_argument("--scale", type=SCALE, default=MMD_DISPLAY_SCALE,
                         help=f"multiply the MMD^2 values shown in the Markdown table by this, "
-                             f"e.g. 100, in {SCALE.range_text} (the table shows 4 decimals; "
-                             "CSV and JSON keep raw values; default: %(default)s)")
+                             f"in {SCALE.range_text}; the headers say it (the table shows 4 "
+                             "decimals; CSV and JSON keep raw values and record it as "
+                             "display_scale; default: %(default)s, as 'report' and 'plot "
+                             "mmd')")
     parser.add_argument("--test", action="store_true",
                         help="also run the MMDAgg test (permutations or wild bootstrap, "
                              "level-corrected) on every layer and method: decision and "

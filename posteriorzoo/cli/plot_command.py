@@ -21,6 +21,7 @@ from posteriorzoo.cli._types import (
     integer_in,
     seed_option,
 )
+from posteriorzoo.text import MMD_DISPLAY_SCALE, scaled_label
 
 # The ranges of the numeric options (each is checked when the command line is parsed).
 #: Units per layer: one histogram each, and KS tests between every two of them (N^2).
@@ -32,7 +33,7 @@ PAIRS = integer_in(1, 100_000)
 #: Noise-band splits: each is one more MMD on every layer (time).
 NOISE_SPLITS = integer_in(0, 1_000)
 
-_DESCRIPTION = """\
+_DESCRIPTION = f"""\
 Draw one figure of the paper (Laurent et al., ICLR 2024) for any collection, without
 writing matplotlib code. Each figure is written twice, as OUT.png (150 dpi) and OUT.pdf
 (vector), under temporary names renamed into place only when both are complete (the file
@@ -46,7 +47,7 @@ figures:
   marginals  layer marginals, raw and canonical, with KS p-values between units (Fig. 9)
   mass       mass before and after min-mass, and each layer's largest |w| (Fig. 2)
   collapse   pairwise mutual information in and out of distribution (Figs. 3 and 7)
-  mmd        MMD^2 per layer and method, with the target-vs-target noise band
+  mmd        MMD^2 (x {MMD_DISPLAY_SCALE:g}) per layer and method, with the target's noise band
   pca        cumulative explained variance of the weights' principal components
 """
 
@@ -163,7 +164,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "mmd", help="MMD^2 per layer and method, with the noise band",
         description="Compare each METHOD with TARGET layer by layer (unbiased MMD^2, "
                     "MMDAgg's 20 kernels, as 'posteriorzoo mmd') and draw one point per "
-                    "method and layer: the --statistic over the kernels, on a log or "
+                    "method and layer: the --statistic over the kernels, shown x "
+                    f"{MMD_DISPLAY_SCALE:g} as in 'posteriorzoo mmd' and 'report' (the axis "
+                    "says so; --json gives the raw values and display_scale), on a log or "
                     "symlog scale when the values span decades (MMD^2 can be slightly "
                     "negative). The grey band is the noise floor (with --statistic median): "
                     "--noise-splits times, n random target checkpoints (n: the smallest "
@@ -354,22 +357,28 @@ def run_mmd(args: argparse.Namespace) -> int:
         values = mmd_values(report, args.symmetries, args.statistic)
         noise = None
         if args.noise_splits and args.statistic == "median":  # the band is of medians
-            copy = Path(folder) / f"{args.target.stem}-canonical.h5"
-            source = copy if args.symmetries == "remove" and copy.exists() else args.target
+            # the target's canonical form that compare made (or the target, canonical
+            # already), whatever the inputs' file names
+            source = report.canonical_target if args.symmetries == "remove" else None
+            source = source or args.target
             size = min(result.mmd.n for result in report.results)
             layers = list(dict.fromkeys(result.layer for result in report.results))
             noise = mmd_noise_band(source, layers, size, splits=args.noise_splits,
                                    seed=args.seed, verify=not args.no_verify)
-    figure = mmd_figure(values, noise, args.symmetries, statistic=args.statistic)
+    figure = mmd_figure(values, noise, args.symmetries, statistic=args.statistic,
+                        scale=MMD_DISPLAY_SCALE)
     summaries = {s.method: getattr(s, args.statistic) for s in report.summaries()
                  if s.symmetries == args.symmetries}
+    # the JSON keeps the raw values; the figure and the printed line show them scaled
     numbers = {"symmetries": args.symmetries, "statistic": args.statistic,
-               "per_layer": values, "model_level": summaries,
-               "noise_band": noise, "noise_splits": args.noise_splits, "seed": args.seed}
-    text = ", ".join(f"{name} {value:.4g}" for name, value in summaries.items())
+               "display_scale": MMD_DISPLAY_SCALE, "per_layer": values,
+               "model_level": summaries, "noise_band": noise,
+               "noise_splits": args.noise_splits, "seed": args.seed}
+    text = ", ".join(f"{name} {MMD_DISPLAY_SCALE * value:.4g}"
+                     for name, value in summaries.items())
+    label = scaled_label(f"{'MMD' if args.symmetries == 'keep' else 'NS-MMD'}^2")
     return _finish(args, figure, inputs, numbers,
-                   f"{'MMD' if args.symmetries == 'keep' else 'NS-MMD'}^2 "
-                   f"({args.statistic}, weighted over layers): {text}")
+                   f"{label} ({args.statistic}, weighted over layers): {text}")
 
 
 def run_pca(args: argparse.Namespace) -> int:

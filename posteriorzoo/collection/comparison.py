@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 import time
 import warnings
@@ -55,7 +56,8 @@ from posteriorzoo.options import check_bool, check_choice
 from posteriorzoo.provenance import record
 from posteriorzoo.zoo import Zoo, open_zoo
 
-__all__ = ["CompatibilityWarning", "ZooSource", "compare", "display_name", "parameter_keys"]
+__all__ = ["CompatibilityWarning", "ZooSource", "canonical_copy_names", "compare",
+           "display_name", "parameter_keys"]
 
 SYMMETRY_CHOICES = ("keep", "remove", "both")
 #: Recipe entries that name or distinguish a collection rather than how it was trained.
@@ -193,11 +195,29 @@ def _canonical_state(inputs: list[tuple[str, Path]], zoos: list[Zoo],
     return True
 
 
-def _canonical_copy(source: Path, directory: Path, options: Mapping[str, Any],
+def canonical_copy_names(names: Sequence[str]) -> list[str]:
+    """The file names of the canonical copies of inputs with these (unique) display names:
+    ``NAME-canonical.h5``, the name reduced to letters, digits, ``. _ -`` (a name is the
+    user's: it may hold ``/`` or a newline) and numbered where two would coincide, also
+    on a file system that ignores case. Two inputs with the same file name
+    (``a/zoo.h5``, ``b/zoo.h5``) get two copies."""
+    taken: set[str] = set()
+    files = []
+    for name in names:
+        stem = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[:80] or "collection"
+        candidate, counter = stem, 2
+        while candidate.lower() in taken:
+            candidate = f"{stem}-{counter}"
+            counter += 1
+        taken.add(candidate.lower())
+        files.append(f"{candidate}-canonical.h5")
+    return files
+
+
+def _canonical_copy(source: Path, path: Path, options: Mapping[str, Any],
                     command: str | None, progress: bool, verify: bool) -> Path:
     from posteriorzoo.collection.canonicalization import canonicalize
 
-    path = directory / f"{source.stem}-canonical.h5"
     canonicalize(source, path, progress=progress, command=command, verify=verify, **options)
     return path
 
@@ -243,8 +263,10 @@ def compare(target: str | os.PathLike,
         Where the temporary folder of the canonical copies goes (default: the system's);
         it is deleted at the end.
     canonical_dir : path-like, optional
-        An existing folder to keep the canonical copies in instead (named
-        ``<stem>-canonical.h5``; an existing copy there is an error).
+        An existing folder to keep the canonical copies in instead, named by the inputs'
+        display names (``target-canonical.h5``, ``<name>-canonical.h5``:
+        :func:`canonical_copy_names`; an existing copy there is an error). The result's
+        ``canonical_target`` and ``canonical_copies`` (method name -> path) give them.
     verify : bool
         Check every checkpoint's SHA-256 as it is read (default True).
     progress : bool
@@ -284,22 +306,33 @@ def compare(target: str | os.PathLike,
         check_sources(sources[0], sources[1:], chosen)
         groups = {}
         canonicalizer = None
+        # the canonical forms NS-MMD compares, when they outlive this call
+        kept: list[Path] = []
         if "remove" in labels and not already:
             directory = Path(canonical_dir) if canonical_dir is not None else Path(
                 stack.enter_context(tempfile.TemporaryDirectory(prefix="posteriorzoo-mmd-",
                                                                 dir=workdir)))
+            copies = [directory / file for file in
+                      canonical_copy_names([name for name, _ in inputs])]
             clock = time.perf_counter()
             groups["remove"] = [
                 ZooSource(name, stack.enter_context(open_zoo(_canonical_copy(
-                    path, directory, canonical_options, command, progress, verify))))
-                for name, path in inputs]
+                    path, copy, canonical_options, command, progress, verify))))
+                for (name, path), copy in zip(inputs, copies, strict=True)]
             canonicalizer = {"function": "posteriorzoo.collection.canonicalize",
                              **canonical_options,
                              "seconds": round(time.perf_counter() - clock, 3),
                              "kept_in": None if canonical_dir is None else str(canonical_dir)}
+            if canonical_dir is not None:
+                kept = copies
+                canonicalizer["copies"] = {
+                    "target" if index == 0 else f"method {name}": copy.name
+                    for index, ((name, _), copy) in enumerate(zip(inputs, copies,
+                                                                  strict=True))}
         elif already:
             groups["remove"] = sources
             canonicalizer = {"inputs_already_canonical": True, **canonical_options}
+            kept = [path for _, path in inputs]
         if "keep" in labels:
             groups["keep"] = sources
         results = []
@@ -320,6 +353,8 @@ def compare(target: str | os.PathLike,
                                layer_keys={layer.name: list(layer.keys) for layer in chosen})
     comparison = Comparison(results, [s.name for s in sources[1:]],
                             kernel_names(number_bandwidths), options)
+    copies = ({name: path for (name, _), path in zip(inputs[1:], kept[1:], strict=True)}
+              if kept else {})
     provenance = record(
         "posteriorzoo mmd", command=command,
         inputs={"target": sources[0].provenance,
@@ -329,4 +364,5 @@ def compare(target: str | os.PathLike,
         options=options, canonicalizer=canonicalizer, warnings=notes,
         seconds={"statistics": round(time.perf_counter() - clock, 3),
                  "total": round(time.perf_counter() - started, 3)})
-    return CompareResult(comparison, provenance=provenance)
+    return CompareResult(comparison, canonical_target=kept[0] if kept else None,
+                         canonical_copies=copies, provenance=provenance)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from posteriorzoo.mmd.comparison import TREATMENTS, Comparison, LayerResult, MethodSummary
+from posteriorzoo.mmd.comparison import Comparison, LayerResult, MethodSummary
 from posteriorzoo.results import CollectionResult, csv_text
-from posteriorzoo.text import markdown_text
+from posteriorzoo.text import MMD_DISPLAY_SCALE, markdown_text, scaled_label
 
 __all__ = ["FILE_NAMES", "CompareResult"]
 
@@ -26,12 +27,23 @@ class CompareResult(CollectionResult):
     ``mmd_layers.csv`` (one row per method, treatment and layer with all 20 values and
     bandwidths), ``mmd_summary.csv`` (one row per method and treatment, with m and n) and
     ``mmd_report.md`` (the Table-2 layout, the per-layer figures, the provenance). The CSV
-    files are plain tables: pandas reads them as they are.
+    files are plain tables: pandas reads them as they are. CSV and JSON hold raw MMD^2;
+    the Markdown shows it multiplied by ``scale`` (default
+    :data:`~posteriorzoo.text.MMD_DISPLAY_SCALE`, recorded in the JSON as
+    ``display_scale``). :meth:`to_frame` gives the per-layer rows (``to_frame("summary")``
+    the per-method ones).
+
+    ``canonical_target`` and ``canonical_copies`` (method name -> path) are the canonical
+    copies :func:`~posteriorzoo.collection.compare` made for NS-MMD when it was asked to
+    keep them (``canonical_dir``); None and empty otherwise.
     """
 
     kind = "mmd_report"
+    frame_tables = ("layers",)
     comparison: Comparison
-    scale: float = 1.0
+    scale: float = MMD_DISPLAY_SCALE
+    canonical_target: Path | None = None
+    canonical_copies: dict[str, Path] = field(default_factory=dict)
 
     # The comparison's own API, so a report reads like the numbers it holds.
     @property
@@ -45,11 +57,20 @@ class CompareResult(CollectionResult):
     def summaries(self) -> list[MethodSummary]:
         return self.comparison.summaries()
 
-    def summary(self, method: str, symmetries: str = "keep") -> MethodSummary:
+    def summary(self, method: str, symmetries: str | None = None) -> MethodSummary:
+        """One method's figures (:meth:`Comparison.summary
+        <posteriorzoo.mmd.comparison.Comparison.summary>`: ``symmetries`` defaults to
+        ``"keep"`` if it was computed, else ``"remove"``)."""
         return self.comparison.summary(method, symmetries)
 
+    def size_text(self, data: Mapping[str, Any] | None = None) -> str:
+        return self.comparison.size_text()
+
     def payload(self) -> dict[str, Any]:
-        return self.comparison.to_dict()
+        data = self.comparison.to_dict()
+        # the values stay raw; the factor the Markdown (and the printed table) shows them by
+        return {**{key: data.pop(key) for key in ("kernels", "statistic")},
+                "display_scale": self.scale, **data}
 
     def tables(self) -> dict[str, str]:
         return {"mmd_layers.csv": self.layers_csv(), "mmd_summary.csv": self.summary_csv(),
@@ -93,12 +114,13 @@ class CompareResult(CollectionResult):
         ----------
         scale : float, optional
             Multiply every MMD^2 by this in the tables (default: the report's ``scale``,
-            e.g. 100); the CSV and JSON keep the raw values.
+            :data:`~posteriorzoo.text.MMD_DISPLAY_SCALE`); every header says it, the CSV
+            and JSON keep the raw values.
         digits : int
             Decimals shown.
         """
         scale = self.scale if scale is None else scale
-        treatments = [t for t in TREATMENTS if any(r.symmetries == t for r in self.results)]
+        treatments = self.comparison.treatments()
         summaries = {(s.method, s.symmetries): s for s in self.summaries()}
 
         def cell(value: float) -> str:
@@ -122,7 +144,8 @@ class CompareResult(CollectionResult):
             ""]
         head = ["Method", "n"]
         for t in treatments:
-            head += [f"{_TABLE_NAMES[t]} {stat}" for stat in ("median", "mean", "max")]
+            head += [scaled_label(f"{_TABLE_NAMES[t]} {stat}", scale)
+                     for stat in ("median", "mean", "max")]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|---" + "|---:" * (len(head) - 1) + "|")
         for method in self.methods:
@@ -137,7 +160,8 @@ class CompareResult(CollectionResult):
         tested = any(r.test is not None for r in self.results)
         head = ["Method", "Layer", "Parameters"]
         for t in treatments:
-            head += [f"{_TABLE_NAMES[t]} {stat}" for stat in ("median", "mean", "max")]
+            head += [scaled_label(f"{_TABLE_NAMES[t]} {stat}", scale)
+                     for stat in ("median", "mean", "max")]
             if tested:
                 head.append(f"{_TABLE_NAMES[t]} MMDAgg")
         lines.append("| " + " | ".join(head) + " |")

@@ -25,7 +25,7 @@ import numpy as np
 
 from posteriorzoo._api import public
 from posteriorzoo._faults import fault_point
-from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 from posteriorzoo.mmd.aggregated import MMDAggResult, check_test_options, mmdagg_from_distances
 from posteriorzoo.mmd.distances import SharedTargetDistances
 from posteriorzoo.mmd.sources import (
@@ -114,7 +114,7 @@ class MethodSummary:
     rejected_layers: int | None = None
 
 
-@dataclass
+@dataclass(repr=False)
 class Comparison:
     """Every number of a comparison (no files: see :mod:`posteriorzoo.collection`)."""
 
@@ -122,6 +122,19 @@ class Comparison:
     methods: list[str]
     kernels: tuple[str, ...]
     options: dict[str, Any] = field(default_factory=dict)
+
+    def size_text(self) -> str:
+        """``"3 methods x 2 symmetry settings x 9 layers"``."""
+        def count(number: int, noun: str) -> str:
+            return f"{number} {noun}{'' if number == 1 else 's'}"
+
+        layers = len(dict.fromkeys(r.layer for r in self.results))
+        return (f"{count(len(self.methods), 'method')} x "
+                f"{count(len(self.treatments()), 'symmetry setting')} x "
+                f"{count(layers, 'layer')}")
+
+    def __repr__(self) -> str:  # one line, not every layer's 20 values
+        return f"<Comparison: {self.size_text()}; .summaries() and .results for the numbers>"
 
     def summaries(self) -> list[MethodSummary]:
         """One :class:`MethodSummary` per method and treatment, in input order."""
@@ -143,12 +156,32 @@ class Comparison:
                     rejected_layers=sum(t.reject for t in tested) if tested else None))
         return out
 
-    def summary(self, method: str, symmetries: str = "keep") -> MethodSummary:
-        """The summary of one method (``symmetries``: ``"keep"`` or ``"remove"``)."""
+    def treatments(self) -> list[str]:
+        """The symmetry settings computed (``"keep"``, ``"remove"``), in that order."""
+        return [t for t in TREATMENTS if any(r.symmetries == t for r in self.results)]
+
+    def summary(self, method: str, symmetries: str | None = None) -> MethodSummary:
+        """The summary of one method.
+
+        ``symmetries``: ``"keep"`` or ``"remove"``; default: ``"keep"`` if it was computed,
+        else ``"remove"`` (a comparison of canonical forms has only that). A method or
+        setting the comparison does not hold is an error naming those it holds
+        (:class:`~posteriorzoo.errors.UnknownNameError`,
+        :class:`~posteriorzoo.errors.InvalidOptionError`).
+        """
+        if method not in self.methods:
+            raise UnknownNameError(f"no method {method!r} in this comparison; its methods: "
+                                   f"{', '.join(map(repr, self.methods))}")
+        computed = self.treatments()
+        if symmetries is None and computed:
+            symmetries = computed[0]
+        check_treatment(symmetries)
         for item in self.summaries():
             if item.method == method and item.symmetries == symmetries:
                 return item
-        raise KeyError(f"no results for {method!r} with symmetries {symmetries}")
+        raise InvalidOptionError(
+            f"symmetries {symmetries!r} was not computed for {method!r}; this comparison "
+            f"has {' and '.join(map(repr, computed)) or 'no results'}")
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-serialisable data."""
