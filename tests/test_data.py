@@ -70,10 +70,11 @@ needs_fashion = pytest.mark.skipif(
 def isolated_data_env(tmp_path, monkeypatch):
     """Every test starts with empty data roots, so no real cache or env var leaks in."""
     for var in ("POSTERIORZOO_DATA", "POSTERIORZOO_URL_BASE", "POSTERIORZOO_DOWNLOAD_TIMEOUT",
-                "XDG_CACHE_HOME"):
+                "POSTERIORZOO_SYSTEM_DATA", "XDG_CACHE_HOME"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("POSTERIORZOO_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(download_module, "DEBIAN_ROOT", tmp_path / "debian")
+    monkeypatch.setattr(download_module, "BUNDLED_ROOT", tmp_path / "bundled")
     return tmp_path
 
 

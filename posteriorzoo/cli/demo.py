@@ -6,8 +6,9 @@
 2. The benchmark report on it (``posteriorzoo report``): Table 1 (MMD and NS-MMD to the
    target, accuracy, ECE, Brier, AUPR, FPR95, IDMI, OODMI) with the noise floor, the
    Table 2 detail, and the paper's figures, as one HTML page in report/. In-distribution
-   data: Fashion-MNIST; OOD data: MNIST when its files are present, else scikit-learn's
-   digits. (Needs Debian's Fashion-MNIST files; skipped without them.)
+   data: Fashion-MNIST's test split, which ships with the package (a copy found in the
+   usual data folders is preferred); OOD data: MNIST when its files are present, else
+   scikit-learn's digits.
 3. The mass trainer on data every machine has: a small OptuNet zoo on scikit-learn's
    digits (resumable: rerunning trains only what is missing).
 4. The store's round trip: export to safetensors, import into a new collection

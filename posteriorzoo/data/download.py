@@ -5,10 +5,14 @@ Each file is looked for, in this order, in:
 1. ``data_dir``, when given explicitly;
 2. ``$POSTERIORZOO_DATA/<name>/``;
 3. ``/usr/share/datasets/<name>/`` (Debian's ``dataset-*`` packages; the root is
-   :data:`DEBIAN_ROOT`);
+   :data:`DEBIAN_ROOT`), unless ``$POSTERIORZOO_SYSTEM_DATA`` is ``0`` (``1`` or unset:
+   searched), so that a test or a user can see what a machine without them sees;
 4. the cache, ``<cache root>/<name>/``, with the cache root
    ``$POSTERIORZOO_CACHE``, else ``$XDG_CACHE_HOME/posteriorzoo``, else
    ``~/.cache/posteriorzoo``;
+5. the files shipped inside the package, ``<BUNDLED_ROOT>/<name>/``: Fashion-MNIST's
+   test split only (the official files, 4.4 MB, MIT licence), so the shipped reference
+   zoo is evaluated with no dataset installed and no network;
 
 and, failing all of these, downloaded from its official URL into the cache:
 streamed to a temporary file next to the destination, checked against the
@@ -49,10 +53,13 @@ from posteriorzoo._api import public
 from posteriorzoo.data.sources import DatasetSource, DownloadFile, dataset_source
 from posteriorzoo.errors import ChecksumError, DataNotFoundError, InvalidOptionError
 from posteriorzoo.hashing import sha256_file as file_sha256
+from posteriorzoo.options import check_choice, check_number
 
 __all__ = [
+    "BUNDLED_ROOT",
     "DEBIAN_ROOT",
     "DEFAULT_TIMEOUT",
+    "SYSTEM_DATA_VARIABLE",
     "cache_root",
     "dataset_files",
     "download_file",
@@ -62,6 +69,12 @@ __all__ = [
 
 #: Root of Debian's dataset packages; a module attribute so tests can move it.
 DEBIAN_ROOT = Path("/usr/share/datasets")
+#: Files shipped with the package (``<root>/<name>/``), searched after every other folder:
+#: Fashion-MNIST's test split, which the report on the shipped reference zoo needs. A module
+#: attribute so tests can move it.
+BUNDLED_ROOT = Path(__file__).resolve().parent / "bundled"
+#: ``0`` turns off the search of :data:`DEBIAN_ROOT`; ``1`` (or unset) keeps it.
+SYSTEM_DATA_VARIABLE = "POSTERIORZOO_SYSTEM_DATA"
 #: Socket timeout in seconds for connecting and for each read while downloading.
 DEFAULT_TIMEOUT = 10.0
 _CHUNK = 1 << 20
@@ -84,9 +97,18 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "posteriorzoo"
 
 
+def _system_data_searched() -> bool:
+    """Whether :data:`DEBIAN_ROOT` is searched (``$POSTERIORZOO_SYSTEM_DATA``)."""
+    value = os.environ.get(SYSTEM_DATA_VARIABLE, "").strip()
+    return not value or check_choice(f"${SYSTEM_DATA_VARIABLE}", value, ("0", "1")) == "1"
+
+
 @public
 def search_dirs(name: str, data_dir: str | os.PathLike[str] | None = None) -> list[Path]:
     """Folders searched for dataset ``name``'s files, in priority order.
+
+    The copies shipped with the package (:data:`BUNDLED_ROOT`) are looked at after these,
+    and only for the files they hold.
 
     Parameters
     ----------
@@ -98,16 +120,35 @@ def search_dirs(name: str, data_dir: str | os.PathLike[str] | None = None) -> li
     Returns
     -------
     list of pathlib.Path
-        Existing or not; the last one is the cache folder downloads go to.
+        Existing or not; the last one is the cache folder downloads go to. The system
+        folder (:data:`DEBIAN_ROOT`) is left out when ``$POSTERIORZOO_SYSTEM_DATA`` is
+        ``0``.
+
+    Raises
+    ------
+    InvalidOptionError
+        ``$POSTERIORZOO_SYSTEM_DATA`` is neither ``0`` nor ``1``.
     """
     dirs = []
     if data_dir is not None:
         dirs.append(Path(data_dir).expanduser())
     if os.environ.get("POSTERIORZOO_DATA"):
         dirs.append(Path(os.environ["POSTERIORZOO_DATA"]).expanduser() / name)
-    dirs.append(Path(DEBIAN_ROOT) / name)
+    if _system_data_searched():
+        dirs.append(Path(DEBIAN_ROOT) / name)
     dirs.append(cache_root() / name)
     return dirs
+
+
+def _bundled_dir(name: str) -> Path:
+    return Path(BUNDLED_ROOT) / name
+
+
+def _bundled_splits(source: DatasetSource) -> list[str]:
+    """The splits of ``source`` whose every file the package ships."""
+    folder = _bundled_dir(source.name)
+    return [split for split, specs in source.splits.items()
+            if specs and all((folder / spec.filename).is_file() for spec in specs)]
 
 
 def _is_gzip(path: Path) -> bool:
@@ -168,10 +209,14 @@ def _verify_local(path: Path, spec: DownloadFile) -> None:
                       f"{spec.filename.removesuffix('.gz')}, so it is used unverified",
                       stacklevel=3)
         return
+    if path.resolve().is_relative_to(Path(BUNDLED_ROOT).resolve()):
+        remedy = "the copy shipped with posteriorzoo is damaged: reinstall posteriorzoo"
+    else:
+        remedy = ("delete the file to download it again, or pass verify=False to use it "
+                  "unverified")
     raise ChecksumError(
         f"{path}: SHA-256 does not match the published digest of {spec.filename} "
-        f"({spec.sha256}); delete the file to download it again, or pass verify=False "
-        "to use it unverified"
+        f"({spec.sha256}); {remedy}"
     )
 
 
@@ -271,11 +316,27 @@ def _missing_message(
         digest = f", sha256 {spec.sha256}" if spec.sha256 else ""
         files.append(f"{spec.filename} (from {where}{size}{digest})")
     searched = ", ".join(str(d) for d in dirs)
+    bundled = _bundled_splits(source)
+    if bundled:
+        searched += (f", then {_bundled_dir(source.name)} (posteriorzoo ships only the "
+                     f"{' and '.join(bundled)} split{'s' if len(bundled) > 1 else ''})")
     # One line, however many files: the command line prints errors as one line.
     return (f"dataset {source.name!r}: {reason}. Put these file(s) in {cache}/: "
             f"{'; '.join(files)}. Folders searched, in order: {searched}. Or pass "
             f"data_dir=<folder holding them>, or set POSTERIORZOO_DATA so that "
             f"$POSTERIORZOO_DATA/{source.name}/ holds them.")
+
+
+def _timeout_from_environment() -> float:
+    """``$POSTERIORZOO_DOWNLOAD_TIMEOUT`` in seconds (a positive number), else the default."""
+    text = os.environ.get("POSTERIORZOO_DOWNLOAD_TIMEOUT", "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = text  # refused below, with the value shown
+    return check_number("$POSTERIORZOO_DOWNLOAD_TIMEOUT", value, 0, strict=True)
 
 
 def _download_into_cache(
@@ -315,7 +376,8 @@ def dataset_files(
     split : str, optional
         Only the files this split needs; all of the dataset's files if omitted.
     data_dir : str or os.PathLike, optional
-        Folder searched before all others (see the module docstring).
+        Folder searched before all others (see the module docstring; the package's
+        own copy of Fashion-MNIST's test split is found last).
     download : bool, default True
         Download missing files into the cache; if False, a missing file raises.
     url_base : str, optional
@@ -343,10 +405,12 @@ def dataset_files(
     UnknownNameError
         Unknown dataset name.
     ValueError
-        ``split`` is not one of the dataset's splits.
+        ``split`` is not one of the dataset's splits (InvalidOptionError), or
+        ``$POSTERIORZOO_SYSTEM_DATA`` / ``$POSTERIORZOO_DOWNLOAD_TIMEOUT`` has a bad value.
     DataNotFoundError
         Files are missing and could not be downloaded; the message lists each
-        file with its URL and the folder to put it in.
+        file with its URL and the folder to put it in (and, for a dataset the
+        package ships in part, which splits it ships).
     ChecksumError
         A download (or, with ``verify=True``, a local file) has the wrong digest.
     """
@@ -361,13 +425,16 @@ def dataset_files(
     if url_base is None:
         url_base = os.environ.get("POSTERIORZOO_URL_BASE") or None
     if timeout is None:
-        timeout = float(os.environ.get("POSTERIORZOO_DOWNLOAD_TIMEOUT", DEFAULT_TIMEOUT))
+        timeout = _timeout_from_environment()
 
     dirs = search_dirs(name, data_dir)
+    # The package's own copies come last: any other copy (a user's, the system's, the
+    # cache's) is preferred, and only files the package ships are found there.
+    searched = [*dirs, _bundled_dir(name)]
     found: dict[str, Path] = {}
     missing: list[DownloadFile] = []
     for spec in specs:
-        path = _find_local(spec, dirs)
+        path = _find_local(spec, searched)
         if path is None:
             missing.append(spec)
             continue

@@ -15,7 +15,10 @@ Digest sources (all ``sha256`` values below are of the file exactly as served):
   compressed stream is the same: re-inserting the original name and timestamp
   (2017-08-31) into Debian's headers reproduces the official digests exactly.
   The content digests let :func:`posteriorzoo.data.dataset_files` with
-  ``verify=True`` accept both.
+  ``verify=True`` accept both. The test split shipped in the package
+  (``posteriorzoo/data/bundled/fashion-mnist/``) is Debian's with those headers
+  restored (name and time 1504176627, 2017-08-31 10:50:27 UTC), so it has the
+  digests of the files as served.
 """
 
 from __future__ import annotations
