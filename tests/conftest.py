@@ -135,6 +135,13 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_plot_with_hostile_names": ("plot", "escaping"),
         "test_mmd_with_hostile_names": ("mmd", "escaping"),
     },
+    "test_bundled_data.py": {
+        "test_demo_writes_the_report_with_no_data_anywhere": ("demo", "no system data"),
+    },
+    "test_terminal_output.py": {
+        "test_verify_on_a_pipe_prints_no_progress_bar": ("verify", "not a terminal"),
+        "test_a_failing_import_on_a_pipe_is_one_line": ("import", "not a terminal"),
+    },
     "test_method_laplace.py": {
         "test_train_names_the_mode_whose_base_network_diverged": ("train", "method numerics"),
         "test_train_names_a_prior_too_small_and_the_suggestion_trains": ("train",

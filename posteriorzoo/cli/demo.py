@@ -14,7 +14,7 @@
 4. The store's round trip: export to safetensors, import into a new collection
    (bit-identical check).
 
-Last, a SHA256SUMS manifest of the output folder.
+Last, a SHA256SUMS manifest of the output folder, and how to run the command yourself.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -141,10 +143,43 @@ def run_demo(args: argparse.Namespace) -> int:
     with lines, atomic_directory(args.out, overwrite=args.overwrite) as work:
         code = _run_steps(args, work)
         summary = (work / "demo-summary.json").read_text()
-    print(f"results in {args.out}/", file=sys.stderr if args.json else sys.stdout)
+    lines_out = sys.stderr if args.json else sys.stdout
+    print(f"results in {args.out}/", file=lines_out)
+    if (args.out / "report" / "report.html").is_file():
+        print(f"the report: {args.out / 'report' / 'report.html'}", file=lines_out)
+    for line in how_to_run_lines():
+        print(line, file=lines_out)
     if args.json:
         print(summary)
     return code
+
+
+def _as_typed(path: Path) -> str:
+    """``path`` relative to the current folder when it lies inside it, else absolute."""
+    path = path.absolute()
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def how_to_run_lines() -> list[str]:
+    """Where to go next: how to run this command, as the user can type it.
+
+    ``make demo`` runs ``.venv/bin/posteriorzoo`` without activating the environment, so
+    a bare ``posteriorzoo`` would not be found by the shell: the lines name the script's
+    own path, and the environment's activate script, unless the shell finds this very
+    script already.
+    """
+    script = Path(sys.prefix) / "bin" / "posteriorzoo"
+    on_path = shutil.which("posteriorzoo")
+    if not script.is_file() or (on_path and os.path.samefile(on_path, script)):
+        return ["next: posteriorzoo --help lists the commands"]
+    lines = [f"next: {_as_typed(script)} --help lists the commands"]
+    activate = Path(sys.prefix) / "bin" / "activate"
+    if sys.prefix != sys.base_prefix and activate.is_file():
+        lines.append(f"      or: source {_as_typed(activate)}, then posteriorzoo --help")
+    return lines
 
 
 def _run_steps(args: argparse.Namespace, out: Path) -> int:

@@ -141,12 +141,36 @@ def run_info(args: argparse.Namespace) -> int:
             print(f"  {name:<13} min {stats['min']:.4g}  median {stats['median']:.4g}  "
                   f"max {stats['max']:.4g}")
     if info["recipe"]:
-        print(f"  recipe        {json.dumps(info['recipe'], sort_keys=True)}")
+        print("  recipe")
+        for line in recipe_lines(info["recipe"], indent=4):
+            print(line)
     # Canonical and raw files differ here (symmetries removed, min-mass, ...).
     print(f"  annotations   {json.dumps(info['annotations'], sort_keys=True) or '{}'}")
     if info["created_by"].get("command"):
         print(f"  created by    {info['created_by']['command']}")
     return 0
+
+
+def _value_text(value: Any) -> str:
+    """A recipe value as typed in a spec: strings bare, the rest as compact JSON."""
+    if isinstance(value, str) and value:
+        return value
+    return json.dumps(value, sort_keys=True, separators=(", ", ": "))
+
+
+def recipe_lines(recipe: dict[str, Any], indent: int) -> list[str]:
+    """The recipe as aligned ``key  value`` lines, sorted by key; a table (a non-empty
+    mapping, such as ``method_options``) as its own lines, indented two more."""
+    width = max(len(key) for key in recipe)
+    lines = []
+    for key in sorted(recipe):
+        value = recipe[key]
+        if isinstance(value, dict) and value:
+            lines.append(f"{' ' * indent}{key}")
+            lines.extend(recipe_lines(value, indent + 2))
+        else:
+            lines.append(f"{' ' * indent}{key:<{width}}  {_value_text(value)}")
+    return lines
 
 
 # ---------------------------------------------------------------------- verify

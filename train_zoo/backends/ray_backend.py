@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -54,6 +55,27 @@ def train_group(spec: ZooSpec, group: list[int], engine: str) -> list[Checkpoint
     torch.set_num_threads(1)
     data = load_training_data(spec.dataset, spec.data_dir)  # cached per worker process
     return train_checkpoints(spec, group, data=data, engine=engine)
+
+
+#: The logger of Ray's token-authentication notices (Ray 2.5x).
+_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+@contextlib.contextmanager
+def _quiet_token_notice() -> Iterator[None]:
+    """Hide Ray's token-authentication warning while Ray starts.
+
+    Every ``ray.init`` of a local instance warns that token authentication is enabled
+    and how to opt out: Ray enables the token itself, so the notice asks nothing of the
+    user and only repeats in every training log. Errors still show.
+    """
+    logger = logging.getLogger(_TOKEN_LOGGER)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class RayBackend:
@@ -113,11 +135,12 @@ class RayBackend:
         if ray.is_initialized():
             return False
         options = {"include_dashboard": False, **self.init_options}
-        if self.address is None:
-            ray.init(address="local", num_cpus=self.num_cpus, **options)
-        else:
-            options.pop("include_dashboard")  # only meaningful when starting an instance
-            ray.init(address=self.address, **options)
+        with _quiet_token_notice():
+            if self.address is None:
+                ray.init(address="local", num_cpus=self.num_cpus, **options)
+            else:
+                options.pop("include_dashboard")  # only meaningful when starting an instance
+                ray.init(address=self.address, **options)
         return True
 
     def _stream(self, ray: ModuleType, spec: ZooSpec, pending: list[list[int]],
