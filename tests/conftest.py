@@ -20,6 +20,15 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_reorder_waits_for_no_writer": ("reorder", "busy"),
         "test_killed_reorder_leaves_nothing_and_a_rerun_succeeds": ("reorder", "sigkill"),
     },
+    "test_hub_dry_run.py": {
+        "test_upload_without_a_token_is_one_line": ("upload", "no token"),
+        "test_download_dry_run_lists_files_sizes_and_commit_and_fetches_nothing": (
+            "download", "dry run"),
+        "test_download_dry_run_into_a_folder_says_what_would_be_kept_or_refused": (
+            "download", "dry run"),
+        "test_upload_dry_run_lists_what_would_be_sent_and_contacts_nobody": ("upload",
+                                                                             "dry run"),
+    },
     "test_exchange_hostile.py": {
         "test_export_never_writes_onto_its_input": ("export", "output policy"),
         "test_export_refuses_an_existing_output_unless_overwrite": ("export", "output policy"),

@@ -441,6 +441,7 @@ class FakeHfApi:
 @pytest.fixture
 def fake_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> type[FakeHfApi]:
     _set_offline(monkeypatch, False)
+    monkeypatch.setenv("HF_TOKEN", "hf_fake_token")  # a logged-in user: uploads need a token
     monkeypatch.setattr(FakeHfApi, "instances", [])
     monkeypatch.setattr(FakeHfApi, "repo_dir", tmp_path / "remote")
     monkeypatch.setattr(FakeHfApi, "fail_with", None)

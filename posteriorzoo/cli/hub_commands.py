@@ -11,8 +11,12 @@ import contextlib
 import json
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from posteriorzoo.cli._types import add_json_option
+
+if TYPE_CHECKING:
+    from posteriorzoo.hub.plan import TransferPlan
 
 _NETWORK_NOTE = (
     "Needs network access to huggingface.co (or HF_ENDPOINT) unless the files are already "
@@ -74,8 +78,16 @@ def _register_download(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="skip the SHA-256 check (also allows repositories without SHA256SUMS)",
     )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list the files that would be fetched (with sizes, and whether they are "
+        "cached or already in DIR) and the commit the revision resolves to, and fetch "
+        "nothing: only the repository's file list is asked for (nothing at all offline)",
+    )
     add_json_option(parser, "the download's JSON (repository, revision, folder, verified "
-                            "and unverified files) instead of the lines")
+                            "and unverified files; with --dry-run the planned files) "
+                            "instead of the lines")
     parser.set_defaults(func=run_download)
 
 
@@ -125,8 +137,15 @@ def _register_upload(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="skip verifying the collections before upload (not recommended)",
     )
-    add_json_option(parser, "the upload's JSON (repository, revision, commit URL, files) "
-                            "instead of the line")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="make every check of the upload (files, verification, repository id) and list "
+        "what would be sent (paths in the repository, sizes, SHA256SUMS, card) and to "
+        "which revision, sending nothing and contacting nobody; a missing token is noted",
+    )
+    add_json_option(parser, "the upload's JSON (repository, revision, commit URL, files; "
+                            "with --dry-run the planned files) instead of the line")
     parser.set_defaults(func=run_upload)
 
 
@@ -157,6 +176,14 @@ def run_download(args: argparse.Namespace) -> int:
 
     if args.overwrite and args.local_dir is None:
         raise InvalidOptionError("--overwrite applies to the files of --out DIR; give --out")
+    if args.dry_run:
+        from posteriorzoo.hub import plan_download
+
+        plan = plan_download(args.repo_id, revision=args.revision, include=args.include,
+                             local_dir=args.local_dir, cache_dir=args.cache_dir,
+                             overwrite=args.overwrite)
+        _print_plan(plan, args.json)
+        return 0
     with _progress_bars_on_terminals_only():
         path, report = fetch(
             args.repo_id,
@@ -187,10 +214,24 @@ def run_download(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_plan(plan: TransferPlan, as_json: bool) -> None:
+    """A dry run's plan (:class:`posteriorzoo.hub.TransferPlan`) as JSON or lines."""
+    if as_json:
+        print(json.dumps(plan.to_dict(), indent=1))
+        return
+    for line in plan.lines():
+        print(line)
+
+
 def run_upload(args: argparse.Namespace) -> int:
     """Upload, then report what was committed where."""
-    from posteriorzoo.hub import collect_collection_files, upload
+    from posteriorzoo.hub import collect_collection_files, plan_upload, upload
 
+    if args.dry_run:
+        plan = plan_upload(args.repo_id, args.paths, revision=args.revision, card=args.card,
+                           path_in_repo=args.path_in_repo, verify=not args.no_verify)
+        _print_plan(plan, args.json)
+        return 0
     count = len(collect_collection_files(args.paths))
     url = upload(
         args.repo_id,

@@ -124,7 +124,9 @@ def run_info(args: argparse.Namespace) -> int:
     print(f"  architecture  {info['architecture']}{options} ({info['num_classes']} classes)")
     print(f"  dataset       {info['dataset']}")
     print(f"  method        {info['method']}")
-    print(f"  checkpoints   {info['checkpoints']} ({info['metadata']['modes']} modes)")
+    modes = info["metadata"]["modes"]
+    print(f"  checkpoints   {info['checkpoints']} "
+          f"({'modes unknown' if modes is None else f'{modes} modes'})")
     print(f"  values/ckpt   {info['values_per_checkpoint']:,}")
     width = max(len(t["key"]) for t in info["tensors"])
     print(f"  {'tensor':<{width}}  {'shape':<18} {'dtype':<8} {'count':>10}")
@@ -133,7 +135,8 @@ def run_info(args: argparse.Namespace) -> int:
         print(f"  {tensor['key']:<{width}}  {shape:<18} {tensor['dtype']:<8} "
               f"{tensor['count']:>10,}")
     meta = info["metadata"]
-    print(f"  seeds         {meta['seeds']} ({meta['distinct_seeds']} distinct)")
+    print(f"  seeds         {meta['seeds']} ({meta['distinct_seeds']} distinct)"
+          if meta["seeds"] is not None else "  seeds         unknown")
     print(f"  diverged      {meta['diverged']}")
     for name in ("test_accuracy", "test_loss", "wall_time_seconds"):
         if meta[name]:

@@ -39,7 +39,8 @@ class DescribeResult(CollectionResult):
         key, shape, dtype, count (values per checkpoint), chunk_rows.
     metadata : dict
         Seeds range, distinct seeds, modes, diverged count and min / median / max of test
-        accuracy, test loss (nats) and wall time (seconds).
+        accuracy, test loss (nats) and wall time (seconds). ``seeds`` and ``modes`` are
+        None when no checkpoint records one (imports of foreign files).
     """
 
     kind = "description"
@@ -96,7 +97,7 @@ def describe(source: Source, *, verify: bool = True, command: str | None = None
         summary = {
             "seeds": None if seeds.size == 0 else [int(seeds.min()), int(seeds.max())],
             "distinct_seeds": int(np.unique(seeds).size),
-            "modes": int(np.unique(modes).size),
+            "modes": int(np.unique(modes).size) if modes.size else None,  # None: unknown
             "diverged": int(metadata["diverged"].sum()),
             "test_accuracy": _summary(metadata["test_accuracy"]),
             "test_loss": _summary(metadata["test_loss"]),

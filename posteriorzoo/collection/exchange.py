@@ -46,8 +46,8 @@ from posteriorzoo.provenance import describe_input, record
 from posteriorzoo.results import CollectionResult, csv_text
 from posteriorzoo.zoo import schema
 from posteriorzoo.zoo.architecture import check_architecture
-from posteriorzoo.zoo.archives import release_task
-from posteriorzoo.zoo.formats import CHECKPOINT_FORMAT, ReadLimits, require_file
+from posteriorzoo.zoo.archives import member_modes, release_task
+from posteriorzoo.zoo.formats import CHECKPOINT_FORMAT, ReadLimits, require_file, sniff_format
 from posteriorzoo.zoo.import_checks import (
     check_against_layout,
     check_recorded_digest,
@@ -371,6 +371,14 @@ def import_checkpoints(
       collection, or repeat an earlier input, is skipped and counted, so an import
       killed part-way is completed by running it again.
 
+    What the inputs tell is recorded: an exported checkpoint keeps its metadata row; a
+    member of a release archive whose name numbers it (``.../model_17.safetensors``) gets
+    that number as its ``mode_id`` (and ``sample_id`` 0) when the collection is a deep
+    ensemble (``de``, what a release's name implies), every member of the archive is
+    numbered, the numbers are distinct, and none is a mode the collection or another
+    input holds already (see :func:`posteriorzoo.zoo.archives.member_modes`). Otherwise
+    the mode, like the seeds of an archive's members, stays unknown (``-1``).
+
     ``limits`` bounds what reading the inputs may cost (:class:`ReadLimits`). The
     checkpoint size bound is the architecture's (4x its float64 size, plus 1 MiB): that
     of the existing collection, else of the architecture given, else of the one the first
@@ -408,6 +416,7 @@ def import_checkpoints(
              "num_classes": num_classes}
     attributes: dict[str, Any] = {}
     stored: set[str] = set()
+    taken_modes: set[int] = set()  # modes the collection or the inputs hold
     tensor_layout: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
     current = limits or ReadLimits()
     if exists:
@@ -418,6 +427,7 @@ def import_checkpoints(
                           "model_options": zoo.model_options}
             tensor_layout = zoo.tensor_layout
             stored = set(zoo.digests)
+            taken_modes = {int(mode) for mode in zoo.metadata["mode_id"] if mode >= 0}
         given["model_options"] = dict(model_options) if model_options is not None else None
         for key, value in given.items():
             if value is not None and value != attributes[key]:
@@ -433,6 +443,10 @@ def import_checkpoints(
             model_options)
 
     unchecked: list[str] = []  # inputs whose header records no digest (pass 1)
+    # Archive members are named "ARCHIVE:MEMBER"; their numbers may tell their modes.
+    archives = [f"{file.name}:" for file in files if sniff_format(file, current) != "safetensors"]
+    members: dict[str, list[str]] = {prefix: [] for prefix in archives}
+    member_mode: dict[str, int] = {}  # input name -> mode its name tells (after pass 1)
 
     def review(name: str, header: Mapping[str, str], limits: ReadLimits) -> ReadLimits:
         """Before the first input's tensors are read: bound them by its architecture."""
@@ -453,6 +467,8 @@ def import_checkpoints(
             unchecked.append(name)
         state = convert_floats(key_map.apply(state), dtype)
         row = row_for_input(header, name, attributes["method"])
+        if name in member_mode and "mode_id" not in row:
+            row.update(mode_id=member_mode[name], sample_id=0)
         check_against_layout(tensor_layout, state, name, diverged=bool(row.get("diverged", False)))
         arrays = {key: as_numpy(state[key]) for key in tensor_layout}
         return _Prepared(name, state, row, schema.checkpoint_digest(arrays, list(tensor_layout)))
@@ -479,6 +495,11 @@ def import_checkpoints(
             bounds[0] = bounds[0].for_shapes(tensor_layout)
         prepared = prepare(name, state, header, first_pass=True)
         count += 1
+        archive = next((prefix for prefix in archives if name.startswith(prefix)), None)
+        if archive is not None:
+            members[archive].append(name[len(archive):])
+        elif int(prepared.row.get("mode_id", -1)) >= 0:
+            taken_modes.add(int(prepared.row["mode_id"]))
         if prepared.digest not in seen:
             seen.add(prepared.digest)
             new_count += 1
@@ -490,6 +511,11 @@ def import_checkpoints(
         warnings.warn(f"{len(unchecked)} input checkpoint(s) record no SHA-256 of their "
                       f"tensors ({unchecked[0]}{others}): imported without that check",
                       stacklevel=2)
+    if attributes["method"] == "de":  # a member is a deep-ensemble member: its own mode
+        for archive, names in members.items():
+            modes = member_modes(archive[:-1], names, taken_modes)
+            member_mode.update({archive + member: mode for member, mode in modes.items()})
+            taken_modes.update(modes.values())
     described = {f"input {i}": describe_input(file) for i, file in enumerate(files)}
 
     # Pass 2: append in batches; each batch is committed atomically.

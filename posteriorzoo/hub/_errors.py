@@ -83,6 +83,32 @@ def handled_errors() -> tuple[type[BaseException], ...]:
     )
 
 
+def login_command() -> str:
+    """The command that saves a Hugging Face token with the installed huggingface_hub
+    (``huggingface-cli`` was replaced by ``hf`` in version 1.0)."""
+    import huggingface_hub
+
+    major = huggingface_hub.__version__.split(".")[0]
+    return "hf auth login" if major.isdigit() and int(major) >= 1 else "huggingface-cli login"
+
+
+def no_token_message() -> str:
+    """What to say when an upload finds no token."""
+    return f"no Hugging Face token: run `{login_command()}` or set HF_TOKEN"
+
+
+def find_token(token: str | bool | None) -> bool:
+    """Whether an upload has a token: the one given, else ``HF_TOKEN`` or a saved login
+    (``token=False`` asks for none)."""
+    if isinstance(token, str):
+        return bool(token.strip())
+    if token is False:
+        return False
+    from huggingface_hub import get_token
+
+    return bool(get_token())
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
@@ -115,7 +141,7 @@ def to_hub_error(
     if isinstance(error, HFValidationError):
         return HubError(f"invalid repository id '{repo_id}': {_first_line(error)}")
     if isinstance(error, LocalTokenNotFoundError):
-        return HubError("no Hugging Face token found: set HF_TOKEN (or run `hf auth login`)")
+        return HubError(no_token_message())
     if isinstance(error, OfflineModeIsEnabled) or (
         isinstance(error, LocalEntryNotFoundError) and is_offline()
     ):

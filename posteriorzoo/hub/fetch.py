@@ -11,6 +11,9 @@ only then published into ``local_dir`` (the manifests last). A file already ther
 kept when it is identical, refused when it differs (unless ``overwrite``): checked
 against the repository's file list before anything is transferred when the Hub can be
 asked, and against the fetched bytes before anything is published in any case.
+
+:func:`plan_download` says what a download would fetch (files, sizes, the commit its
+revision resolves to) from the repository's file list alone, fetching no file.
 """
 
 from __future__ import annotations
@@ -23,12 +26,22 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
-from huggingface_hub import HfApi, constants, snapshot_download
+from huggingface_hub import HfApi, constants, snapshot_download, try_to_load_from_cache
 
 from posteriorzoo._api import public
 from posteriorzoo.errors import HubError, InvalidOptionError, OutputExistsError
 from posteriorzoo.hashing import sha256_file
 from posteriorzoo.hub._errors import handled_errors, is_offline, to_hub_error
+from posteriorzoo.hub.plan import (
+    CACHED,
+    FROM_CACHE,
+    IDENTICAL,
+    REFUSED,
+    REPLACED,
+    TRANSFER,
+    PlannedFile,
+    TransferPlan,
+)
 from posteriorzoo.hub.verify import (
     MANIFEST_PATTERNS,
     VerificationReport,
@@ -159,6 +172,114 @@ def _require_match(path: Path, patterns: list[str] | None, repo_id: str,
             f"no file of {repo_type} '{repo_id}' matches {' '.join(patterns)}: "
             "check the include patterns against the repository's file list"
         )
+
+
+# ---------------------------------------------------------------------- dry run
+@public
+def plan_download(
+    repo_id: str,
+    revision: str | None = None,
+    include: str | Iterable[str] | None = None,
+    local_dir: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+    repo_type: str = "dataset",
+    token: str | bool | None = None,
+    overwrite: bool = False,
+) -> TransferPlan:
+    """What :func:`download` would fetch, fetching no file.
+
+    The Hub is asked for the commit ``revision`` resolves to and the repository's file
+    list (sizes included); each selected file (the ``SHA256SUMS`` manifests always are)
+    is marked ``transfer``, ``cached`` (already in the Hugging Face cache), or, with
+    ``local_dir``, ``identical``, ``replace`` (``overwrite``) or ``refused`` (a different
+    file is there). With ``HF_HUB_OFFLINE=1`` the cached snapshot is listed instead
+    (``from cache`` into a folder, else ``cached``), with no network access.
+
+    Raises the errors :func:`download` raises before its transfer (HubError for an
+    unknown repository or revision, no network, no matching file; InvalidOptionError for
+    a bad ``local_dir``); a file of ``local_dir`` that differs is a ``refused`` entry,
+    not an error.
+    """
+    if repo_type not in REPO_TYPES:
+        raise HubError(f"repo_type must be one of {', '.join(REPO_TYPES)}, not {repo_type!r}")
+    patterns = normalize_patterns(include)
+    out = Path(local_dir) if local_dir is not None else None
+    if out is not None:
+        _check_folder(out)
+    if is_offline():
+        sizes, commit = _cached_files(repo_id, revision, patterns, cache_dir, repo_type, token)
+        fresh = FROM_CACHE if out is not None else CACHED
+    else:
+        sizes, commit = _listed_files(repo_id, revision, patterns, repo_type, token)
+        fresh = TRANSFER
+    files = []
+    for name, (size, entry) in sizes.items():
+        action = fresh
+        target = out / name if out is not None else None
+        if target is not None and target.is_file():
+            if isinstance(entry, Path):  # offline: compare with the cached copy's bytes
+                same = filecmp.cmp(entry, target, shallow=False)
+            else:
+                same = _same_as_listed(target, entry)
+            action = IDENTICAL if same else REPLACED if overwrite else REFUSED
+        elif target is None and fresh == TRANSFER and isinstance(try_to_load_from_cache(
+                repo_id, name, cache_dir=cache_dir, revision=commit, repo_type=repo_type),
+                str):
+            action = CACHED
+        files.append(PlannedFile(name, size, action))
+    destination = str(out) if out is not None else \
+        f"the Hugging Face cache ({cache_dir or constants.HF_HUB_CACHE})"
+    notes = []
+    if any(item.action == REFUSED for item in files):
+        notes.append(f"files marked refused differ from the repository's: {out} keeps them "
+                     "and the download stops, unless --overwrite")
+    return TransferPlan("download", repo_id, repo_type, revision or "main", commit,
+                        destination, files, notes)
+
+
+def _listed_files(repo_id: str, revision: str | None, patterns: list[str] | None,
+                  repo_type: str, token: str | bool | None
+                  ) -> tuple[dict[str, tuple[int | None, object]], str | None]:
+    """``({name: (size, tree entry)}, commit)`` of the selected files, from the Hub's
+    repository information and file list (no file is fetched)."""
+    api = HfApi(token=token)
+    try:
+        commit = getattr(api.repo_info(repo_id, revision=revision or constants.DEFAULT_REVISION,
+                                       repo_type=repo_type), "sha", None)
+        entries = {entry.path: entry for entry in api.list_repo_tree(
+            repo_id, recursive=True, revision=commit or revision, repo_type=repo_type)
+            if hasattr(entry, "blob_id")}
+    except handled_errors() as error:
+        raise to_hub_error(error, repo_id=repo_id, revision=revision,
+                           repo_type=repo_type) from error
+    selected = matching(entries, allow_patterns(patterns))
+    unsafe = [name for name in selected if not is_safe_name(name)]
+    if unsafe:
+        raise HubError(f"{repo_type} '{repo_id}' lists a file outside its folder, "
+                       f"{unsafe[0]!r}: ask the repository owner to rename it")
+    if patterns is not None and not matching(selected, patterns):
+        raise HubError(f"no file of {repo_type} '{repo_id}' matches {' '.join(patterns)}: "
+                       "check the include patterns against the repository's file list")
+
+    def size(entry: object) -> int | None:
+        lfs = getattr(entry, "lfs", None)
+        value = getattr(lfs, "size", None) if lfs is not None else getattr(entry, "size", None)
+        return value if isinstance(value, int) else None
+
+    return {name: (size(entries[name]), entries[name]) for name in selected}, commit
+
+
+def _cached_files(repo_id: str, revision: str | None, patterns: list[str] | None,
+                  cache_dir: str | Path | None, repo_type: str, token: str | bool | None
+                  ) -> tuple[dict[str, tuple[int | None, object]], str | None]:
+    """Offline: ``({name: (size, cached copy)}, commit)`` of the selected files of the
+    cached snapshot."""
+    cached = _snapshot(repo_id, revision, patterns, repo_type, token, cache_dir=cache_dir,
+                       offline=True)
+    _require_match(cached, patterns, repo_id, repo_type)
+    names = matching(snapshot_files(cached), allow_patterns(patterns))
+    return {name: ((cached / name).stat().st_size, cached / name) for name in names}, \
+        cached.name
 
 
 # ---------------------------------------------------------------------- into a folder

@@ -1,9 +1,10 @@
 """Publish collection files to a Hub dataset repository in one commit.
 
 Everything that can be checked locally (paths exist, files are HDF5, names do not
-collide, the repository id is well formed) is checked before the first network call.
-The commit always carries a fresh ``SHA256SUMS`` for the uploaded collections, built in
-memory: the user's folders are never written to.
+collide, the repository id is well formed, a token is there) is checked before the first
+network call. The commit always carries a fresh ``SHA256SUMS`` for the uploaded
+collections, built in memory: the user's folders are never written to.
+:func:`plan_upload` makes the same checks and says what would be sent, sending nothing.
 """
 
 from __future__ import annotations
@@ -18,11 +19,20 @@ from huggingface_hub.utils import validate_repo_id
 
 from posteriorzoo._api import public
 from posteriorzoo.errors import HubError, ZooFormatError
-from posteriorzoo.hub._errors import handled_errors, is_offline, to_hub_error
+from posteriorzoo.hub._errors import (
+    find_token,
+    handled_errors,
+    is_offline,
+    no_token_message,
+    to_hub_error,
+)
+from posteriorzoo.hub.plan import TRANSFER, PlannedFile, TransferPlan
 from posteriorzoo.zoo.manifest import MANIFEST_NAME, manifest_text, sha256_file
 
 CARD_NAME = "README.md"
 COLLECTION_PATTERN = "*.h5"
+_OFFLINE_UPLOAD = ("HF_HUB_OFFLINE=1 forbids network access, which an upload needs: "
+                   "set HF_HUB_OFFLINE=0 and try again")
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,71 @@ def _folder_in_repo(path_in_repo: str) -> str:
     return "" if str(folder) == "." else f"{folder.as_posix()}/"
 
 
+def _checked_locally(repo_id: str, paths: str | Path | Iterable[str | Path],
+                     revision: str | None, card: str | Path | None, path_in_repo: str,
+                     verify: bool) -> tuple[list[CollectionFile], Path | None, str]:
+    """Every check of an upload that needs no network: the files (and, with ``verify``,
+    their content as collections), the card, the folder and the repository id. Returns
+    the files, the card and the repository folder (``""`` or ``"FOLDER/"``)."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    files = collect_collection_files(paths)
+    card_path = Path(card) if card is not None else None
+    if card_path is not None and not card_path.is_file():
+        raise ZooFormatError(f"dataset card not found: {card_path}")
+    folder = _folder_in_repo(path_in_repo)
+    if verify:
+        from posteriorzoo.collection import require_ok
+        from posteriorzoo.collection import verify as verify_collection
+
+        for item in files:
+            require_ok(verify_collection(item.local))
+    try:
+        validate_repo_id(repo_id)
+    except handled_errors() as error:
+        raise to_hub_error(error, repo_id=repo_id, revision=revision, action="upload") from error
+    return files, card_path, folder
+
+
+def _manifest_bytes(files: list[CollectionFile]) -> bytes:
+    """The ``SHA256SUMS`` uploaded next to ``files``."""
+    return manifest_text({f.name: sha256_file(f.local) for f in files}).encode("utf-8")
+
+
+@public
+def plan_upload(
+    repo_id: str,
+    paths: str | Path | Iterable[str | Path],
+    revision: str | None = None,
+    token: str | bool | None = None,
+    card: str | Path | None = None,
+    path_in_repo: str = "",
+    verify: bool = True,
+) -> TransferPlan:
+    """What :func:`upload` would send, sending nothing and making no network call.
+
+    Makes the upload's local checks (the same errors) and lists the files with their
+    paths in the repository and sizes: the collections, their ``SHA256SUMS`` and the
+    card. A missing token or ``HF_HUB_OFFLINE=1``, which the upload would refuse, are
+    notes of the plan.
+    """
+    files, card_path, folder = _checked_locally(repo_id, paths, revision, card, path_in_repo,
+                                                verify)
+    planned = [PlannedFile(folder + f.name, f.local.stat().st_size, TRANSFER) for f in files]
+    planned.append(PlannedFile(folder + MANIFEST_NAME, len(_manifest_bytes(files)), TRANSFER))
+    if card_path is not None:
+        planned.append(PlannedFile(CARD_NAME, card_path.stat().st_size, TRANSFER))
+    notes = []
+    if is_offline():
+        notes.append(_OFFLINE_UPLOAD)
+    if not find_token(token):
+        notes.append(no_token_message())
+    return TransferPlan("upload", repo_id, "dataset", revision or "main", None,
+                        f"dataset '{repo_id}'" + (f", folder {folder.rstrip('/')}"
+                                                 if folder else ""),
+                        planned, notes)
+
+
 @public
 def upload(
     repo_id: str,
@@ -116,41 +191,23 @@ def upload(
         ZooFormatError: a path is missing or not HDF5 (or, with ``verify``, not a
             collection), or the card is missing.
         ChecksumError: with ``verify``, a collection fails verification.
-        HubError: the repository id is malformed, the network or the Hub failed, or the
-            token lacks write access (the message says what to do).
+        HubError: the repository id is malformed, there is no token (``HF_TOKEN`` or a
+            saved login), the network or the Hub failed, or the token lacks write access
+            (the message says what to do).
     """
-    if isinstance(paths, (str, Path)):
-        paths = [paths]
-    files = collect_collection_files(paths)
-    card_path = Path(card) if card is not None else None
-    if card_path is not None and not card_path.is_file():
-        raise ZooFormatError(f"dataset card not found: {card_path}")
-    folder = _folder_in_repo(path_in_repo)
-    if verify:
-        from posteriorzoo.collection import require_ok
-        from posteriorzoo.collection import verify as verify_collection
-
-        for item in files:
-            require_ok(verify_collection(item.local))
-    try:
-        validate_repo_id(repo_id)
-    except handled_errors() as error:
-        raise to_hub_error(error, repo_id=repo_id, revision=revision, action="upload") from error
+    files, card_path, folder = _checked_locally(repo_id, paths, revision, card, path_in_repo,
+                                                verify)
     if is_offline():
-        raise HubError(
-            "HF_HUB_OFFLINE=1 forbids network access, which an upload needs: "
-            "set HF_HUB_OFFLINE=0 and try again"
-        )
+        raise HubError(_OFFLINE_UPLOAD)
+    if not find_token(token):
+        raise HubError(no_token_message())
     operations = [
         CommitOperationAdd(path_in_repo=folder + f.name, path_or_fileobj=str(f.local))
         for f in files
     ]
     operations.append(
-        CommitOperationAdd(
-            path_in_repo=folder + MANIFEST_NAME,
-            path_or_fileobj=manifest_text(
-                {f.name: sha256_file(f.local) for f in files}).encode("utf-8"),
-        )
+        CommitOperationAdd(path_in_repo=folder + MANIFEST_NAME,
+                           path_or_fileobj=_manifest_bytes(files))
     )
     if card_path is not None:
         operations.append(

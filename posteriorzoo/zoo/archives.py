@@ -5,16 +5,18 @@ A release is a ``.tgz`` of float16 safetensors files, one per model, named
 by member without extracting to disk, through a stream that refuses to deliver more
 bytes than the member headers declare (:class:`ReadLimits` bounds each member, the
 number of members and the bytes the archive expands to). :func:`release_task` tells the
-collection attributes a release implies from its file name.
+collection attributes a release implies from its file name, :func:`member_modes` the
+mode of each member from the members' names.
 """
 
 from __future__ import annotations
 
 import gzip
 import os
+import re
 import tarfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -41,6 +43,11 @@ RELEASE_TASKS: dict[str, dict[str, Any]] = {
 }
 
 _READ_CHUNK = 2**20
+#: A numbered member: its file name ends in a number after a separator or alone
+#: (``model_17.safetensors``, ``17.safetensors``; not ``resnet18.safetensors``).
+_MEMBER_NUMBER = re.compile(r"(?:^|[_.-])(\d{1,9})\.safetensors$")
+#: A release archive's name tells the range of its members: ``<task>-<start>-<end>.tgz``.
+_ARCHIVE_RANGE = re.compile(r"-(\d{1,9})-(\d{1,9})\.(?:tgz|tar\.gz|tar)$")
 
 
 class _BoundedReader:
@@ -175,3 +182,38 @@ def release_task(path: str | os.PathLike) -> dict[str, Any] | None:
         if name.startswith(task + "-") or name == f"{task}.tgz":
             return dict(attributes)
     return None
+
+
+def member_modes(archive_name: str, members: Iterable[str], taken: Iterable[int] = ()
+                 ) -> dict[str, int]:
+    """``{member: mode}`` for the members of a release archive, when their names number
+    them; ``{}`` when they do not tell.
+
+    A member's number is the one its file name ends with (``.../model_17.safetensors``).
+    Every member must be numbered and the numbers distinct. When the archive's name gives
+    a range (``mnist-optunet-1024-2047.tgz``), a number inside it is the mode; numbers
+    counted from 0 within the archive are shifted to the range's start. Numbers already
+    ``taken`` (modes of the collection or of other inputs) make the archive's numbering
+    unusable: ``{}``.
+    """
+    members = list(members)
+    numbers = []
+    for member in members:
+        found = _MEMBER_NUMBER.search(member.rsplit("/", 1)[-1])
+        if found is None:
+            return {}
+        numbers.append(int(found.group(1)))
+    if not numbers or len(set(numbers)) != len(numbers):
+        return {}
+    bounds = _ARCHIVE_RANGE.search(archive_name)
+    if bounds is not None:
+        start, end = int(bounds.group(1)), int(bounds.group(2))
+        if all(start <= number <= end for number in numbers):
+            pass
+        elif all(0 <= number <= end - start for number in numbers):
+            numbers = [start + number for number in numbers]
+        else:
+            return {}
+    if set(numbers) & set(taken):
+        return {}
+    return dict(zip(members, numbers, strict=True))
