@@ -158,6 +158,20 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_train_refuses_a_prior_precision_out_of_range_when_the_spec_is_read": (
             "train", "bad option"),
     },
+    "test_model_plugins.py": {
+        "test_info_names_the_module_of_a_missing_model": ("info", "plugin model missing"),
+        "test_an_entry_point_collection_names_the_package": ("info", "plugin model missing"),
+        "test_a_collection_without_the_attribute_hints_at_models": ("info",
+                                                                    "plugin model missing"),
+        "test_a_crafted_model_module_attribute_is_refused": ("info", "plugin model missing"),
+        "test_cli_models_option_and_environment": ("info", "plugin model missing"),
+        "test_a_module_that_cannot_be_imported_is_one_line": ("info", "plugin model missing"),
+        "test_train_in_worker_processes": ("train", "plugin model"),
+        "test_a_worker_finds_the_module_where_its_parent_did": ("train", "plugin model"),
+        "test_the_ray_backend_passes_the_plugins": ("train", "plugin model"),
+        "test_the_spec_needs_the_model_and_mc_dropout_its_option": ("train", "plugin model"),
+        "test_the_fast_engine_leaves_a_model_of_your_own_to_torch": ("train", "plugin model"),
+    },
     "test_same_stem.py": {
         "test_compare_files_with_the_same_stem": ("compare", "same stem"),
         "test_canonical_copy_names_are_unique_and_safe": ("compare", "same stem"),

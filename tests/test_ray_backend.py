@@ -134,7 +134,7 @@ class FakeRay:
 
         class Task:
             @staticmethod
-            def remote(spec, group, engine):
+            def remote(spec, group, engine, plugins=None):
                 fake.submitted.append(group)
                 fake.in_flight += 1
                 fake.most_in_flight = max(fake.most_in_flight, fake.in_flight)

@@ -6,6 +6,7 @@ of one collection::
     name = "optunet-fashion-mnist-swag-multi-mode"
     recipe = "optunet-mnist"          # a built-in recipe (train_zoo.recipes)
     dataset = "fashion-mnist"         # overrides the recipe's dataset
+    architecture = "optunet"          # any registered model, one of your own too
     method = "swag"                   # de, mc-dropout, swag, laplace, sghmc or bbb
     modes = 10                        # independently trained base networks
     samples_per_mode = 10             # draws around each
@@ -27,6 +28,11 @@ means one mode with N samples. Mode ``i``'s randomness derives only from
 ``(base_seed, i)``: see :mod:`train_zoo.seeds`. The base networks of every method are
 trained with the spec's recipe exactly as DE members are, so a method spec with the DE's
 base seed builds around the DE's own members.
+
+The architecture may be a model of your own, named like a built-in one (``architecture``
+or ``recipe_overrides.architecture``): its plugin module must be loaded before the spec is
+read (``posteriorzoo --models MODULE train ...``, :mod:`posteriorzoo.models.plugins`); for
+``mc-dropout`` it needs a ``dropout`` option.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from posteriorzoo.errors import (
     UnknownNameError,
     ZooFormatError,
 )
+from posteriorzoo.models import model_entry
 from posteriorzoo.options import check_integer, check_name, check_table, show
 from posteriorzoo.zoo.schema import recipe_hash
 from train_zoo.method_options import METHODS, resolve_kl_weight, resolve_method_options
@@ -123,6 +130,9 @@ class ZooSpec:
             raise InvalidOptionError(
                 f"spec field 'recipe' must be a Recipe, not {show(self.recipe)}")
         check_name(_field("architecture"), self.architecture)
+        # A model of your own must be registered (its plugin loaded) before its spec is
+        # read: the error names the valid models and how to load one's own.
+        entry = model_entry(self.architecture)
         check_name(_field("dataset"), self.dataset)
         if not isinstance(self.method, str) or self.method not in METHODS:
             raise UnknownNameError(
@@ -142,6 +152,12 @@ class ZooSpec:
         if "dropout" in self.model_options and self.method == "mc-dropout":
             raise InvalidOptionError("MC Dropout's probability is the method option 'p'; "
                                      "model_options describe the stored base architecture")
+        if self.method == "mc-dropout" and "dropout" not in entry.options:
+            raise InvalidOptionError(
+                f"mc-dropout trains the base network with dropout, but model "
+                f"{self.architecture!r} has no option 'dropout': register it with the option "
+                "dropout = 0.0 (the probability of a dropout layer before its last Linear "
+                "layer)")
         method_options = check_table(_field("method_options"), self.method_options)
         object.__setattr__(self, "method_options", resolve_method_options(
             self.method, method_options, self.architecture, self.recipe))

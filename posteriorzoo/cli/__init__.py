@@ -8,6 +8,10 @@ with exit code 2; so are I/O errors, and a full disk (``no space left on device:
 needs about N MB``) whichever library met it. Progress bars are drawn only when stderr
 is a terminal (and not with ``--no-progress``), so a log or a pipe gets result and error
 lines only.
+
+Models of your own: the global option ``--models MODULE`` and the environment variable
+``POSTERIORZOO_MODELS`` name plugin modules that register them; they are imported before
+the command runs (:mod:`posteriorzoo.models.plugins`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from posteriorzoo import __version__
 from posteriorzoo.errors import PosteriorZooError
 
 EXIT_BAD_INPUT = 2
+#: posteriorzoo.models.plugins.ENVIRONMENT_VARIABLE, named here because importing that
+#: module imports torch, which a command that needs no model should not wait for.
+MODELS_VARIABLE = "POSTERIORZOO_MODELS"
 
 _SUBCOMMAND_MODULES = (
     "posteriorzoo.cli.zoo_commands",
@@ -57,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="version", version=f"posteriorzoo {__version__}")
+    parser.add_argument(
+        "--models", action="append", metavar="MODULE",
+        help="a module of your own that registers models (posteriorzoo.models.register), "
+             "imported before the command runs: a module name (my_models, found in the "
+             "current folder or on PYTHONPATH) or module:function; repeat the option or "
+             "separate names with commas. POSTERIORZOO_MODELS=MODULE[,MODULE] does the same; "
+             "installed packages declare entry points in the group posteriorzoo.models")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in _SUBCOMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
@@ -83,6 +97,25 @@ def _no_space_line(error: BaseException) -> str:
     else:
         folder = "the output's folder"
     return str(NoSpaceError(folder))
+
+
+def _load_model_plugins(modules: Sequence[str] | None) -> None:
+    """Import the plugin modules of ``--models`` and ``POSTERIORZOO_MODELS``.
+
+    Nothing is imported when neither names one, so commands stay light. The current
+    folder is searched too (last), as a console script, unlike ``python -m``, does not
+    put it on Python's path.
+    """
+    import os
+
+    if not modules and not os.environ.get(MODELS_VARIABLE, "").strip(", "):
+        return
+    from posteriorzoo.models.plugins import load_models
+
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)
+    load_models(modules or (), environment=True, label="--models")
 
 
 def _stderr_is_terminal() -> bool:
@@ -118,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             warnings.simplefilter("default")
             warnings.filterwarnings("ignore", category=DeprecationWarning)
             warnings.showwarning = show_warning
+            _load_model_plugins(args.models)
             return int(args.func(args) or 0)
     except PosteriorZooError as error:
         print(f"posteriorzoo {args.command}: error: {error}", file=sys.stderr)

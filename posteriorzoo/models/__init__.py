@@ -6,11 +6,15 @@
 >>> model = build("resnet18", num_classes=10, width=8)  # a small test network
 
 Registered names: ``optunet``, ``optunet-v1``, ``resnet18``, ``resnet18-tiny``, ``mlp``
-(see :func:`available_models` and :func:`model_entry`).
+(see :func:`available_models` and :func:`model_entry`). Models of your own are registered
+by plugin modules: entry points of the group ``posteriorzoo.models``,
+``POSTERIORZOO_MODELS``, the command line's ``--models`` or :func:`load_models` (see
+:mod:`posteriorzoo.models.plugins`).
 """
 
 from posteriorzoo.models.mlp import MLP
 from posteriorzoo.models.optunet import OptuNet, OptuNetV1
+from posteriorzoo.models.plugins import ModelPluginError, load_models
 from posteriorzoo.models.registry import (
     ModelEntry,
     available_models,
@@ -26,6 +30,7 @@ __all__ = [
     "MLP",
     "BasicBlock",
     "ModelEntry",
+    "ModelPluginError",
     "OptuNet",
     "OptuNetV1",
     "ResNet18",
@@ -34,6 +39,7 @@ __all__ = [
     "check_state_dict",
     "expected_state_shapes",
     "input_shape",
+    "load_models",
     "model_entry",
     "parameter_count",
     "register",

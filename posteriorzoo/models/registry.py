@@ -3,11 +3,16 @@
 Checkpoint collections record an architecture by name plus options (e.g.
 ``"resnet18"``, ``{"width": 64}``), so every network the library can rebuild
 must be reachable through :func:`build` with exactly those arguments.
+
+Models of your own are registered by modules (:mod:`posteriorzoo.models.plugins`); each
+entry remembers the module that registered it (:attr:`ModelEntry.module`), which a
+collection records so that a missing model can be named with the module to load.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -23,8 +28,10 @@ __all__ = [
     "build",
     "input_shape",
     "model_entry",
+    "provider_attributes",
     "register",
     "resolve",
+    "unknown_model_message",
 ]
 
 Factory = Callable[..., nn.Module]
@@ -52,6 +59,14 @@ class ModelEntry:
         One line for listings.
     options : Mapping[str, Any]
         Accepted option names and their defaults (read-only).
+    module : str or None
+        The plugin that registered it, as ``--models`` takes it (``"my_models"``, or
+        ``"my_package.models:register"`` for a callable); None for the built-in models
+        and for models registered from a script run as ``__main__`` (nothing could
+        import it again).
+    package : str or None
+        The installed distribution whose entry point (group ``posteriorzoo.models``)
+        named ``module``; None otherwise.
     """
 
     name: str
@@ -60,6 +75,8 @@ class ModelEntry:
     input_shape: tuple[int, ...] | ShapeRule
     description: str
     options: Mapping[str, Any] = field(default_factory=dict)
+    module: str | None = None
+    package: str | None = None
 
     def __post_init__(self) -> None:
         # A shared mutable default would let one caller change another's defaults.
@@ -75,6 +92,38 @@ class ModelEntry:
 _REGISTRY: dict[str, ModelEntry] = {}
 # Callbacks run whenever the registry changes, so derived caches never go stale.
 _ON_CHANGE: list[Callable[[], None]] = []
+# The plugin being loaded ((module, package), innermost last): what registers meanwhile
+# was provided by it, whichever module defines the factory.
+_PROVIDING: list[tuple[str, str | None]] = []
+# Set while installed plugins load, so a lookup they make does not start loading again.
+_LOADING_INSTALLED: list[bool] = []
+
+
+@contextlib.contextmanager
+def providing(module: str, package: str | None = None) -> Iterator[None]:
+    """Attribute what is registered inside the block to the plugin ``module``
+    (:mod:`posteriorzoo.models.plugins` wraps each plugin's import and call in it)."""
+    _PROVIDING.append((module, package))
+    try:
+        yield
+    finally:
+        _PROVIDING.pop()
+
+
+def _provider(factory: Factory) -> tuple[str | None, str | None]:
+    """Which plugin registers ``factory`` now: the one being loaded (the innermost, as a
+    plugin may load another), else the module defining the factory; nothing for the
+    built-in models and ``__main__``."""
+    if _PROVIDING:
+        return _PROVIDING[-1]
+    from posteriorzoo.models.plugins import is_source
+
+    module = getattr(factory, "__module__", None)
+    # A module loaded under a name no import could repeat (from a file path) is no plugin.
+    if not is_source(module) or module == "__main__" or module == "posteriorzoo" \
+            or module.startswith("posteriorzoo."):
+        return None, None
+    return module, None
 
 
 @public
@@ -115,6 +164,7 @@ def register(
     def decorator(factory: Factory) -> Factory:
         if name in _REGISTRY and not replace:
             raise InvalidOptionError(f"model {name!r} is already registered")
+        module, package = _provider(factory)
         _REGISTRY[name] = ModelEntry(
             name=name,
             factory=factory,
@@ -122,6 +172,8 @@ def register(
             input_shape=input_shape,
             description=description,
             options=dict(options or {}),
+            module=module,
+            package=package,
         )
         for callback in _ON_CHANGE:
             callback()
@@ -130,26 +182,86 @@ def register(
     return decorator
 
 
+def _load_installed() -> None:
+    """Load the installed plugins (entry points, ``POSTERIORZOO_MODELS``) not loaded yet."""
+    if _LOADING_INSTALLED:
+        return
+    from posteriorzoo.models.plugins import load_installed
+
+    _LOADING_INSTALLED.append(True)
+    try:
+        load_installed()
+    finally:
+        _LOADING_INSTALLED.pop()
+
+
 @public
 def available_models() -> list[str]:
-    """Sorted list of registered model names."""
+    """Sorted list of registered model names (installed plugins loaded first)."""
+    _load_installed()
     return sorted(_REGISTRY)
 
 
+def provider_attributes(name: str) -> dict[str, str]:
+    """The file attributes that record which plugin provides the registered model
+    ``name``: ``model_module`` (and ``model_package`` for an entry point's); empty for the
+    built-in models and for names not registered."""
+    entry = _REGISTRY.get(name) if isinstance(name, str) else None
+    if entry is None or entry.module is None:
+        return {}
+    attributes = {"model_module": entry.module}
+    if entry.package is not None:
+        attributes["model_package"] = entry.package
+    return attributes
+
+
+def unknown_model_message(name: str, module: str | None = None,
+                          package: str | None = None) -> str:
+    """One line saying that model ``name`` is not registered, and how to get it.
+
+    ``module`` and ``package``: the plugin a collection records as the model's provider
+    (:attr:`ModelEntry.module`, :attr:`ModelEntry.package`).
+    """
+    if module is None:
+        valid = ", ".join(sorted(_REGISTRY))
+        return (f"unknown model {name!r}; available models: {valid}; a model of your own "
+                "is loaded with --models MODULE or POSTERIORZOO_MODELS=MODULE (a module "
+                "that calls posteriorzoo.models.register)")
+    if package is None:
+        return (f"unknown model {name!r}: it was registered by module {module!r}; load it "
+                f"with --models {module} or POSTERIORZOO_MODELS={module}")
+    return (f"unknown model {name!r}: it was registered by the entry point {module!r} of "
+            f"the package {package!r}; install {package}, or load the module with "
+            f"--models {module}")
+
+
 @public
-def model_entry(name: str) -> ModelEntry:
+def model_entry(name: str, *, module: str | None = None,
+                package: str | None = None) -> ModelEntry:
     """The :class:`ModelEntry` registered under ``name``.
+
+    A name not registered yet loads the installed plugins first
+    (:func:`posteriorzoo.models.plugins.load_installed`).
+
+    Parameters
+    ----------
+    name : str
+    module, package : str, optional
+        Which plugin provided the model where it was recorded (a collection's
+        ``model_module`` and ``model_package``): the error then names it.
 
     Raises
     ------
     UnknownNameError
-        If ``name`` is not registered; the message lists the valid names.
+        If ``name`` is not registered; the message lists the valid names and says how a
+        model of your own is loaded (or which module provided this one).
     """
+    if name not in _REGISTRY:
+        _load_installed()
     try:
         return _REGISTRY[name]
-    except (KeyError, TypeError):
-        valid = ", ".join(available_models())
-        raise UnknownNameError(f"unknown model {name!r}; available models: {valid}") from None
+    except KeyError:
+        raise UnknownNameError(unknown_model_message(name, module, package)) from None
 
 
 def resolve(

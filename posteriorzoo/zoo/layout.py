@@ -66,6 +66,10 @@ class Layout:
     state_keys: list[str]
     validated: bool
     committed: int
+    #: The plugin that provides a model of your own (``--models`` takes it), and the
+    #: package whose entry point named it; None for the built-in models.
+    model_module: str | None = None
+    model_package: str | None = None
 
 
 def _fail(path: Path, message: str) -> ZooFormatError:
@@ -166,8 +170,24 @@ def read_layout(handle: h5py.File, path: str | os.PathLike) -> Layout:
         annotations=_json(attrs, "annotations", path, default="{}"),
         created_by=_json(attrs, "created_by", path), state_keys=list(keys),
         validated=bool(attrs.get("validated", True)), committed=0)
+    layout.model_module, layout.model_package = _model_provider(attrs, path)
     layout.committed = _check_datasets(handle, path, layout)
     return layout
+
+
+def _model_provider(attrs: h5py.AttributeManager, path: Path
+                    ) -> tuple[str | None, str | None]:
+    """The attributes ``model_module`` and ``model_package``, checked: they are shown in
+    messages and named to be loaded, so they must be the names they claim to be."""
+    from posteriorzoo.models.plugins import ModelPluginError, check_provider
+
+    module = _string(attrs, "model_module", path) if "model_module" in attrs else None
+    package = _string(attrs, "model_package", path) if "model_package" in attrs else None
+    try:
+        check_provider(module, package)
+    except ModelPluginError as error:
+        raise _fail(path, str(error)) from None
+    return module, package
 
 
 def _dataset(handle: h5py.File, name: str, path: Path) -> h5py.Dataset:

@@ -221,6 +221,11 @@ def _write_layout(handle: h5py.File, tensor_layout: Mapping[str, tuple[tuple[int
     attrs["state_keys"] = json.dumps(list(tensor_layout))
     attrs["created_by"] = canonical_json(dict(provenance))
     attrs["validated"] = bool(validate)
+    # Which plugin module provides a model of your own (model_module, model_package), so
+    # that a command meeting this file without it can say what to load.
+    from posteriorzoo.models.registry import provider_attributes
+
+    attrs.update(provider_attributes(architecture))
     group = handle.create_group(_STATE_GROUP)
     for key, (shape, dtype) in tensor_layout.items():
         rows = _chunk_rows(shape, dtype, chunk_bytes)

@@ -53,6 +53,7 @@ from posteriorzoo.zoo.layout import (
     MODE_RECORDS,
     ROW_DIGESTS,
     STATE_GROUP,
+    Layout,
     read_layout,
 )
 from posteriorzoo.zoo.schema import (
@@ -363,6 +364,17 @@ def open_h5(path: Path, mode: str) -> h5py.File:
             f"{path}: cannot be read as HDF5 (truncated or corrupt): {error}") from None
 
 
+def _require_model(path: Path, layout: Layout) -> None:
+    """Refuse a collection whose model is not registered, naming the plugin it records."""
+    from posteriorzoo.models import model_entry
+
+    try:
+        model_entry(layout.architecture, module=layout.model_module,
+                    package=layout.model_package)
+    except UnknownNameError as error:
+        raise UnknownNameError(f"{path}: {error}") from None
+
+
 class Zoo:
     """A collection of checkpoints of one architecture, dataset and method in one HDF5 file.
 
@@ -417,6 +429,7 @@ class Zoo:
         group = handle[STATE_GROUP]
         self._datasets = {key: group[key] for key in self._keys}
         if layout.validated:
+            _require_model(path, layout)
             try:
                 check_architecture(self.architecture, self.tensor_layout, self.num_classes,
                                    self.model_options)

@@ -17,6 +17,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 import torch
 
 from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.models.plugins import WorkerPlugins, worker_plugins
 from train_zoo.backends.tasks import groups
 from train_zoo.data import load_training_data
 from train_zoo.job import resolve_engine, train_checkpoints
@@ -87,7 +88,10 @@ def _stop_pool(pool: ProcessPoolExecutor) -> None:
             process.join(timeout=5)
 
 
-def _train_group(spec: ZooSpec, group: list[int], engine: str) -> list[CheckpointResult]:
+def _train_group(spec: ZooSpec, group: list[int], engine: str,
+                 plugins: WorkerPlugins | None = None) -> list[CheckpointResult]:
+    if plugins is not None:  # a fresh interpreter knows only the built-in models
+        plugins.load()
     return train_checkpoints(spec, group, engine=engine)
 
 
@@ -102,7 +106,9 @@ class LocalBackend:
     of ``indices`` (mode order): a group that finishes before an earlier one waits, and
     counts among those in flight, so no more are started while it does.
 
-    Workers end with the process that started them, even when it is killed by SIGKILL
+    Workers load the plugin modules of the models of your own that this process loaded
+    (:func:`posteriorzoo.models.plugins.worker_plugins`). Workers end with the process
+    that started them, even when it is killed by SIGKILL
     (see :func:`_exit_with_parent`); when the consumer stops early or a task fails, the
     remaining tasks are dropped and the workers stopped at once.
     """
@@ -118,6 +124,8 @@ class LocalBackend:
     def run(self, spec: ZooSpec, indices: Sequence[int], engine: str = "auto"
             ) -> Iterator[CheckpointResult]:
         resolve_engine(spec, engine)  # fail here, not in a worker
+        # The models of your own this process knows, for the workers to load too.
+        plugins = worker_plugins(spec.architecture)
         pending_groups = groups(indices, self.group_size)
         if not pending_groups:
             return
@@ -131,7 +139,8 @@ class LocalBackend:
             window: collections.deque[Future] = collections.deque()
             while pending_groups or window:
                 while pending_groups and len(window) < 2 * self.workers:
-                    window.append(pool.submit(_train_group, spec, pending_groups.pop(0), engine))
+                    window.append(pool.submit(_train_group, spec, pending_groups.pop(0), engine,
+                                              plugins))
                 running = [future for future in window if not future.done()]
                 if running:
                     done, _ = wait(running, return_when=FIRST_COMPLETED)

@@ -14,7 +14,9 @@ each mode at once, in order; a task that finishes early waits with its results a
 counts among those in flight.
 
 On a cluster every node needs posteriorzoo installed (same torch build for bit-identical
-weights) and the data set reachable (``data_dir`` of the spec, or the default locations).
+weights), the data set reachable (``data_dir`` of the spec, or the default locations) and
+the plugin modules of models of your own importable: each task loads the ones the driver
+loaded (:func:`posteriorzoo.models.plugins.worker_plugins`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from types import ModuleType
 from typing import Any
 
 from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.models.plugins import WorkerPlugins, worker_plugins
 from train_zoo.backends.tasks import groups
 from train_zoo.job import resolve_engine
 from train_zoo.result import CheckpointResult
@@ -45,13 +48,17 @@ def import_ray() -> ModuleType:
             f"(or pip install 'ray>=2.9'); import failed: {error}") from None
 
 
-def train_group(spec: ZooSpec, group: list[int], engine: str) -> list[CheckpointResult]:
-    """Body of one Ray task: train checkpoints ``group`` of ``spec`` with one torch thread."""
+def train_group(spec: ZooSpec, group: list[int], engine: str,
+                plugins: WorkerPlugins | None = None) -> list[CheckpointResult]:
+    """Body of one Ray task: train checkpoints ``group`` of ``spec`` with one torch thread,
+    after loading the plugin modules of the driver's models of your own."""
     import torch
 
     from train_zoo.data import load_training_data
     from train_zoo.job import train_checkpoints
 
+    if plugins is not None:
+        plugins.load()
     torch.set_num_threads(1)
     data = load_training_data(spec.dataset, spec.data_dir)  # cached per worker process
     return train_checkpoints(spec, group, data=data, engine=engine)
@@ -154,12 +161,13 @@ class RayBackend:
             # Tasks are deterministic, so Ray's retries after a worker crash are safe.
             task = ray.remote(num_cpus=1)(train_group)
             spec_ref = ray.put(spec)
+            plugins = worker_plugins(spec.architecture)
             # Tasks in submission (mode) order, running or finished but not yet yielded:
             # at most ``limit``, so results that finish early wait in bounded memory.
             finished: dict[int, list[CheckpointResult]] = {}  # id(ref) -> its results
             while pending or running:
                 while pending and len(running) < limit:
-                    running.append(task.remote(spec_ref, pending.pop(0), engine))
+                    running.append(task.remote(spec_ref, pending.pop(0), engine, plugins))
                 waiting = [ref for ref in running if id(ref) not in finished]
                 if waiting:
                     done, _ = ray.wait(waiting, num_returns=1)
