@@ -178,6 +178,15 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_report_with_methods_of_the_same_stem": ("report", "same stem"),
         "test_plot_mmd_with_the_same_stem_uses_the_canonical_target": ("plot", "same stem"),
     },
+    "test_dry_run.py": {
+        "test_dry_run_prints_the_resolved_spec_and_writes_nothing": ("train", "dry run"),
+        "test_dry_run_json_extrapolates_the_measured_steps": ("train", "dry run"),
+        "test_dry_run_without_an_estimate_needs_no_data": ("train", "dry run"),
+        "test_dry_run_says_when_the_data_are_not_here": ("train", "dry run"),
+        "test_dry_run_refuses_what_train_refuses": ("train", "dry run"),
+        "test_train_needs_an_output_or_a_dry_run": ("train", "dry run"),
+        "test_an_unknown_method_in_the_listing_is_one_line": ("train", "dry run"),
+    },
     "test_option_ranges.py": {     # its generated tests log each case themselves
         "test_every_beyond_one_epoch_is_refused_before_training": ("study", "bad option"),
         "test_toy_networks_times_points_and_norm_are_bounded": ("study", "bad option"),

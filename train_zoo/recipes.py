@@ -134,9 +134,9 @@ class Recipe:
         return self.lr
 
     def with_epochs(self, epochs: int) -> Recipe:
-        """The same recipe over ``epochs`` epochs, milestones scaled proportionally."""
-        scale = epochs / self.epochs if self.epochs else 1.0
-        milestones = tuple(max(1, round(m * scale)) for m in self.milestones)
+        """The same recipe over ``epochs`` epochs, milestones scaled proportionally
+        (:func:`scale_milestones`)."""
+        milestones = scale_milestones(self.milestones, self.epochs, epochs)
         return dataclasses.replace(self, epochs=epochs, milestones=milestones)
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,6 +144,52 @@ class Recipe:
         values = dataclasses.asdict(self)
         values["milestones"] = list(self.milestones)
         return values
+
+
+def scale_milestones(milestones: tuple[int, ...], epochs: int, new_epochs: int
+                     ) -> tuple[int, ...]:
+    """The milestones of a schedule of ``epochs`` epochs, for ``new_epochs`` epochs.
+
+    Each is scaled in proportion and rounded, then kept strictly increasing (at least 1
+    and one above the previous, so two decays never fall on one epoch and none replaces
+    the initial lr); those that land at or beyond ``new_epochs`` would never apply and are
+    dropped. The same length keeps them as they are. E.g. (15, 30) of 60 epochs: (1, 2)
+    for 4 epochs, (1,) for 2, () for 1.
+    """
+    if new_epochs == epochs:
+        return tuple(milestones)
+    scale = new_epochs / epochs if epochs else 1.0
+    scaled: list[int] = []
+    for milestone in sorted(milestones):
+        value = max(1, round(milestone * scale), scaled[-1] + 1 if scaled else 1)
+        if value >= new_epochs:
+            break
+        scaled.append(value)
+    return tuple(scaled)
+
+
+def explain_overrides(recipe: Recipe, overrides: Mapping[str, Any]
+                      ) -> tuple[dict[str, str], list[str]]:
+    """Where each field of ``apply_overrides(recipe, overrides)`` comes from, and one line
+    per value derived from the overrides.
+
+    Returns ``(sources, notes)``: ``sources`` maps every field to ``"given"``,
+    ``"default"`` (``recipe``'s) or ``"derived from ..."`` (milestones scaled to a new
+    ``epochs``); ``notes`` has e.g. ``recipe: milestones [1] (derived from epochs=2;
+    [15, 30] at 60 epochs)`` when the scaled milestones differ from ``recipe``'s.
+    """
+    sources = {f.name: "given" if f.name in overrides else "default"
+               for f in dataclasses.fields(Recipe)}
+    notes: list[str] = []
+    if "epochs" in overrides and "milestones" not in overrides and recipe.milestones:
+        epochs = overrides["epochs"]
+        scaled = scale_milestones(recipe.milestones, recipe.epochs, epochs)
+        if scaled != recipe.milestones:
+            usual = f"{list(recipe.milestones)} at {recipe.epochs} epochs"
+            sources["milestones"] = f"derived from epochs={epochs} ({usual})"
+            notes.append(f"recipe: milestones {list(scaled)} (derived from epochs={epochs}; "
+                         f"{usual})")
+    return sources, notes
 
 
 BUILTIN_RECIPES: dict[str, Recipe] = {
@@ -166,7 +212,7 @@ def get_recipe(name: str, **overrides: Any) -> Recipe:
     """A built-in recipe by name, with fields overridden.
 
     Overriding ``epochs`` without ``milestones`` scales the milestones proportionally
-    (the paper's schedule compressed into fewer epochs).
+    (the paper's schedule compressed into fewer epochs; :func:`scale_milestones`).
     """
     if not isinstance(name, str) or name not in BUILTIN_RECIPES:
         raise UnknownNameError(

@@ -54,8 +54,8 @@ from posteriorzoo.errors import (
 from posteriorzoo.models import model_entry
 from posteriorzoo.options import check_integer, check_name, check_table, show
 from posteriorzoo.zoo.schema import recipe_hash
-from train_zoo.method_options import METHODS, resolve_kl_weight, resolve_method_options
-from train_zoo.recipes import Recipe, apply_overrides, get_recipe
+from train_zoo.method_options import METHODS, explain_method_options, resolve_kl_weight
+from train_zoo.recipes import Recipe, apply_overrides, explain_overrides, get_recipe
 
 #: The ranges of the spec's numbers. A collection's checkpoints (modes x samples per
 #: mode): its metadata table and the list of missing modes are held in memory, and the
@@ -107,6 +107,15 @@ class ZooSpec:
         The method's options, every default filled in (:mod:`train_zoo.method_options`).
     data_dir : str or None
         Folder searched first for the dataset files.
+    sources : dict
+        Not part of the spec's identity: where each value came from, ``{"recipe":
+        {field: source}, "method_options": {option: source}}`` with ``"given"``,
+        ``"default"`` or ``"derived from ..."`` (what ``train --dry-run`` shows).
+    derived : tuple of str
+        One line per default that differs from its usual value because the recipe is
+        shorter or the model larger (scaled milestones, SWAG's iterates, Laplace's
+        ``auto`` structure), e.g. ``swag: iterates 2 (derived from epochs=4; default 20
+        at 60 epochs)``: what ``train`` says on stderr.
     """
 
     name: str
@@ -122,6 +131,9 @@ class ZooSpec:
     modes: int | None = None
     samples_per_mode: int | None = None
     method_options: Mapping[str, Any] = field(default_factory=dict)
+    sources: Mapping[str, Mapping[str, str]] = field(
+        default_factory=dict, init=False, compare=False, repr=False)
+    derived: tuple[str, ...] = field(default=(), init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # Every field is checked here, so a bad spec fails before anything is created.
@@ -159,8 +171,12 @@ class ZooSpec:
                 "dropout = 0.0 (the probability of a dropout layer before its last Linear "
                 "layer)")
         method_options = check_table(_field("method_options"), self.method_options)
-        object.__setattr__(self, "method_options", resolve_method_options(
-            self.method, method_options, self.architecture, self.recipe))
+        explained = explain_method_options(
+            self.method, method_options, self.architecture, self.recipe,
+            model_options=self.model_options, num_classes=self.num_classes)
+        object.__setattr__(self, "method_options", explained.values)
+        object.__setattr__(self, "sources", {"method_options": explained.sources})
+        object.__setattr__(self, "derived", explained.notes)
         chains = self.method_options.get("chains", 1)
         if self.samples_per_mode % chains:
             raise InvalidOptionError(
@@ -244,7 +260,12 @@ class ZooSpec:
             changes["modes"] = None
         elif {"modes", "samples_per_mode"} & set(changes) and "checkpoints" not in changes:
             changes["checkpoints"] = None
-        return dataclasses.replace(self, **changes)
+        replaced = dataclasses.replace(self, **changes)
+        if not {"recipe", "method", "method_options", "architecture", "model_options",
+                "num_classes"} & set(changes):  # the same values, from the same sources
+            object.__setattr__(replaced, "sources", self.sources)
+            object.__setattr__(replaced, "derived", self.derived)
+        return replaced
 
 
 def make_spec(recipe: str | Recipe = "optunet-mnist", *, name: str | None = None,
@@ -254,7 +275,7 @@ def make_spec(recipe: str | Recipe = "optunet-mnist", *, name: str | None = None
     Every value is checked (type and range): a bad one raises a
     :class:`~posteriorzoo.errors.PosteriorZooError` whose message names the field.
     """
-    allowed = {f.name for f in dataclasses.fields(ZooSpec)} - {"name", "recipe"}
+    allowed = {f.name for f in dataclasses.fields(ZooSpec) if f.init} - {"name", "recipe"}
     unknown = set(fields) - allowed
     if unknown:
         raise UnknownNameError(
@@ -269,8 +290,9 @@ def make_spec(recipe: str | Recipe = "optunet-mnist", *, name: str | None = None
     if isinstance(recipe, str):
         recipe_name = recipe
         recipe = get_recipe(recipe, **overrides)
+        base = get_recipe(recipe_name)
     elif isinstance(recipe, Recipe):
-        recipe_name = "custom"
+        recipe_name, base = "custom", recipe
         recipe = apply_overrides(recipe, overrides)
     else:
         raise InvalidOptionError(
@@ -279,7 +301,13 @@ def make_spec(recipe: str | Recipe = "optunet-mnist", *, name: str | None = None
     fields.setdefault("dataset", recipe.dataset)
     recipe = dataclasses.replace(recipe, architecture=fields["architecture"],
                                  dataset=fields["dataset"])
-    return ZooSpec(name=name or f"{recipe_name}-{fields['dataset']}", recipe=recipe, **fields)
+    spec = ZooSpec(name=name or f"{recipe_name}-{fields['dataset']}", recipe=recipe, **fields)
+    # Where the recipe's fields came from (the overrides, or the built-in recipe's, or
+    # scaled to the new epochs): what the spec alone cannot tell.
+    recipe_sources, recipe_notes = explain_overrides(base, overrides)
+    object.__setattr__(spec, "sources", {"recipe": recipe_sources, **spec.sources})
+    object.__setattr__(spec, "derived", (*recipe_notes, *spec.derived))
+    return spec
 
 
 def load_spec(path: str | os.PathLike) -> ZooSpec:
