@@ -102,16 +102,32 @@ def test_the_swag_numbers_are_the_method_modules():
     assert swag.LENGTH_FACTOR * get_recipe("optunet-mnist").epochs == SWAG_REFERENCE_EPOCHS
 
 
-def test_a_shortened_swag_spec_trains(tmp_path, capsys):
+def test_a_shortened_swag_spec_trains(tmp_path, capsys, monkeypatch):
     """The spec that was refused ("iterates (20) exceeds the 4 epochs") trains, and the
-    collection records the derived options; the summary lists what was derived."""
+    collection records the derived options. On a terminal, train says what was derived
+    on stderr, one line each, before the progress bar; the JSON summary lists it too."""
+    import posteriorzoo.cli
+
+    monkeypatch.setattr(posteriorzoo.cli, "_stderr_is_terminal", lambda: True)
     spec = tmp_path / "swag.toml"
     spec.write_text('recipe = "optunet-mnist"\ndataset = "digits"\nmethod = "swag"\n'
                     "modes = 1\nsamples_per_mode = 2\nbase_seed = 3\n\n"
                     "[recipe_overrides]\nepochs = 2\n")
     code, out, err = run(capsys, "train", spec, "--out", tmp_path / "swag.h5", "--backend",
-                         "serial", "--no-progress", "--json")
+                         "serial", "--json")
     assert code == 0, err
+    lines = err.splitlines()
+    assert lines[:5] == [
+        "posteriorzoo train: recipe: milestones [1] (derived from epochs=2; [15, 30] at 60 "
+        "epochs)",
+        "posteriorzoo train: swag: epochs 4 (derived: twice the recipe's 2 epochs; 120 at 60 "
+        "epochs)",
+        "posteriorzoo train: swag: ramp_epochs 1 (derived from epochs=4; default 10 at 60 "
+        "epochs)",
+        "posteriorzoo train: swag: iterates 2 (derived from epochs=4; default 20 at 60 "
+        "epochs)",
+        "posteriorzoo train: swag: rank 2 (derived from iterates=2: one deviation column per "
+        "iterate; default 20 with 20 iterates)"]
     summary = json.loads(out)
     assert summary["checkpoints"] == 2
     assert "swag: iterates 2 (derived from epochs=4; default 20 at 60 epochs)" in \

@@ -321,19 +321,19 @@ _TABLES: dict[str, tuple[MethodOption, ...]] = {
         MethodOption("lr", _with_context(check_number, 0, strict=True), _recipe_lr,
                      "the recipe's lr", "the high learning rate of the SWAG phase, > 0"),
         MethodOption("epochs", _with_context(check_integer, 1, MAX_EPOCHS),
-                     _swag_epochs_default, "twice the recipe's epochs (120 at 60)",
+                     _swag_epochs_default, "twice the recipe's epochs: 120 at 60",
                      f"length of the SWAG phase in epochs, 1 to {MAX_EPOCHS:,}"),
         MethodOption("ramp_epochs", _swag_ramp,
                      _scaled_swag("ramp_epochs", SWAG_RAMP_EPOCHS, 1),
-                     f"{SWAG_RAMP_EPOCHS} at {SWAG_REFERENCE_EPOCHS} epochs, in proportion "
-                     "below (at least 1)",
+                     f"{SWAG_RAMP_EPOCHS} at {SWAG_REFERENCE_EPOCHS} epochs, fewer in "
+                     "proportion below, at least 1",
                      "epochs of the linear ramp to lr, 0 to epochs"),
         MethodOption("collect_from", _swag_collect_from, _constant(0), "0",
                      "first epoch of the window whose iterates are collected, below epochs"),
         MethodOption("iterates", _swag_iterates,
                      _scaled_swag("iterates", SWAG_ITERATES, 2),
-                     f"{SWAG_ITERATES} at {SWAG_REFERENCE_EPOCHS} epochs, in proportion "
-                     "below (at least 2, at most the window's epochs)",
+                     f"{SWAG_ITERATES} at {SWAG_REFERENCE_EPOCHS} epochs, fewer in "
+                     "proportion below: at least 2, at most the window's epochs",
                      "iterates collected at equal intervals of the window, 2 to its "
                      "epochs"),
         MethodOption("rank", _with_context(check_integer, 1, MAX_SWAG_RANK),
