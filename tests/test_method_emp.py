@@ -1,0 +1,412 @@
+"""Ensemble Model Patching, EMP and ECMP (train_zoo.methods.emp).
+
+Networks: OptuNet (no BatchNorm: ``in+out``) and a CIFAR ResNet-18 of width 4 on one
+8x8 channel (44,550 parameters, 20 BatchNorm layers: ``bn`` and ``bn+out``), small
+enough for CPU tests in seconds.
+
+Tolerances (why, in short):
+
+* A draw's forward pass and its folded checkpoint's run the same float32 operations on
+  the same values (indexing copies them exactly), so they are compared to 1e-6 of the
+  logits' scale (the module's forward and ``functional_call`` may reorder nothing, but
+  BatchNorm's fused kernels are not promised bit-identical across call paths).
+* K = 1 against plain Adam: the same float64 gradients (the L2 term's gradient is
+  ``2 lambda theta`` however its value is summed), so the weights must agree to the bit.
+* Uniformity: chi-square tests at a fixed seed, rejecting below p = 1e-3; the wrong
+  draws (one index per layer under ECMP, a skipped component) give p-values of zero.
+* The canonicalizer keeps the predictive function up to the softmax's shift: softmax
+  probabilities compared to 1e-6.
+* Digits (1,200 training images, 4 epochs of Adam at 3e-3, seeds fixed): the mean loss
+  of the last epoch is 0.30 against 1.74 in the first (the test asks for half); the
+  averaged prediction's test NLL (S = 30) is 0.28 (EMP) and 0.34 (ECMP) against the best
+  of 10 single passes, 0.30 and 0.38; test accuracy 0.92 and 0.91 (the test asks 0.8).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from torch import nn
+
+from posteriorzoo.errors import InvalidOptionError, UnknownNameError
+from posteriorzoo.models import ResNet18, build
+from posteriorzoo.symmetry import canonicalize, canonicalize_many
+from train_zoo.loop import fit
+from train_zoo.methods import emp
+
+BN_INPUT = (1, 8, 8)
+OPTUNET_INPUT = (1, 28, 28)
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _resnet(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(seed)  # the module initialisers draw from the global generator
+    return ResNet18(num_classes=10, width=4, in_channels=1).to(dtype)
+
+
+def _optunet(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(seed)
+    return build("optunet").to(dtype)
+
+
+NETWORKS = {"optunet": (_optunet, OPTUNET_INPUT), "resnet": (_resnet, BN_INPUT)}
+#: (network, patch) pairs of the brief: OptuNet has no BatchNorm.
+SETTINGS = [("optunet", "in+out"), ("resnet", "bn"), ("resnet", "bn+out")]
+
+
+def _inputs(network: str, count: int, seed: int, dtype: torch.dtype = torch.float32
+            ) -> torch.Tensor:
+    return torch.randn((count, *NETWORKS[network][1]), generator=_generator(seed), dtype=dtype)
+
+
+def _state(network: str, patch: str, variant: str, components: int = 5, seed: int = 0):
+    model = NETWORKS[network][0](seed)
+    options = emp.EmpOptions(components=components, patch=patch, variant=variant)
+    return model, emp.init_model(model, _generator(seed + 100), options)
+
+
+# ---------------------------------------------------------------- options, patch layers
+def test_patched_names_walk_the_modules():
+    optunet, resnet = _optunet(), _resnet()
+    assert emp.patched_names(optunet, "in+out") == ["conv1.weight", "fc.weight", "fc.bias"]
+    assert emp.patched_names(optunet, "auto") == emp.patched_names(optunet, "in+out")
+    batchnorm = [f"{prefix}.{kind}" for prefix, module in resnet.named_modules()
+                 if isinstance(module, nn.BatchNorm2d) for kind in ("weight", "bias")]
+    assert len(batchnorm) == 40
+    assert emp.patched_names(resnet, "bn") == batchnorm
+    assert emp.patched_names(resnet, "bn+out") == [*batchnorm, "fc.weight", "fc.bias"]
+    assert emp.patched_names(resnet, "auto") == emp.patched_names(resnet, "bn+out")
+    assert emp.patched_names(resnet, "in+out") == ["conv1.weight", "fc.weight", "fc.bias"]
+    # the output layer is the last Linear, not the last module with parameters
+    mlp = build("mlp", widths=(4, 3, 2))
+    assert emp.patched_names(mlp, "in+out") == ["layers.0.weight", "layers.0.bias",
+                                                "layers.1.weight", "layers.1.bias"]
+
+
+@pytest.mark.parametrize("patch", ["bn", "bn+out"])
+def test_batchnorm_patch_on_a_network_without_batchnorm_is_one_clear_error(patch):
+    with pytest.raises(InvalidOptionError, match="no BatchNorm.*use 'in\\+out'"):
+        emp.patched_names(_optunet(), patch)
+    with pytest.raises(InvalidOptionError, match="patch"):
+        emp.init_model(_optunet(), _generator(0), emp.EmpOptions(patch=patch))
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("components", 0), ("components", 101), ("components", 2.0), ("components", True),
+    ("patch", "out"), ("variant", "dropout"), ("samples", 0), ("weight_decay", -1e-3),
+    ("weight_decay", math.nan), ("lr", 0), ("init_noise", -0.1), ("init_noise", 11),
+])
+def test_bad_options_are_one_line_naming_the_option(option, value):
+    with pytest.raises(InvalidOptionError, match=f"emp option '{option}'") as error:
+        emp.resolve_options({option: value})
+    assert "\n" not in str(error.value)
+
+
+def test_options_resolve_to_the_paper_defaults_and_refuse_unknown_names():
+    assert emp.resolve_options({}) == {
+        "components": 5, "patch": "auto", "variant": "emp", "samples": 100,
+        "weight_decay": 1e-3, "lr": 1e-3, "init_noise": 0.1}
+    assert emp.resolve_options({"variant": "ecmp", "components": 3})["components"] == 3
+    with pytest.raises(UnknownNameError, match="unknown emp option.*'K'"):
+        emp.resolve_options({"K": 5})
+    assert set(emp.OPTION_HELP) == set(emp.resolve_options({}))
+
+
+def test_init_copies_the_base_network_and_spreads_the_other_components():
+    model = _resnet()
+    params = {name: value.detach().clone() for name, value in model.named_parameters()}
+    patched = emp.patched_names(model, "bn+out")
+    state = emp.init(params, 50, _generator(1), patched=patched,
+                     buffers=dict(model.named_buffers()), init_noise=0.1)
+    assert list(state.components) == patched
+    assert list(state.shared) == [name for name in params if name not in patched]
+    for name, stack in state.components.items():
+        base = params[name]
+        assert stack.shape == (50, *base.shape)
+        assert torch.equal(stack[0], base)  # component 0 is the base network itself
+        rms = float(base.square().mean().sqrt()) or 1.0  # BatchNorm bias: zero, scale 1
+        spread = float((stack[1:] - base).std())
+        assert spread == pytest.approx(0.1 * rms, rel=0.25), name
+    assert all(torch.equal(state.shared[name], params[name]) for name in state.shared)
+    for name, value in model.named_parameters():  # inputs untouched
+        assert torch.equal(value, params[name])
+    with pytest.raises(InvalidOptionError, match="patched parameters"):
+        emp.init(params, 5, _generator(1), patched=["nope.weight"])
+
+
+# ---------------------------------------------------------------- forward = folded checkpoint
+@pytest.mark.parametrize("variant", emp.VARIANTS)
+@pytest.mark.parametrize(("network", "patch"), SETTINGS)
+def test_forward_at_a_draw_equals_the_folded_checkpoint(network, patch, variant):
+    model, state = _state(network, patch, variant)
+    images = _inputs(network, 16, seed=3)
+    checkpoint = NETWORKS[network][0](seed=9)  # other weights: all must come from the sample
+    generator = _generator(4)
+    outputs = []  # training-mode logits of each draw
+    for _ in range(3):
+        indices = emp.draw(state, variant, generator)
+        folded = {**emp.fold(state, indices), **state.buffers}
+        for mode in ("train", "eval"):
+            getattr(model, mode)()
+            getattr(checkpoint, mode)()
+            expected = emp.logits(model, state, indices, images)
+            checkpoint.load_state_dict(folded)
+            actual = checkpoint(images)
+            scale = float(expected.abs().max())
+            torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6 * scale)
+            if mode == "train":
+                outputs.append(expected)
+    # the draw matters: three draws give three different functions
+    assert not torch.allclose(outputs[0], outputs[1])
+    assert not torch.allclose(outputs[1], outputs[2])
+    # a training-mode pass leaves the state's BatchNorm statistics as they were
+    assert all(torch.equal(value, dict(model.named_buffers())[name])
+               for name, value in state.buffers.items())
+
+
+# ---------------------------------------------------------------- K = 1 is plain training
+def _plain_adam(model: nn.Module, batches, epochs: int, lr: float, weight_decay: float):
+    """The base network trained by torch.optim.Adam on cross-entropy plus L2, written
+    independently of the method."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    for epoch in range(epochs):
+        for images, labels in batches(epoch):
+            model.train()
+            l2 = sum(parameter.pow(2).sum() for parameter in model.parameters())
+            value = (nn.functional.cross_entropy(model(images), labels)
+                     + weight_decay / len(images) * l2)
+            optimizer.zero_grad()
+            value.backward()
+            optimizer.step()
+            losses.append(float(value.detach()))
+    return losses
+
+
+class _StepLosses:
+    """A :func:`fit` callback keeping every step's loss."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_step_end(self, info, weights) -> None:
+        self.losses.append(info.loss)
+
+
+@pytest.mark.parametrize("variant", emp.VARIANTS)
+@pytest.mark.parametrize(("network", "patch"), [("optunet", "in+out"), ("resnet", "bn+out")])
+def test_one_component_is_plain_adam_with_the_same_l2(network, patch, variant):
+    model = NETWORKS[network][0](seed=0, dtype=torch.float64)
+    state = emp.init_model(model, _generator(5), emp.EmpOptions(
+        components=1, patch=patch, variant=variant))
+    reference = copy.deepcopy(model)
+    before = copy.deepcopy(model.state_dict())
+    data = [(_inputs(network, 32, seed, torch.float64),
+             torch.randint(10, (32,), generator=_generator(50 + seed))) for seed in range(3)]
+
+    def batches(epoch):
+        return data[epoch % 3:] + data[:epoch % 3]
+
+    stepper = emp.EmpStepper(model, state, _generator(6), weight_decay=1e-3)
+    record = _StepLosses()
+    result = fit(stepper, batches, lambda epoch: 1e-3, epochs=2, callbacks=[record])
+    expected_losses = _plain_adam(reference, batches, epochs=2, lr=1e-3, weight_decay=1e-3)
+    assert result.steps == 6 and not result.stopped
+    np.testing.assert_allclose(record.losses, expected_losses, rtol=1e-12)
+    trained = emp.sample(model, stepper.state(), _generator(7), 1)[0]
+    for name, value in reference.state_dict().items():
+        assert torch.equal(trained[name], value), name
+        if value.is_floating_point() and name.endswith(("weight", "bias")):
+            assert not torch.equal(value, before[name]), name  # training moved it
+    # the stepper trains its own copy: the model's weights are untouched
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
+def test_loss_is_cross_entropy_plus_l2_on_every_component():
+    model, state = _state("resnet", "bn+out", "ecmp")
+    model.train()
+    images = _inputs("resnet", 20, seed=8)
+    labels = torch.randint(10, (20,), generator=_generator(9))
+    indices = emp.draw(state, "ecmp", _generator(10))
+    squares = (sum(float(v.double().square().sum()) for v in state.shared.values())
+               + sum(float(v.double().square().sum()) for v in state.components.values()))
+    data = float(nn.functional.cross_entropy(emp.logits(model, state, indices, images),
+                                             labels))
+    value = float(emp.loss(model, state, (images, labels), indices, 0.5))
+    assert value == pytest.approx(data + 0.5 / 20 * squares, rel=1e-5)
+    # every component is penalised, drawn or not
+    assert float(emp.penalty(state)) == pytest.approx(squares, rel=1e-5)
+
+
+# ---------------------------------------------------------------- the draws
+def test_ecmp_draws_every_element_independently_and_uniformly():
+    _, state = _state("resnet", "bn+out", "ecmp")
+    generator = _generator(11)
+    draws = [emp.draw(state, "ecmp", generator) for _ in range(20)]
+    flat = torch.cat([index.reshape(-1) for indices in draws for index in indices.values()])
+    assert flat.numel() > 10_000
+    counts = torch.bincount(flat, minlength=5).numpy()
+    assert stats.chisquare(counts).pvalue > 1e-3
+    # neighbouring elements are independent: the pairs are uniform over K x K
+    pairs = torch.cat([5 * index.reshape(-1)[:-1] + index.reshape(-1)[1:]
+                       for indices in draws for index in indices.values()])
+    assert stats.chisquare(torch.bincount(pairs, minlength=25).numpy()).pvalue > 1e-3
+    # components differ per element within every tensor of 8 or more elements
+    for indices in draws:
+        for name, index in indices.items():
+            assert index.shape == state.components[name].shape[1:]
+            if index.numel() >= 8:
+                assert len(index.unique()) > 1, name
+
+
+def test_emp_draws_one_uniform_component_per_layer():
+    _, state = _state("resnet", "bn+out", "emp")
+    generator = _generator(12)
+    layers = []
+    for _ in range(300):
+        indices = emp.draw(state, "emp", generator)
+        assert all(index.dim() == 0 for index in indices.values())
+        for name in indices:  # a layer's weight and bias share the component
+            layer = name.rpartition(".")[0]
+            assert indices[name] == indices[f"{layer}.weight"]
+        layers.append([int(indices[name]) for name in indices if name.endswith("weight")])
+    table = np.array(layers)  # (draws, 21 layers)
+    assert stats.chisquare(np.bincount(table.reshape(-1), minlength=5)).pvalue > 1e-3
+    # the layers draw independently of each other
+    pairs = 5 * table[:, :-1] + table[:, 1:]
+    assert stats.chisquare(np.bincount(pairs.reshape(-1), minlength=25)).pvalue > 1e-3
+
+
+# ---------------------------------------------------------------- samples
+@pytest.mark.parametrize("variant", emp.VARIANTS)
+@pytest.mark.parametrize(("network", "patch"), SETTINGS)
+def test_samples_agree_outside_the_patch_layers_and_differ_inside(network, patch, variant):
+    model, state = _state(network, patch, variant)
+    samples = emp.sample(model, state, _generator(13), 8)
+    assert len(samples) == 8
+    keys = list(model.state_dict())
+    for draw in samples:
+        assert list(draw) == keys
+        model.load_state_dict(draw)  # loads into the base architecture
+    for key in keys:
+        values = [draw[key] for draw in samples]
+        if key in state.components:
+            stack = state.components[key]
+            assert any(not torch.equal(values[0], value) for value in values[1:]), key
+            for value in values:  # every element is one of its components' values
+                matches = stack == value.unsqueeze(0)
+                assert matches.any(0).all(), key
+                if variant == "emp":
+                    assert matches.reshape(len(stack), -1).all(1).any(), key
+        else:
+            shared = state.shared.get(key, state.buffers.get(key))
+            assert all(torch.equal(value, shared) for value in values), key
+    if variant == "emp":  # a layer's weight and bias come from the same component
+        for key in state.components:
+            layer = key.rpartition(".")[0]
+            for draw in samples:
+                picks = {name: int((state.components[name] == draw[name]).reshape(
+                    len(state.components[name]), -1).all(1).nonzero()[0])
+                    for name in state.components if name.rpartition(".")[0] == layer}
+                assert len(set(picks.values())) == 1
+
+
+@pytest.mark.parametrize("variant", emp.VARIANTS)
+def test_canonicalizer_treats_folded_samples_like_any_checkpoint(variant):
+    cases = [("optunet", "in+out", "optunet", {"num_classes": 10}),
+             ("resnet", "bn+out", None, {"input_shape": BN_INPUT})]
+    for network, patch, name, options in cases:
+        model, state = _state(network, patch, variant)
+        samples = emp.sample(model, state, _generator(14), 3)
+        images = _inputs(network, 12, seed=15)
+        model.eval()
+        singles = []
+        for draw in samples:
+            canonical = canonicalize(name or model, draw, **options)
+            assert list(canonical) == list(draw)
+            model.load_state_dict(draw)
+            expected = model(images).softmax(1)
+            model.load_state_dict({k: v.to(draw[k].dtype) for k, v in canonical.items()})
+            torch.testing.assert_close(model(images).softmax(1), expected, rtol=0, atol=1e-6)
+            singles.append(canonical)
+        stacked = {key: torch.stack([draw[key] for draw in samples]) for key in samples[0]}
+        many = canonicalize_many(name or model, stacked, **options)
+        for index, single in enumerate(singles):
+            for key, value in single.items():
+                torch.testing.assert_close(many[key][index].to(value.dtype), value,
+                                           rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- training and prediction
+@pytest.mark.parametrize("variant", emp.VARIANTS)
+def test_predict_averages_the_softmax_of_its_draws_in_evaluation_mode(variant):
+    model, state = _state("resnet", "bn+out", variant)
+    # non-trivial BatchNorm statistics, so evaluation and training mode differ
+    state = emp.EmpState(state.shared, state.components,
+                         {name: value + 0.5 if value.is_floating_point() else value
+                          for name, value in state.buffers.items()},
+                         state.variant, state.order)
+    images = _inputs("resnet", 10, seed=20)
+    model.train()
+    probabilities = emp.predict(model, state, images, 7, _generator(21))
+    assert model.training  # the mode it found is restored
+    generator = _generator(21)  # the same draws, in the same order
+    model.eval()
+    passes = [emp.logits(model, state, emp.draw(state, variant, generator), images).softmax(1)
+              for _ in range(7)]
+    torch.testing.assert_close(probabilities, torch.stack(passes).mean(0), rtol=1e-6,
+                               atol=1e-7)
+    assert not torch.allclose(passes[0], passes[1])
+    with pytest.raises(InvalidOptionError, match="emp option 'samples'"):
+        emp.predict(model, state, images, 0, _generator(21))
+
+
+def _digits():
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1)
+    images = (images - images.mean()) / images.std()
+    labels = torch.tensor(digits.target, dtype=torch.int64)
+    order = torch.randperm(len(labels), generator=_generator(16))
+    return images[order[:1200]], labels[order[:1200]], images[order[1200:]], labels[order[1200:]]
+
+
+@pytest.mark.parametrize("variant", emp.VARIANTS)
+def test_training_on_digits_lowers_the_loss_and_averaging_beats_one_pass(variant):
+    train_x, train_y, test_x, test_y = _digits()
+    model, state = _state("resnet", "bn+out", variant)
+
+    def batches(epoch):
+        order = torch.randperm(len(train_y), generator=_generator(1000 + epoch))
+        return [(train_x[chunk], train_y[chunk]) for chunk in order.split(64)]
+
+    stepper = emp.EmpStepper(model, state, _generator(17))
+    record = _StepLosses()
+    fit(stepper, batches, lambda epoch: 3e-3, epochs=4, callbacks=[record])
+    per_epoch = np.array(record.losses).reshape(4, -1).mean(1)
+    assert per_epoch[-1] < 0.5 * per_epoch[0]
+    trained = stepper.state()
+    # the components stayed apart: the method is still a distribution
+    assert any(not torch.allclose(stack[0], stack[1]) for stack in trained.components.values())
+    probabilities = emp.predict(model, trained, test_x, 30, _generator(18))
+    assert torch.allclose(probabilities.sum(1), torch.ones(len(test_y)))
+    averaged_nll = float(nn.functional.nll_loss(probabilities.log(), test_y))
+    model.eval()
+    generator = _generator(19)
+    with torch.no_grad():
+        single_nll = [float(nn.functional.cross_entropy(
+            emp.logits(model, trained, emp.draw(trained, variant, generator), test_x), test_y))
+            for _ in range(10)]
+    assert averaged_nll < min(single_nll)
+    accuracy = float((probabilities.argmax(1) == test_y).float().mean())
+    assert accuracy > 0.8
+    assert model.training is False  # predict restored the mode it found
