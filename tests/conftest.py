@@ -191,6 +191,9 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_every_beyond_one_epoch_is_refused_before_training": ("study", "bad option"),
         "test_toy_networks_times_points_and_norm_are_bounded": ("study", "bad option"),
     },
+    "test_overhead.py": {
+        "test_bad_options_are_one_line": ("overhead", "bad option"),
+    },
 }
 
 

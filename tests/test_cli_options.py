@@ -86,6 +86,8 @@ def _options(files: dict[str, Path]) -> list[tuple[list[str], str]]:
         *[(toy, o) for o in ("--networks", "--norm", "--points", "--seed")],
         *[(stability, o) for o in ("--runs", "--epochs", "--every", "--seed")],
         *[(importer, o) for o in ("--checkpoints-per-batch", "--num-classes")],
+        *[(["overhead", "optunet"], o)
+          for o in ("--num-classes", "--emp-components", "--rank1-components")],
     ]
 
 

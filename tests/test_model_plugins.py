@@ -275,7 +275,7 @@ def test_a_collection_without_the_attribute_hints_at_models(folder, capsys):
         del handle.attrs["model_module"]
     forget(model)
     line = one_line_error(capsys, main(["info", str(path)]))
-    assert f"unknown model '{model}'; available models: mlp, optunet" in line
+    assert f"unknown model '{model}'; available models: mlp, mlp-bn, optunet" in line
     assert line.endswith("a model of your own is loaded with --models MODULE or "
                          "POSTERIORZOO_MODELS=MODULE (a module that calls "
                          "posteriorzoo.models.register)")

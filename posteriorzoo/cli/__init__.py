@@ -38,6 +38,7 @@ _SUBCOMMAND_MODULES = (
     "posteriorzoo.cli.canonicalize_command",
     "posteriorzoo.cli.mmd_command",
     "posteriorzoo.cli.diagnose_command",
+    "posteriorzoo.cli.overhead_command",
     "posteriorzoo.cli.report_command",
     "posteriorzoo.cli.plot_command",
     "posteriorzoo.cli.study_command",

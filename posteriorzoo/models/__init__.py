@@ -5,14 +5,16 @@
 392
 >>> model = build("resnet18", num_classes=10, width=8)  # a small test network
 
-Registered names: ``optunet``, ``optunet-v1``, ``resnet18``, ``resnet18-tiny``, ``mlp``
-(see :func:`available_models` and :func:`model_entry`). Models of your own are registered
-by plugin modules: entry points of the group ``posteriorzoo.models``,
-``POSTERIORZOO_MODELS``, the command line's ``--models`` or :func:`load_models` (see
-:mod:`posteriorzoo.models.plugins`).
+Registered names: ``optunet``, ``optunet-v1``, ``resnet18``, ``resnet18-tiny``, ``mlp``,
+and for parameter-overhead figures (:mod:`posteriorzoo.overhead`) ``resnet18-imagenet``,
+``resnet50``, ``wrn28-10`` and ``mlp-bn`` (see :func:`available_models` and
+:func:`model_entry`). Models of your own are registered by plugin modules: entry points of
+the group ``posteriorzoo.models``, ``POSTERIORZOO_MODELS``, the command line's ``--models``
+or :func:`load_models` (see :mod:`posteriorzoo.models.plugins`).
 """
 
 from posteriorzoo.models.mlp import MLP
+from posteriorzoo.models.mlp_bn import BatchNormMLP
 from posteriorzoo.models.optunet import OptuNet, OptuNetV1
 from posteriorzoo.models.plugins import ModelPluginError, load_models
 from posteriorzoo.models.registry import (
@@ -23,17 +25,21 @@ from posteriorzoo.models.registry import (
     model_entry,
     register,
 )
-from posteriorzoo.models.resnet import BasicBlock, ResNet18
+from posteriorzoo.models.resnet import BasicBlock, ImageNetResNet, ResNet18
 from posteriorzoo.models.schema import check_state_dict, expected_state_shapes, parameter_count
+from posteriorzoo.models.wide_resnet import WideResNet
 
 __all__ = [
     "MLP",
     "BasicBlock",
+    "BatchNormMLP",
+    "ImageNetResNet",
     "ModelEntry",
     "ModelPluginError",
     "OptuNet",
     "OptuNetV1",
     "ResNet18",
+    "WideResNet",
     "available_models",
     "build",
     "check_state_dict",

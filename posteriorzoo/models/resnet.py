@@ -1,9 +1,16 @@
-"""ResNet-18 in its CIFAR form (3x3 stride-1 stem, no max-pool).
+"""ResNets: ResNet-18 in its CIFAR form (3x3 stride-1 stem, no max-pool), and the
+ImageNet layout of torchvision (7x7 stride-2 stem, max-pool) for ResNet-18 and ResNet-50.
 
-State-dict keys follow torchvision's layout (``conv1``, ``bn1``,
+CIFAR ResNet-18 state-dict keys follow torchvision's layout (``conv1``, ``bn1``,
 ``layer{1-4}.{0,1}.{conv1,bn1,conv2,bn2}``, ``fc``) except the projection
 shortcut, which is ``layer{2-4}.0.shortcut.{0,1}`` (a conv then a BN), as in
 torch-uncertainty, whose released checkpoints the paper's zoo comes from.
+
+The ImageNet networks (:class:`ImageNetResNet`: ``resnet18-imagenet``, ``resnet50``) are
+written here, not imported from torchvision, with torchvision's keys exactly: the
+projection shortcut is ``layer{i}.0.downsample.{0,1}``, a bottleneck block has
+``conv1/bn1`` (1x1), ``conv2/bn2`` (3x3, carrying the stride, as torchvision's "v1.5")
+and ``conv3/bn3`` (1x1, 4x the planes), so torchvision checkpoints load unchanged.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from torch import Tensor, nn
 from posteriorzoo.models.registry import register
 from posteriorzoo.options import check_integer, check_probability
 
-__all__ = ["BasicBlock", "ResNet18"]
+__all__ = ["BasicBlock", "Bottleneck", "ImageNetBasicBlock", "ImageNetResNet", "ResNet18"]
 
 _BLOCKS_PER_STAGE = (2, 2, 2, 2)
 
@@ -144,3 +151,157 @@ def _build_resnet18_tiny(num_classes: int, width: int, dropout: float) -> ResNet
     # resolution", and torch-uncertainty's TinyImageNet recipe builds its ResNet
     # with style="cifar"; so the stem is the CIFAR one, not 7x7/stride 2 + max-pool.
     return ResNet18(num_classes=num_classes, width=width, dropout=dropout)
+
+
+# --- the ImageNet layout (torchvision's resnet18 / resnet50) ----------------------------
+
+
+class ImageNetBasicBlock(nn.Module):
+    """torchvision's ``BasicBlock``: :class:`BasicBlock` with the projection shortcut
+    named ``downsample`` (its keys ``downsample.0``, ``downsample.1``, as torchvision's).
+
+    ``(N, in_planes, H, W)`` -> ``(N, planes, ceil(H / stride), ceil(W / stride))``.
+    """
+
+    expansion = 1
+
+    def __init__(self, in_planes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=1, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = _projection(in_planes, planes * self.expansion, stride)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Residual block forward pass (shapes in the class docstring)."""
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + self.downsample(x))
+
+
+class Bottleneck(nn.Module):
+    """torchvision's ``Bottleneck``: 1x1 (``planes``), 3x3 (``planes``, stride), 1x1
+    (``4 * planes``) conv-BN layers and an identity or 1x1 conv-BN ``downsample``.
+
+    ``(N, in_planes, H, W)`` -> ``(N, 4 * planes, ceil(H / stride), ceil(W / stride))``.
+    """
+
+    expansion = 4
+
+    def __init__(self, in_planes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_planes, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, planes * self.expansion, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * self.expansion)
+        self.relu = nn.ReLU()
+        self.downsample = _projection(in_planes, planes * self.expansion, stride)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Bottleneck block forward pass (shapes in the class docstring)."""
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + self.downsample(x))
+
+
+def _projection(in_planes: int, out_planes: int, stride: int) -> nn.Sequential:
+    """A 1x1 conv-BN shortcut where the shape changes, else the identity (an empty
+    Sequential, which adds no state-dict keys)."""
+    if stride == 1 and in_planes == out_planes:
+        return nn.Sequential()
+    return nn.Sequential(nn.Conv2d(in_planes, out_planes, 1, stride=stride, bias=False),
+                         nn.BatchNorm2d(out_planes))
+
+
+class ImageNetResNet(nn.Module):
+    """ResNet in torchvision's ImageNet layout.
+
+    Stem: 7x7 conv, stride 2, no bias, BN, ReLU, 3x3 max-pool with stride 2. Four stages
+    of ``blocks`` with ``width * (1, 2, 4, 8)`` planes, the last three starting with
+    stride 2; global average pool; dropout; linear ``fc``.
+
+    Parameters
+    ----------
+    block : ImageNetBasicBlock or Bottleneck
+        The residual block class.
+    blocks : tuple of 4 int
+        Blocks per stage: ``(2, 2, 2, 2)`` for ResNet-18, ``(3, 4, 6, 3)`` for ResNet-50.
+    num_classes : int, default 1000
+    width : int, default 64
+        Planes of the stem and first stage; small values give fast test nets.
+    dropout : float, default 0.0
+        Dropout probability on the input of ``fc``. Adds no parameters.
+    in_channels : int, default 3
+
+    Notes
+    -----
+    Input ``(N, in_channels, H, W)`` -> logits ``(N, num_classes)``; feature maps are
+    ``H/4, H/8, H/16, H/32`` across the stages (224 -> 7 for ImageNet). At ``width=64``
+    and 1000 classes: 11,689,512 parameters (ResNet-18), 25,557,032 (ResNet-50), as
+    torchvision's.
+    """
+
+    def __init__(self, block: type[ImageNetBasicBlock] | type[Bottleneck],
+                 blocks: tuple[int, int, int, int], num_classes: int = 1000, width: int = 64,
+                 dropout: float = 0.0, in_channels: int = 3) -> None:
+        super().__init__()
+        num_classes = check_integer("num_classes", num_classes, 1)
+        width = check_integer("width", width, 1)
+        in_channels = check_integer("in_channels", in_channels, 1)
+        self.conv1 = nn.Conv2d(in_channels, width, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU()
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        in_planes = width
+        for index, count in enumerate(blocks):
+            planes = width * 2**index
+            stride = 1 if index == 0 else 2
+            stage = [block(in_planes, planes, stride)]
+            in_planes = planes * block.expansion
+            stage += [block(in_planes, planes) for _ in range(count - 1)]
+            self.add_module(f"layer{index + 1}", nn.Sequential(*stage))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.flatten = nn.Flatten(1)
+        self.dropout = nn.Dropout(check_probability("dropout", dropout))
+        self.fc = nn.Linear(in_planes, num_classes)
+
+    def features(self, x: Tensor) -> Tensor:
+        """Pooled penultimate features ``(N, C, H, W)`` -> ``(N, fc.in_features)``."""
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.flatten(self.avgpool(x))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Map images ``(N, C, H, W)`` to logits ``(N, num_classes)``."""
+        return self.fc(self.dropout(self.features(x)))
+
+
+@register(
+    "resnet18-imagenet",
+    num_classes=1000,
+    input_shape=(3, 224, 224),
+    description="ResNet-18, torchvision's ImageNet layout (7x7 stride-2 stem, max-pool), "
+                "1000 classes: 11,689,512 parameters",
+    options=_OPTIONS,
+)
+def _build_resnet18_imagenet(num_classes: int, width: int, dropout: float) -> ImageNetResNet:
+    return ImageNetResNet(ImageNetBasicBlock, (2, 2, 2, 2), num_classes=num_classes,
+                          width=width, dropout=dropout)
+
+
+@register(
+    "resnet50",
+    num_classes=1000,
+    input_shape=(3, 224, 224),
+    description="ResNet-50, torchvision's ImageNet layout (bottleneck blocks), 1000 classes: "
+                "25,557,032 parameters",
+    options=_OPTIONS,
+)
+def _build_resnet50(num_classes: int, width: int, dropout: float) -> ImageNetResNet:
+    return ImageNetResNet(Bottleneck, (3, 4, 6, 3), num_classes=num_classes, width=width,
+                          dropout=dropout)
