@@ -71,16 +71,25 @@ def test_a_mode_is_samples_of_the_base_architecture(method, digits):
                                   _stack(results, "fc.weight")[1])
 
 
-@pytest.mark.parametrize("method", ["swag", "sghmc", "bbb", "laplace"])
-def test_the_fast_engine_runs_the_same_program(method, digits):
+@pytest.mark.parametrize(("method", "options", "tolerance"), [
+    ("swag", {}, 2e-4), ("sghmc", {"preconditioner": "none"}, 2e-4), ("bbb", {}, 2e-4),
+    ("laplace", {}, 2e-4),
+    # The whitened chain's coordinates come from the Cholesky factor of the Laplace
+    # precision at the base network (condition number about 1e5 on digits): the two
+    # engines' base networks differ by float32 rounding, which that factor amplifies to
+    # about 1e-2 of the chain's steps.
+    ("sghmc", {"preconditioner": "laplace"}, 2e-2),
+])
+def test_the_fast_engine_runs_the_same_program(method, options, tolerance, digits):
     spec = digits_spec(method, samples=2)
+    spec = dataclasses.replace(spec, method_options={**spec.method_options, **options})
     fast = train_checkpoints(spec, [0], data=digits, engine="fast")
     reference = train_checkpoints(spec, [0], data=digits, engine="torch")
     assert {r.engine for r in fast} == {"fast"} and {r.engine for r in reference} == {"torch"}
     for a, b in zip(fast, reference, strict=True):
         for key, value in b.state.items():
             scale = float(np.abs(value).max())
-            np.testing.assert_allclose(a.state[key], value, rtol=0, atol=2e-4 * scale,
+            np.testing.assert_allclose(a.state[key], value, rtol=0, atol=tolerance * scale,
                                        err_msg=f"{method} {key}")
 
 

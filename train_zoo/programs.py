@@ -45,6 +45,7 @@ from train_zoo.steppers import (
     BBBStepper,
     FastBBBStepper,
     SghmcStepper,
+    WhitenedSghmcStepper,
     fast_log_posterior,
     torch_log_posterior,
 )
@@ -170,10 +171,30 @@ def _chain_seed(seed: int, chain: int) -> int:
     return int(np.random.SeedSequence([seed, chain]).generate_state(1, np.uint32)[0])
 
 
+def _sghmc_whitening(spec, data, model, params, buffers, prior, seeds) -> sghmc.Whitening:
+    """The constant mass matrix of a ``preconditioner = "laplace"`` chain: the full
+    Laplace posterior precision (GGN + prior, unaugmented training data) at the base
+    network."""
+    try:
+        state = laplace.init(
+            model, params, buffers,
+            torch_batches(data, dataclasses.replace(spec.recipe, batch_size=READ_BATCH),
+                          seeds.method, augment=False)(0),
+            len(data.train), structure="full", prior_precision=prior)
+    except PosteriorZooError as error:
+        raise type(error)(f"sghmc preconditioner: {error}") from None
+    return sghmc.Whitening(state.curvature.cholesky.double())
+
+
 def _sghmc(spec, index, data, engine, callbacks, model, seeds):
     """``chains`` independent chains from the trained base network, each keeping
     ``samples_per_mode / chains`` samples (chain-major: sample j is chain
-    ``j // (samples_per_mode / chains)``)."""
+    ``j // (samples_per_mode / chains)``).
+
+    With ``preconditioner = "laplace"`` each chain runs in the whitened coordinates of the
+    base network's Laplace precision (:class:`~train_zoo.steppers.WhitenedSghmcStepper`)
+    at ``whitened_lr``, on minibatches of ``batch_size``, and starts from its own draw of
+    that Laplace approximation (so that R-hat compares chains started apart)."""
     opts = spec.method_options
     num_data = len(data.train)
     prior = opts["prior_precision"]
@@ -183,32 +204,49 @@ def _sghmc(spec, index, data, engine, callbacks, model, seeds):
     keep = sghmc.chain_schedule(opts["burn_in"], opts["thin"],
                                 spec.samples_per_mode // chains)
     params, buffers = parameters_of(model)
+    whitened = opts.get("preconditioner", "none") == "laplace"
+    batch_size = opts.get("batch_size") or spec.recipe.batch_size
+    chain_spec = dataclasses.replace(
+        spec, recipe=dataclasses.replace(spec.recipe, batch_size=batch_size))
+    whitening = (_sghmc_whitening(spec, data, model, params, buffers, prior, seeds)
+                 if whitened else None)
     layout = layout_for(model, data) if engine == "fast" else None
     if layout is not None:
         gradient = fast_log_posterior(layout, params, num_data, prior)
     else:
         gradient = torch_log_posterior(model, buffers, num_data, prior)
-    eta = opts["lr"] / num_data
-    steps_per_epoch = math.ceil(len(data.train) / spec.recipe.batch_size)
+    eta = opts["whitened_lr"] if whitened else opts["lr"] / num_data
+    steps_per_epoch = math.ceil(num_data / batch_size)
+    noise_decay = opts["noise_decay"] if opts["noise_correction"] else None
     samples, records, steps = [], [], 0
     for chain in range(chains):
-        stepper = SghmcStepper(
-            params, gradient, eta, opts["alpha"],
-            _generator(_chain_seed(seeds.sample, chain)), keep[-1],
-            noise_decay=opts["noise_decay"] if opts["noise_correction"] else None,
-            warm_up=NOISE_WARM_UP, record_from=opts["burn_in"])
+        generator = _generator(_chain_seed(seeds.sample, chain))
+        if whitening is not None:
+            size = whitening.cholesky.shape[0]
+            start = torch.randn(size, generator=generator, dtype=torch.float64)
+            stepper = WhitenedSghmcStepper(
+                params, gradient, whitening, eta, opts["alpha"], generator, keep[-1],
+                start_offset=start, noise_decay=noise_decay, warm_up=NOISE_WARM_UP,
+                record_from=opts["burn_in"])
+        else:
+            stepper = SghmcStepper(params, gradient, eta, opts["alpha"], generator, keep[-1],
+                                   noise_decay=noise_decay, warm_up=NOISE_WARM_UP,
+                                   record_from=opts["burn_in"])
         collector = _Collector(list(params), steps=set(keep))
-        result = fit(stepper, _batches(engine, layout, data, spec,
+        result = fit(stepper, _batches(engine, layout, data, chain_spec,
                                        _chain_seed(seeds.method, chain)),
                      lambda epoch: eta, math.ceil(keep[-1] / steps_per_epoch), index=index,
                      phase="sghmc", callbacks=[*callbacks, collector])
         kept = collector.kept
         while len(kept) < len(keep):  # a chain that diverged: its last state
-            kept.append({name: value.clone() for name, value in stepper.state.params.items()})
+            last = stepper.arrays()
+            kept.append({name: torch.tensor(last[name]) for name in params})
         samples += [{**sample, **buffers} for sample in kept]
         records.append({"chain": chain, **stepper.record()})
         steps += result.steps
-    return samples, steps, {"method": "sghmc", "chains": records}
+    return samples, steps, {"method": "sghmc", "chains": records,
+                            "preconditioner": "laplace" if whitened else "none",
+                            "batch_size": batch_size}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -137,11 +137,19 @@ class WhitenedSghmcStepper:
 
     The chain starts at ``params`` plus ``start_offset`` in whitened coordinates (a
     standard normal draw there is a draw of the Laplace approximation around ``params``).
-    The gradient noise covariance (:func:`~train_zoo.methods.sghmc.dense_noise_update`)
-    sets the injected noise (:func:`~train_zoo.methods.sghmc.dense_noise_factor`) from
-    ``warm_up`` steps on, refreshed every ``refresh`` steps: its eigendecomposition costs
-    more than a step. ``lr`` of :meth:`step` is ignored. :meth:`record` is
-    :class:`SghmcStepper`'s in whitened coordinates (``mean(v_z^2) / lr_z``).
+    With ``noise_decay`` set, the injected noise is corrected for the minibatch noise
+    (:func:`~train_zoo.methods.sghmc.dense_noise_factor`):
+
+    - during the first half of the burn-in (``record_from`` steps) from the running
+      estimate with that decay, refreshed every ``refresh`` steps from ``warm_up`` on;
+    - from then on from a plain mean of the gradient differences of the second half of
+      the burn-in, frozen when the burn-in ends. A ``d x d`` estimate needs thousands of
+      differences to settle; the frozen correction makes the kept part of the chain an
+      SGHMC with a constant ``B_hat``. Without a burn-in the running estimate is used
+      throughout.
+
+    ``lr`` of :meth:`step` is ignored. :meth:`record` is :class:`SghmcStepper`'s in
+    whitened coordinates (``mean(v_z^2) / lr_z``).
     """
 
     def __init__(self, params: Params, gradient: LogPosteriorGradient,
@@ -162,10 +170,27 @@ class WhitenedSghmcStepper:
         self.noise_decay, self.warm_up, self.refresh = noise_decay, warm_up, refresh
         self.record_from = record_from
         self.noise: sghmc.DenseGradientNoise | None = None
+        self.settled: sghmc.DenseGradientNoise | None = None
+        self.frozen = False
         self.factor, self.capped = sghmc.dense_noise_factor(None, lr, alpha, self.z.numel())
         self._temperature = self._capped = 0.0
         self._recorded = 0
         self.params = self._params()
+
+    def _correct(self, grad_z: torch.Tensor) -> None:
+        """Update the noise estimates with ``grad_z`` and the factor when it is due."""
+        size = self.z.numel()
+        if self.steps >= self.record_from // 2 and self.record_from > 0:
+            self.settled = sghmc.dense_noise_update(self.settled, grad_z, None)
+            if self.steps + 1 >= self.record_from:
+                self.factor, self.capped = sghmc.dense_noise_factor(
+                    self.settled, self.lr, self.alpha, size)
+                self.frozen = True
+                return
+        self.noise = sghmc.dense_noise_update(self.noise, grad_z, self.noise_decay)
+        if self.steps >= self.warm_up and (self.steps - self.warm_up) % self.refresh == 0:
+            self.factor, self.capped = sghmc.dense_noise_factor(self.noise, self.lr,
+                                                                self.alpha, size)
 
     def _params(self) -> Params:
         return unflatten(self.whitening.unwhiten(self.z), self.like)
@@ -173,11 +198,8 @@ class WhitenedSghmcStepper:
     def step(self, batch: tuple, lr: float) -> float:
         loss, grads = self.gradient(self.params, batch)
         grad_z = self.whitening.gradient(flatten(grads))
-        if self.noise_decay is not None:
-            self.noise = sghmc.dense_noise_update(self.noise, grad_z, self.noise_decay)
-            if self.steps >= self.warm_up and (self.steps - self.warm_up) % self.refresh == 0:
-                self.factor, self.capped = sghmc.dense_noise_factor(
-                    self.noise, self.lr, self.alpha, self.z.numel())
+        if self.noise_decay is not None and not self.frozen:
+            self._correct(grad_z)
         self.z, self.momentum = sghmc.whitened_update(self.z, self.momentum, grad_z, self.lr,
                                                       self.alpha, self.factor, self.generator)
         self.steps += 1

@@ -457,35 +457,43 @@ class DenseGradientNoise:
         ``(d, d)`` ``V_hat``, the bias-corrected exponentially weighted mean of
         ``(g_t - g_{t-1}) (g_t - g_{t-1})^T / 2`` (:func:`noise_update`'s matrix form).
     count : int
-    decay : float
+    decay : float or None
+        None: a plain mean of every difference.
     """
 
     previous: torch.Tensor
     covariance: torch.Tensor
     count: int = 0
-    decay: float = 0.99
+    decay: float | None = 0.99
 
 
 def dense_noise_update(noise: DenseGradientNoise | None, gradient: torch.Tensor,
-                       decay: float) -> DenseGradientNoise:
+                       decay: float | None) -> DenseGradientNoise:
     """Add one ``(d,)`` minibatch gradient to the running covariance (``None``: start).
 
     ``(n, d)`` gradients of ``n`` parallel chains add the mean of their ``n`` outer
-    products."""
-    decay = _number("noise_decay", decay, 0, 1, strict=True)
-    if decay == 1:
-        raise InvalidOptionError("sghmc option 'noise_decay' must be below 1, not 1")
+    products. ``decay=None`` weighs every difference equally (a plain mean): a ``d x d``
+    covariance needs many more than ``d`` differences before its eigenvalues settle (with
+    ``n`` of them they spread by about ``sqrt(d / n)``), more than an exponential window of
+    ``1 / (1 - decay)`` steps holds when ``d`` is in the hundreds."""
+    if decay is not None:
+        decay = _number("noise_decay", decay, 0, 1, strict=True)
+        if decay == 1:
+            raise InvalidOptionError("sghmc option 'noise_decay' must be below 1, not 1")
     gradient = gradient.detach().double()
     if noise is None:
         size = gradient.shape[-1]
         return DenseGradientNoise(gradient.clone(),
                                   torch.zeros(size, size, dtype=torch.float64), 0, decay)
     count = noise.count + 1
-    previous_correction = 1.0 - decay ** noise.count if noise.count else 0.0
     difference = (gradient - noise.previous).reshape(-1, gradient.shape[-1])
-    outer = difference.T @ difference / difference.shape[0]
-    running = decay * noise.covariance * previous_correction
-    covariance = (running + (1 - decay) * 0.5 * outer) / (1.0 - decay ** count)
+    half_outer = 0.5 * difference.T @ difference / difference.shape[0]
+    if decay is None:
+        covariance = noise.covariance + (half_outer - noise.covariance) / count
+    else:
+        previous_correction = 1.0 - decay ** noise.count if noise.count else 0.0
+        running = decay * noise.covariance * previous_correction
+        covariance = (running + (1 - decay) * half_outer) / (1.0 - decay ** count)
     return DenseGradientNoise(gradient.clone(), covariance, count, decay)
 
 
@@ -510,7 +518,10 @@ def dense_noise_factor(noise: DenseGradientNoise | None, lr: float, alpha: float
     cap = BETA_CAP * alpha
     beta = raw.clamp(max=cap)
     scale = torch.sqrt(2.0 * (alpha - beta) * lr)
-    return vectors * scale, float((raw > cap).double().mean())
+    # The symmetric square root Q diag(scale) Q^T, not Q diag(scale): it does not depend on
+    # which basis eigh picks inside a repeated eigenvalue (a rank-deficient early estimate
+    # has hundreds of zeros), so rounding differences do not change the injected noise.
+    return (vectors * scale) @ vectors.T, float((raw > cap).double().mean())
 
 
 def whitened_update(z: torch.Tensor, momentum: torch.Tensor, grad_z: torch.Tensor, lr: float,
