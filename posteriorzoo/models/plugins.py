@@ -314,3 +314,6 @@ def worker_plugins(architecture: str | None = None) -> WorkerPlugins:
         if folder is not None and folder not in folders:
             folders.append(folder)
     return WorkerPlugins(tuple(sources), tuple(folders))
+
+
+registry.set_installed_loader(load_installed)

@@ -12,6 +12,7 @@ collection records so that a missing model can be named with the module to load.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -97,6 +98,20 @@ _ON_CHANGE: list[Callable[[], None]] = []
 _PROVIDING: list[tuple[str, str | None]] = []
 # Set while installed plugins load, so a lookup they make does not start loading again.
 _LOADING_INSTALLED: list[bool] = []
+# What loads the installed plugins: posteriorzoo.models.plugins sets it when imported (the
+# registry does not import plugins, which imports the registry).
+_INSTALLED_LOADERS: list[Callable[[], None]] = []
+# A dotted module name, as posteriorzoo.models.plugins accepts (bounded: no regex blow-up).
+_MODULE_NAME = re.compile(r"[^\W\d]\w*(?:\.[^\W\d]\w*)*")
+
+
+def _is_module_name(name: object) -> bool:
+    return isinstance(name, str) and len(name) <= 200 and _MODULE_NAME.fullmatch(name) is not None
+
+
+def set_installed_loader(loader: Callable[[], None]) -> None:
+    """Called once by :mod:`posteriorzoo.models.plugins`: how to load installed plugins."""
+    _INSTALLED_LOADERS[:] = [loader]
 
 
 @contextlib.contextmanager
@@ -116,11 +131,9 @@ def _provider(factory: Factory) -> tuple[str | None, str | None]:
     built-in models and ``__main__``."""
     if _PROVIDING:
         return _PROVIDING[-1]
-    from posteriorzoo.models.plugins import is_source
-
     module = getattr(factory, "__module__", None)
     # A module loaded under a name no import could repeat (from a file path) is no plugin.
-    if not is_source(module) or module == "__main__" or module == "posteriorzoo" \
+    if not _is_module_name(module) or module == "__main__" or module == "posteriorzoo" \
             or module.startswith("posteriorzoo."):
         return None, None
     return module, None
@@ -184,13 +197,11 @@ def register(
 
 def _load_installed() -> None:
     """Load the installed plugins (entry points, ``POSTERIORZOO_MODELS``) not loaded yet."""
-    if _LOADING_INSTALLED:
+    if _LOADING_INSTALLED or not _INSTALLED_LOADERS:
         return
-    from posteriorzoo.models.plugins import load_installed
-
     _LOADING_INSTALLED.append(True)
     try:
-        load_installed()
+        _INSTALLED_LOADERS[-1]()
     finally:
         _LOADING_INSTALLED.pop()
 
