@@ -184,9 +184,9 @@ def bench_ggn(args: argparse.Namespace) -> dict[str, Any]:
 # ------------------------------------------------------------------ (b) BBB steps
 def bench_bbb(args: argparse.Namespace) -> dict[str, Any]:
     from posteriorzoo.models import build
+    from train_zoo.fast.bbb import FastBBB
     from train_zoo.fast.layout import describe_model
     from train_zoo.methods import bbb
-    from train_zoo.methods.bbb_fast import FastBBB
 
     x, y = training_images(BBB_BATCH * BBB_BATCHES)
     batches = [(x[i:i + BBB_BATCH], y[i:i + BBB_BATCH]) for i in range(0, len(y), BBB_BATCH)]

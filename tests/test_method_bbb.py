@@ -1,4 +1,4 @@
-"""Bayes by Backprop (train_zoo.methods.bbb, .bbb_fast): known answers, gradients, init,
+"""Bayes by Backprop (train_zoo.methods.bbb, train_zoo.fast.bbb): known answers, gradients, init,
 samples, fast path.
 
 Tolerances (why, in short):
@@ -34,15 +34,15 @@ from posteriorzoo.models import ResNet18, build
 from train_zoo import checkpoint_seeds, make_spec
 from train_zoo.callbacks import StepInfo
 from train_zoo.data import load_training_data
+from train_zoo.fast.bbb import FastBBB
 from train_zoo.fast.gradients import fast_loss_and_grad
 from train_zoo.fast.layout import describe_model
 from train_zoo.method_options import resolve_method_options
 from train_zoo.methods import bbb
-from train_zoo.methods.bbb_fast import FastBBB
+from train_zoo.methods.bbb import ElboLog
 from train_zoo.methods.common import logits, mean_nll
 from train_zoo.programs import train_bbb
 from train_zoo.recipes import get_recipe
-from train_zoo.steppers import ElboLog
 from train_zoo.torch_engine import initial_model
 
 RTOL = 1e-5  # of each tensor's largest |entry|; see the module docstring

@@ -21,7 +21,8 @@ from torch.func import functional_call, hessian, jacrev, vjp, vmap
 
 from posteriorzoo.errors import InvalidOptionError, NonFiniteWeightsError
 from posteriorzoo.models import build
-from train_zoo.methods import laplace, laplace_curvature, laplace_optunet
+from train_zoo.fast import laplace_optunet
+from train_zoo.methods import laplace, laplace_curvature
 from train_zoo.methods.common import flatten, parameters_of, unflatten
 
 # Statistical checks run in whitened coordinates w = L^T (theta - mean) ~ N(0, I_D): with S

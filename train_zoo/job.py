@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 from train_zoo import fast, vectorised
 from train_zoo.data import TrainingData, load_training_data
+from train_zoo.methods.registry import get_method
 from train_zoo.programs import produce_mode
 from train_zoo.result import CheckpointResult
 from train_zoo.spec import ZooSpec
@@ -31,7 +32,7 @@ def resolve_engine(spec: ZooSpec, engine: str) -> str:
         raise InvalidOptionError(
             f"the fast engine does not support {spec.architecture} with this recipe; "
             "choose the engine auto or torch")
-    if engine == "vectorised" and spec.method != "de":
+    if engine == "vectorised" and not get_method(spec.method).vectorisable:
         raise InvalidOptionError(
             f"the vectorised engine trains Deep Ensembles only, not {spec.method}; choose "
             "the engine auto, fast or torch")

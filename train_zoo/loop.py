@@ -9,7 +9,7 @@ method provide together:
 - SWAG: the same SGD steppers continued on SWAG's schedule, with a collector callback;
 - SGHMC: :class:`~train_zoo.steppers.SghmcStepper` on an engine's gradient;
 - BBB: :class:`~train_zoo.steppers.BBBStepper` (torch.func) or
-  :class:`~train_zoo.methods.bbb_fast.FastBBB` (numba).
+  :class:`~train_zoo.fast.bbb.FastBBB` (numba).
 
 A stepper has ``step(batch, lr) -> loss`` (the mini-batch loss before the update),
 ``arrays()`` (the current weights as numpy arrays in state_dict layout, for callbacks)

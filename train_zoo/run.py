@@ -47,6 +47,7 @@ from posteriorzoo.zoo import Zoo, create_zoo, open_zoo
 from train_zoo.backends import LocalBackend
 from train_zoo.data import load_training_data
 from train_zoo.job import resolve_engine
+from train_zoo.methods.registry import get_method
 from train_zoo.spec import ZooSpec
 from train_zoo.torch_engine import initial_model
 
@@ -97,7 +98,7 @@ def _warn_if_out_of_order(zoo: Zoo, missing: list[int]) -> None:
 
 def _annotations(spec: ZooSpec) -> dict[str, object]:
     """What a method collection says about its modes (file attribute ``annotations``)."""
-    if spec.method == "de":
+    if get_method(spec.method).one_sample_per_mode:
         return {}
     return {"posterior": "multi-mode" if spec.modes > 1 else "single-mode",
             "modes": spec.modes, "samples_per_mode": spec.samples_per_mode}
@@ -151,7 +152,7 @@ def open_collection(spec: ZooSpec, out: str | os.PathLike, command: str | None =
 
 def _open_existing(spec: ZooSpec, out: Path, verify: bool) -> Zoo:
     num_data = (len(load_training_data(spec.dataset, spec.data_dir).train)
-                if spec.method == "bbb" else None)  # BBB records its resolved KL weight
+                if get_method(spec.method).options_need_data else None)  # BBB's KL weight
     recipe = spec.collection_recipe(num_data)
     zoo = open_zoo(out, mode="r+", verify=verify)
     try:

@@ -7,7 +7,7 @@ of one collection::
     recipe = "optunet-mnist"          # a built-in recipe (train_zoo.recipes)
     dataset = "fashion-mnist"         # overrides the recipe's dataset
     architecture = "optunet"          # any registered model, one of your own too
-    method = "swag"                   # de, mc-dropout, swag, laplace, sghmc or bbb
+    method = "swag"                   # a method of train_zoo.methods.registry
     modes = 10                        # independently trained base networks
     samples_per_mode = 10             # draws around each
     base_seed = 1
@@ -54,7 +54,8 @@ from posteriorzoo.errors import (
 from posteriorzoo.models import model_entry
 from posteriorzoo.options import check_integer, check_name, check_table, show
 from posteriorzoo.zoo.schema import recipe_hash
-from train_zoo.method_options import METHODS, explain_method_options, resolve_kl_weight
+from train_zoo.method_options import explain_method_options
+from train_zoo.methods.registry import get_method
 from train_zoo.recipes import Recipe, apply_overrides, explain_overrides, get_recipe
 
 #: The ranges of the spec's numbers. A collection's checkpoints (modes x samples per
@@ -85,10 +86,10 @@ class ZooSpec:
     architecture, dataset : str
         Model and data set names (default: the recipe's).
     method : str
-        ``"de"``: independently trained networks (deep-ensemble members, or the target
-        posterior); ``"mc-dropout"``, ``"swag"``, ``"laplace"``, ``"sghmc"``, ``"bbb"``:
-        the method's samples around independently trained base networks
-        (:mod:`train_zoo.programs`).
+        A name of :mod:`train_zoo.methods.registry`. ``"de"``: independently trained
+        networks (deep-ensemble members, or the target posterior); ``"mc-dropout"``,
+        ``"swag"``, ``"laplace"``, ``"sghmc"``, ``"bbb"``: the method's samples around
+        independently trained base networks (:mod:`train_zoo.programs`).
     checkpoints : int
         Number of checkpoints, ``modes * samples_per_mode``.
     modes : int
@@ -146,10 +147,7 @@ class ZooSpec:
         # read: the error names the valid models and how to load one's own.
         entry = model_entry(self.architecture)
         check_name(_field("dataset"), self.dataset)
-        if not isinstance(self.method, str) or self.method not in METHODS:
-            raise UnknownNameError(
-                f"unknown method {show(self.method)}; the trainer implements "
-                f"{', '.join(METHODS)}")
+        method = get_method(self.method)
         self._resolve_counts()
         check_integer(_field("base_seed"), self.base_seed, 0, MAX_SEED)
         if self.num_classes is not None:
@@ -161,15 +159,7 @@ class ZooSpec:
             object.__setattr__(self, "data_dir", os.fspath(self.data_dir) or None)
         own = check_table(_field("model_options"), self.model_options)
         object.__setattr__(self, "model_options", {**self.recipe.model_options, **own})
-        if "dropout" in self.model_options and self.method == "mc-dropout":
-            raise InvalidOptionError("MC Dropout's probability is the method option 'p'; "
-                                     "model_options describe the stored base architecture")
-        if self.method == "mc-dropout" and "dropout" not in entry.options:
-            raise InvalidOptionError(
-                f"mc-dropout trains the base network with dropout, but model "
-                f"{self.architecture!r} has no option 'dropout': register it with the option "
-                "dropout = 0.0 (the probability of a dropout layer before its last Linear "
-                "layer)")
+        method.check_model(self.architecture, self.model_options, tuple(entry.options))
         method_options = check_table(_field("method_options"), self.method_options)
         explained = explain_method_options(
             self.method, method_options, self.architecture, self.recipe,
@@ -186,23 +176,24 @@ class ZooSpec:
     def _resolve_counts(self) -> None:
         """Fill in whichever of checkpoints, modes and samples_per_mode is missing."""
         total, modes, per_mode = self.checkpoints, self.modes, self.samples_per_mode
+        one_each = get_method(self.method).one_sample_per_mode  # a mode is one network
         for name, value in (("checkpoints", total), ("modes", modes),
                             ("samples_per_mode", per_mode)):
             if value is not None:
                 check_integer(_field(name), value, 1, MAX_CHECKPOINTS)
         if modes is None and per_mode is None:
             total = 1 if total is None else total
-            modes, per_mode = (total, 1) if self.method == "de" else (1, total)
+            modes, per_mode = (total, 1) if one_each else (1, total)
         elif per_mode is None:
-            if total is None and self.method != "de":
+            if total is None and not one_each:
                 raise InvalidOptionError(f"spec field 'samples_per_mode' is needed with "
                                          f"'modes' for the method {self.method}")
             per_mode = 1 if total is None else total // modes
         elif modes is None:
             modes = 1 if total is None else total // per_mode
-        if self.method == "de" and per_mode != 1:
+        if one_each and per_mode != 1:
             raise InvalidOptionError("spec field 'samples_per_mode' must be 1 for the method "
-                                     "de (each member is its own mode)")
+                                     f"{self.method} (each member is its own mode)")
         if total is not None and total != modes * per_mode:
             raise InvalidOptionError(
                 f"spec field 'checkpoints' ({total}) must be modes x samples_per_mode "
@@ -219,9 +210,8 @@ class ZooSpec:
     def training_model_options(self) -> dict[str, Any]:
         """The options base networks are trained with: the stored architecture's, plus
         MC Dropout's dropout layer."""
-        if self.method == "mc-dropout":
-            return {**self.model_options, "dropout": self.method_options["p"]}
-        return dict(self.model_options)
+        return get_method(self.method).training_model_options(self.model_options,
+                                                              self.method_options)
 
     def collection_recipe(self, num_data: int | None = None) -> dict[str, Any]:
         """What the collection file records as its recipe (everything that shapes weights).
@@ -235,10 +225,9 @@ class ZooSpec:
                   "method": self.method, "architecture": self.architecture,
                   "dataset": self.dataset, "num_classes": self.num_classes,
                   "model_options": dict(self.model_options)}
-        if self.method != "de":
-            options = dict(self.method_options)
-            if self.method == "bbb" and num_data is not None:
-                options = resolve_kl_weight(options, num_data)
+        method = get_method(self.method)
+        if not method.one_sample_per_mode:
+            options = method.recorded_options(self.method_options, num_data)
             recipe.update(samples_per_mode=self.samples_per_mode, method_options=options)
         return recipe
 

@@ -12,11 +12,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 from torch import nn
+from torch.func import grad_and_value
 
 from posteriorzoo.data import iterate_batches
 from posteriorzoo.models import build
 from train_zoo.data import TrainingData, eval_transform, train_transform
 from train_zoo.loop import fit
+from train_zoo.methods import sghmc
+from train_zoo.methods.common import Params
+from train_zoo.methods.sghmc import LogPosteriorGradient
 from train_zoo.recipes import Recipe
 from train_zoo.result import CheckpointResult, is_diverged
 from train_zoo.seeds import CheckpointSeeds, checkpoint_seeds
@@ -139,3 +143,20 @@ def finish(spec: ZooSpec, index: int, model: nn.Module, seeds: CheckpointSeeds, 
         wall_time=time.perf_counter() - started,
         diverged=is_diverged(state, test_accuracy, num_classes),
         seeds=seeds, steps=steps, engine=engine, sample=sample)
+
+
+def torch_log_posterior(model: nn.Module, buffers: Mapping[str, torch.Tensor], num_data: int,
+                        prior_precision: float) -> LogPosteriorGradient:
+    """SGHMC's gradient with torch.func (any architecture; the model in eval mode)."""
+    model.eval()
+
+    def objective(params: Params, batch: tuple) -> torch.Tensor:
+        return sghmc.log_posterior(model, params, buffers, batch, num_data, prior_precision)
+
+    gradient = grad_and_value(objective)
+
+    def evaluate(params: Params, batch: tuple) -> tuple[float, Params]:
+        grads, value = gradient({k: v.detach() for k, v in params.items()}, batch)
+        return -float(value) / num_data, dict(grads)
+
+    return evaluate

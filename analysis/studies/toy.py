@@ -13,7 +13,8 @@ batches of 10 in a fresh random order every epoch, 10 epochs, PyTorch's default
 initialisation (every weight and bias uniform in +-1/sqrt(fan_in) = +-1/sqrt(2)). All
 networks are trained at once: one stacked parameter tensor per layer, shape (R, ...),
 batched matrix products and the closed-form gradient of the loss (the fast path; it
-gives the weights a plain ``torch.optim.SGD`` loop gives, which the tests check).
+gives the weights a plain ``torch.optim.SGD`` loop gives, which the tests check), as a
+stepper of the trainer's one loop (:func:`train_zoo.loop.fit`).
 Networks whose mean mini-batch loss over the last epoch exceeds 0.01 "had not been
 trained successfully" and are dropped (the paper: fewer than 1%).
 
@@ -177,44 +178,79 @@ def train_networks(x: np.ndarray, y: np.ndarray, networks: int, init_seed: int,
         torch.set_num_threads(threads)
 
 
+class _ToyStepper:
+    """SGD on every network at once, as a stepper of the one training loop
+    (:func:`train_zoo.loop.fit`): a batch is ``(inputs, targets)`` stacked per network,
+    ``(R, B, 2)`` and ``(R, B)``. It keeps each network's loss summed over the epoch and
+    closes the epoch at ``on_epoch_end`` (it is its own callback). A diverged network is
+    kept training (the study drops it afterwards), so the stepper never stops."""
+
+    stopped = False
+
+    def __init__(self, params: dict[str, Any], epochs: int, batches: int, bar: Any) -> None:
+        import torch
+
+        self.params, self.batches, self.bar = params, batches, bar
+        networks = len(params[KEYS[0]])
+        self.total = torch.zeros(networks, dtype=torch.float64)
+        self.epoch_loss = np.zeros((epochs, networks))
+
+    def step(self, batch: tuple[Any, Any], lr: float) -> float:
+        import torch
+        import torch.nn.functional as F  # noqa: N812
+
+        xb, yb = batch                                                  # (R, B, 2), (R, B)
+        w1, b1, w2, b2 = (self.params[key] for key in KEYS)
+        pre = torch.einsum("rbi,rhi->rbh", xb, w1) + b1[:, None, :]
+        hidden = pre.clamp_min(0)
+        logits = torch.einsum("rbh,rh->rb", hidden, w2[:, 0, :]) + b2
+        loss = F.binary_cross_entropy_with_logits(logits, yb, reduction="none").mean(1)
+        self.total += loss.double()
+        # Gradient of the mean loss of each network's batch (ReLU'(0) = 0, as torch).
+        d_logits = (torch.sigmoid(logits) - yb) / xb.shape[1]
+        d_hidden = d_logits[:, :, None] * w2[:, 0, None, :] * (pre > 0)
+        w2 -= lr * torch.einsum("rb,rbh->rh", d_logits, hidden)[:, None, :]
+        b2 -= lr * d_logits.sum(1, keepdim=True)
+        w1 -= lr * torch.einsum("rbh,rbi->rhi", d_hidden, xb)
+        b1 -= lr * d_hidden.sum(1)
+        self.bar.update(1)
+        return float(loss.mean())
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {key: value.numpy() for key, value in self.params.items()}
+
+    def on_epoch_end(self, info: Any, weights: Any) -> None:
+        self.epoch_loss[info.epoch] = (self.total / self.batches).numpy()
+        self.total.zero_()
+
+
 def _train(x: np.ndarray, y: np.ndarray, networks: int, init_seed: int, order_seed: int,
            epochs: int, batch_size: int, lr: float, dtype: Any, progress: bool
            ) -> ToyTraining:
     import torch
-    import torch.nn.functional as F  # noqa: N812
+
+    from train_zoo.loop import fit
 
     started = time.perf_counter()
     params = initial_parameters(networks, init_seed, dtype)
-    w1, b1, w2, b2 = (params[key] for key in KEYS)
     inputs = torch.as_tensor(x, dtype=dtype)
     targets = torch.as_tensor(y, dtype=dtype)
     next_order = epoch_orders(networks, len(x), order_seed)
     batches = math.ceil(len(x) / batch_size)
-    epoch_loss = np.zeros((epochs, networks))
     bar = _progress(epochs * batches, "training the toy networks", progress)
-    for epoch in range(epochs):
+
+    def epoch_batches(epoch: int) -> Any:
+        # fit asks for epochs 0, 1, ... in turn: each draws the next epoch's orders
         order = next_order()
-        total = torch.zeros(networks, dtype=torch.float64)
         for start in range(0, len(x), batch_size):
             index = order[:, start:start + batch_size]
-            xb, yb = inputs[index], targets[index]                      # (R, B, 2), (R, B)
-            pre = torch.einsum("rbi,rhi->rbh", xb, w1) + b1[:, None, :]
-            hidden = pre.clamp_min(0)
-            logits = torch.einsum("rbh,rh->rb", hidden, w2[:, 0, :]) + b2
-            loss = F.binary_cross_entropy_with_logits(logits, yb, reduction="none").mean(1)
-            total += loss.double()
-            # Gradient of the mean loss of each network's batch (ReLU'(0) = 0, as torch).
-            d_logits = (torch.sigmoid(logits) - yb) / xb.shape[1]
-            d_hidden = d_logits[:, :, None] * w2[:, 0, None, :] * (pre > 0)
-            w2 -= lr * torch.einsum("rb,rbh->rh", d_logits, hidden)[:, None, :]
-            b2 -= lr * d_logits.sum(1, keepdim=True)
-            w1 -= lr * torch.einsum("rbh,rbi->rhi", d_hidden, xb)
-            b1 -= lr * d_hidden.sum(1)
-            bar.update(1)
-        epoch_loss[epoch] = (total / batches).numpy()
+            yield inputs[index], targets[index]
+
+    stepper = _ToyStepper(params, epochs, batches, bar)
+    fit(stepper, epoch_batches, lambda epoch: lr, epochs, phase="toy", callbacks=[stepper])
     bar.close()
     return ToyTraining({key: value.double().numpy() for key, value in params.items()},
-                       epoch_loss, time.perf_counter() - started)
+                       stepper.epoch_loss, time.perf_counter() - started)
 
 
 def network_outputs(params: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:

@@ -378,31 +378,27 @@ def _parts(spec: Any, engine: str, data: Any, group_size: int) -> list[dict[str,
     """Each phase of the run: its steps (or examples), its measured cost and the total."""
     import dataclasses
 
-    from train_zoo.methods.sghmc import chain_schedule
+    from train_zoo.methods.registry import get_method
 
+    method = get_method(spec.method)
     options = spec.method_options
     steps_per_epoch = math.ceil(len(data.train) / spec.recipe.batch_size)
     chains = options.get("chains", 1)
     small = spec.replace(modes=1, samples_per_mode=chains)
-    first = "bbb" if spec.method == "bbb" else "train"
+    first = "train" if method.trains_base else spec.method
     parts = []
     if engine == "vectorised":
         rate = _time_vectorised(spec, data, min(group_size, spec.modes))
     else:
         rate = _time_phase(small, data, engine, first)
     parts.append(_step_part(first, spec.modes * spec.recipe.epochs * steps_per_epoch, rate))
-    if spec.method in ("swag", "sghmc"):
-        if spec.method == "swag":
-            steps = options["epochs"] * steps_per_epoch
-        else:
-            per_chain = spec.samples_per_mode // chains
-            steps = chains * chain_schedule(options["burn_in"], options["thin"],
-                                            per_chain)[-1]
+    steps = method.phase_steps(spec, steps_per_epoch)
+    if steps:
         # The method's phase alone: a recipe of 0 epochs trains no base network.
         method_only = small.replace(recipe=dataclasses.replace(spec.recipe, epochs=0))
         parts.append(_step_part(spec.method, spec.modes * steps,
                                 _time_phase(method_only, data, engine, spec.method)))
-    if spec.method == "laplace":
+    if method.fits_curvature:
         parts.append(_curvature_part(spec, data))
     parts.append(_evaluation_part(spec, data))
     return parts
@@ -459,7 +455,7 @@ def _curvature_part(spec: Any, data: Any) -> dict[str, Any]:
     from posteriorzoo.errors import PosteriorZooError
     from train_zoo.methods import laplace
     from train_zoo.methods.common import parameters_of
-    from train_zoo.programs import READ_BATCH
+    from train_zoo.methods.laplace import READ_BATCH
     from train_zoo.torch_engine import initial_model, torch_batches
 
     options = spec.method_options

@@ -11,7 +11,7 @@ learning-rate schedule; the loop, its callbacks and its stop at a non-finite los
 What the engine covers: the SGD training of base networks and of SWAG's continuation
 (:class:`FastNet`), the gradient of the mean cross-entropy for SGHMC
 (:func:`train_zoo.fast.gradients.fast_loss_and_grad`) and BBB's steps through dL/dw
-(:class:`train_zoo.methods.bbb_fast.FastBBB`). Not covered: dropout during training
+(:class:`train_zoo.fast.bbb.FastBBB`). Not covered: dropout during training
 (MC Dropout's base networks), BatchNorm, and the Laplace curvature (torch.func).
 """
 

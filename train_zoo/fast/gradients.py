@@ -13,11 +13,14 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
+import torch
 
 from train_zoo.fast.kernels import loss_and_grad
 from train_zoo.fast.layout import NetLayout
+from train_zoo.methods.common import Params, flatten, unflatten
+from train_zoo.methods.sghmc import LogPosteriorGradient
 
-__all__ = ["fast_loss_and_grad"]
+__all__ = ["fast_log_posterior", "fast_loss_and_grad"]
 
 
 @lru_cache(maxsize=32)
@@ -77,3 +80,21 @@ def fast_loss_and_grad(layout: NetLayout, theta: np.ndarray, x: np.ndarray, labe
     logits = np.empty((layout.num_classes, x.shape[3]), dtype=np.float32)
     loss = loss_and_grad(x, labels, theta, dims, grad, logits)
     return loss, grad
+
+
+def fast_log_posterior(layout: NetLayout, like: Params, num_data: int,
+                       prior_precision: float) -> LogPosteriorGradient:
+    """SGHMC's gradient on the numba kernels: ``-(N dL/dw + prior_precision * theta)``
+    with ``L`` the batch's mean cross-entropy (batches in the kernels' layout)."""
+    grad = np.empty(layout.num_params, dtype=np.float32)
+
+    def evaluate(params: Params, batch: tuple) -> tuple[float, Params]:
+        theta = flatten(params)
+        x, labels = batch
+        loss, _ = fast_loss_and_grad(layout, theta.numpy(), x, labels, grad=grad)
+        g = torch.from_numpy(grad)
+        log_grad = -(num_data * g + prior_precision * theta)
+        square = float(theta.double().square().sum())
+        return loss + 0.5 * prior_precision * square / num_data, unflatten(log_grad, like)
+
+    return evaluate

@@ -45,7 +45,7 @@ and its gradients with respect to ``mu`` and ``rho`` by the reparameterisation t
 ``torch.func``), :func:`update` (one SGD or Adam step), :func:`step` (both),
 :func:`sample` (state_dicts of the base architecture), :func:`variance_record` (how far
 ``sigma`` moved in training). The numba fast path for OptuNet-shaped networks,
-:class:`~train_zoo.methods.bbb_fast.FastBBB`, lives in :mod:`train_zoo.methods.bbb_fast`;
+:class:`~train_zoo.fast.bbb.FastBBB`, lives in :mod:`train_zoo.fast.bbb`;
 it draws its noise with :func:`draw_noise` too, so with the same generator both paths take
 the same step up to float32 rounding.
 """
@@ -54,9 +54,11 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.func import grad_and_value
@@ -69,6 +71,17 @@ from posteriorzoo.options import (
     check_name,
     check_number,
     show,
+)
+from train_zoo.loop import fit
+from train_zoo.methods.base import (
+    Context,
+    Method,
+    MethodOption,
+    ModeRun,
+    Posterior,
+    ResolvedOptions,
+    constant,
+    generator_for,
 )
 from train_zoo.methods.common import Params, mean_nll, state_dict_of
 
@@ -838,3 +851,221 @@ def sample(model: nn.Module, state: BBBState, generator: torch.Generator, count:
     sigma = state.sigma
     return [state_dict_of(model, _weights(state.mu, sigma, eps), buffers)
             for eps in draw_noise(state.rho, generator, count)]
+
+
+# ---------------------------------------------------------------- steppers
+@dataclass(frozen=True)
+class BBBRun:
+    """What every BBB step takes besides the batch: the noise generator, the training-set
+    size (the KL weight's default 1 / N), the recipe's SGD momentum, and the optimisers
+    (:class:`BBBTraining`: ``rho``'s learning rate is the means'
+    times ``rho_lr_factor`` at every step)."""
+
+    generator: torch.Generator
+    num_data: int
+    momentum: float
+    nesterov: bool
+    optimizer: str = "sgd"
+    rho_optimizer: str = "sgd"
+    rho_lr_factor: float = 1.0
+
+    def rho_lr(self, lr: float) -> float:
+        """The learning rate of ``rho`` when the means' is ``lr`` (``lr`` itself for a
+        factor of 1, so the paper's runs are unchanged to the bit)."""
+        return lr if self.rho_lr_factor == 1 else lr * self.rho_lr_factor
+
+
+class ElboLog:
+    """The ELBO's terms averaged over each epoch, kept for the first and the last.
+
+    The BBB steppers :meth:`add` every step's terms; as a callback of
+    :func:`train_zoo.loop.fit` it closes an epoch at ``on_epoch_end``. :meth:`record` is
+    JSON-able.
+    """
+
+    def __init__(self, kl_weight: float) -> None:
+        self.kl_weight = kl_weight
+        self._nll, self._kl, self._steps = 0.0, 0.0, 0
+        self.first: dict[str, float] | None = None
+        self.last: dict[str, float] | None = None
+
+    def add(self, nll: float, kl: float) -> None:
+        self._nll += nll
+        self._kl += kl
+        self._steps += 1
+
+    def on_epoch_end(self, info, weights) -> None:
+        if not self._steps:
+            return
+        nll, kl = self._nll / self._steps, self._kl / self._steps
+        epoch = {"epoch": info.epoch, "steps": self._steps, "nll": nll, "kl": kl,
+                 "kl_weight": self.kl_weight, "negative_elbo": nll + self.kl_weight * kl}
+        if self.first is None:
+            self.first = epoch
+        self.last = epoch
+        self._nll, self._kl, self._steps = 0.0, 0.0, 0
+
+    def record(self) -> dict[str, dict[str, float] | None]:
+        """``{"first_epoch": ..., "last_epoch": ...}``, each with the epoch (0-based), its
+        steps, the mean expected NLL per example (``nll``), KL in nats (``kl``),
+        ``kl_weight`` and ``negative_elbo = nll + kl_weight * kl`` (per example); None
+        before an epoch has ended."""
+        return {"first_epoch": self.first, "last_epoch": self.last}
+
+
+
+class BBBStepper:
+    """BBB's SGD or Adam on the negative ELBO with torch.func
+    (:func:`train_zoo.methods.elbo_and_grad`, :func:`~train_zoo.methods.update`)."""
+
+    def __init__(self, state: BBBState, model: nn.Module, run: BBBRun) -> None:
+        self.state = state
+        self.model = model
+        self.buffers = {name: value.detach().clone() for name, value in model.named_buffers()}
+        self.run = run
+        self.stopped = False
+        self.log = ElboLog(state.options.kl_weight_for(run.num_data))
+
+    def step(self, batch: tuple, lr: float) -> float:
+        self.model.train()
+        terms, grads = elbo_and_grad(self.state, self.model, self.buffers, batch,
+                                         self.run.generator, self.run.num_data)
+        self.state = update(self.state, grads, lr, momentum=self.run.momentum,
+                                nesterov=self.run.nesterov, optimizer=self.run.optimizer,
+                                rho_lr=self.run.rho_lr(lr),
+                                rho_optimizer=self.run.rho_optimizer)
+        self.log.add(float(terms.nll), float(terms.kl))
+        value = float(terms.loss)
+        self.stopped = not math.isfinite(value)
+        return value
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: value.detach().numpy() for name, value in self.state.mu.items()}
+
+    def bbb_state(self) -> BBBState:
+        return self.state
+
+
+# ---------------------------------------------------------------- the method
+def resolve_kl_weight(options: Mapping[str, object], num_data: int) -> dict[str, object]:
+    """BBB's options with ``kl_weight`` set to ``1 / num_data`` when it was left unset."""
+    if options.get("kl_weight") is not None:
+        return dict(options)
+    check_integer("the training-set size", num_data, 1)
+    return {**options, "kl_weight": 1.0 / num_data}
+
+
+@dataclass(frozen=True)
+class BBBTrainingRun:
+    """One mode's trained BBB posterior (:meth:`BayesByBackprop.fit`).
+
+    Attributes
+    ----------
+    model : nn.Module
+        The base architecture (its own weights unused).
+    state : BBBState
+        The variational posterior at the end.
+    buffers : dict of str to tensor or None
+        BatchNorm statistics (torch engine), None on the fast engine.
+    steps : int
+    engine : str
+        The engine that ran it (``fast`` or ``torch``).
+    record : dict
+        What the diagnostics need, JSON-able: ``{"method": "bbb", "layers": {name:
+        {"sigma_median_start", "sigma_median_end", "rho_max_change"}}, "elbo":
+        {"first_epoch": {...}, "last_epoch": {...}}}`` (:func:`variance_record`,
+        :meth:`ElboLog.record`).
+    """
+
+    model: nn.Module
+    state: BBBState
+    buffers: dict[str, torch.Tensor] | None
+    steps: int
+    engine: str
+    record: dict[str, object]
+
+
+class BayesByBackprop(Method):
+    """Bayes by Backprop: each mode trains a mean-field variational posterior from the
+    mode's seeds (instead of a base network) and draws its samples from it."""
+
+    name = "bbb"
+    summary = "Bayes by Backprop: a mean-field Gaussian posterior trained per mode"
+    options_need_data = True
+    trains_base = False
+
+    def option_table(self) -> tuple[MethodOption, ...]:
+        """Made from :data:`OPTION_HELP` and the defaults of :class:`BBBOptions`; their
+        values are checked together by :func:`resolve_options` (a preset supplies
+        several), see :meth:`explain`."""
+        if self.options:
+            return self.options
+        defaults = {f.name: f.default for f in fields(BBBOptions)}
+        defaults.update(preset="paper", kl_weight="1 / number of training examples")
+        records = []
+        for name, text in OPTION_HELP.items():
+            match = re.search(r"\s*\(default:? ([^()]*)\)$", text)
+            default_text = str(defaults.get(name, match.group(1) if match else ""))
+            help_text = text[:match.start()] if match else text
+            records.append(MethodOption(name, lambda what, value, context: value,
+                                        constant(defaults.get(name)), default_text,
+                                        help_text))
+        self.options = tuple(records)
+        return self.options
+
+    def explain(self, options: Mapping[str, object], context: Context) -> ResolvedOptions:
+        try:
+            values = resolve_options(dict(options), context.recipe.lr)
+        except InvalidOptionError as error:
+            raise InvalidOptionError(f"bbb option {error}") from None
+        preset = options.get("preset", "paper")
+        sources = {}
+        for name, value in values.items():
+            if name in options:
+                sources[name] = "given"
+            elif name in PRESETS.get(preset, {}):
+                sources[name] = f"from the preset {preset}"
+            elif name == "kl_weight" and value is None:
+                sources[name] = "default (1 / number of training examples, set at training)"
+            elif name == "lr" and value == context.recipe.lr:
+                sources[name] = "derived from the recipe (its lr)"
+            elif name == "rho_optimizer" and value == values.get("optimizer"):
+                sources[name] = "derived from optimizer"
+            elif name == "rho_lr" and value == values.get("lr"):
+                sources[name] = "derived from lr"
+            else:
+                sources[name] = "default"
+        return ResolvedOptions(values, sources, ())
+
+    def recorded_options(self, options: Mapping[str, object], num_data: int | None
+                         ) -> dict[str, object]:
+        """The options with ``kl_weight`` resolved for ``num_data`` examples when given."""
+        return dict(options) if num_data is None else resolve_kl_weight(options, num_data)
+
+    def fit(self, run: ModeRun) -> Posterior:
+        spec, seeds = run.spec, run.seeds
+        recipe = spec.recipe
+        options, training = split_options(resolve_kl_weight(spec.method_options,
+                                                            run.num_data), recipe.lr)
+        model = run.engine.initial_model()
+        start = init(model, generator_for(seeds.init), **options)
+        bbb_run = BBBRun(generator_for(seeds.noise), run.num_data, recipe.momentum,
+                         recipe.nesterov, training.optimizer, training.rho_optimizer,
+                         training.rho_lr_factor)
+        stepper = run.engine.bbb_stepper(model, start, bbb_run)
+        result = fit(stepper, run.engine.batches(model, seeds.data),
+                     training.schedule(recipe.learning_rate, recipe.lr), recipe.epochs,
+                     index=run.index, phase="bbb", callbacks=[*run.callbacks, stepper.log])
+        state = stepper.bbb_state()
+        record = {"method": "bbb", "layers": variance_record(start, state),
+                  "elbo": stepper.log.record()}
+        trained = BBBTrainingRun(model, state, getattr(stepper, "buffers", None),
+                                 result.steps, run.engine.name, record)
+        return Posterior(trained, result.steps, run.engine.name, record)
+
+    def sample(self, state: BBBTrainingRun, generator: torch.Generator, count: int
+               ) -> list[dict[str, torch.Tensor]]:
+        return sample(state.model, state.state, generator, count, buffers=state.buffers)
+
+
+METHOD = BayesByBackprop()

@@ -23,30 +23,27 @@ checkpoint for the canonicalizer, the MMD engine and the metrics.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx
 from torch import nn
 
 from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.options import check_integer, check_number, show
+from train_zoo.methods.base import Context, Method, MethodOption, ModeRun, Posterior, Resolved
 
 __all__ = ["apply_mask", "draw_masks", "last_linear", "sample"]
 
 
 def _check_p(p: object) -> float:
-    ok = isinstance(p, numbers.Real) and not isinstance(p, bool) and 0 <= p < 1
-    if not ok:
-        raise InvalidOptionError(f"dropout option 'p' must be a number in [0, 1), not {p!r}")
-    return float(p)
+    return float(check_number("dropout option 'p'", p, 0, maximum=1, strict_maximum=True))
 
 
 def _check_count(count: object) -> int:
-    if not isinstance(count, numbers.Integral) or isinstance(count, bool) or count < 1:
-        raise InvalidOptionError(f"dropout option 'count' must be an integer >= 1, "
-                                 f"not {count!r}")
-    return int(count)
+    return check_integer("dropout option 'count'", count, 1)
 
 
 def last_linear(model: nn.Module) -> str:
@@ -202,3 +199,67 @@ def sample(model: nn.Module, state_dict: Mapping[str, torch.Tensor], p: float,
     ordered = {key: state_dict[key] for key in expected}
     masks = draw_masks(module.in_features, p, generator, count)
     return [apply_mask(ordered, name, mask, p) for mask in masks]
+
+
+# ---------------------------------------------------------------- the method
+def _p_check(what: str, value: object, context: Context) -> object:
+    check_number(what, value, 0)
+    if value >= 1:
+        raise InvalidOptionError(f"{what} must be below 1, not {show(value)}")
+    return value
+
+
+def _p_default(context: Context) -> Resolved:
+    resnet = context.architecture.startswith("resnet")
+    return Resolved(0.5 if resnet else 0.2, "derived from the architecture (ResNets 0.5, "
+                                            "others 0.2)")
+
+
+@dataclass(frozen=True)
+class DropoutPosterior:
+    """The trained base network (with its dropout layer) and the dropout probability."""
+
+    model: nn.Module
+    p: float
+
+
+class McDropout(Method):
+    """MC Dropout: the base network trains with a dropout layer before its last layer;
+    a sample is the trained weights with one dropout mask folded into that layer."""
+
+    name = "mc-dropout"
+    summary = "MC Dropout: dropout masks on the last layer of a base network trained with it"
+    options = (
+        MethodOption("p", _p_check, _p_default, "0.5 for ResNets, else 0.2",
+                     "dropout probability before the last layer while the base network "
+                     "trains, in [0, 1)"),
+    )
+
+    def check_model(self, architecture: str, model_options: Mapping[str, Any],
+                    model_option_names: Any) -> None:
+        if "dropout" in model_options:
+            raise InvalidOptionError("MC Dropout's probability is the method option 'p'; "
+                                     "model_options describe the stored base architecture")
+        if "dropout" not in model_option_names:
+            raise InvalidOptionError(
+                f"mc-dropout trains the base network with dropout, but model "
+                f"{architecture!r} has no option 'dropout': register it with the option "
+                "dropout = 0.0 (the probability of a dropout layer before its last Linear "
+                "layer)")
+
+    def training_model_options(self, model_options: Mapping[str, Any],
+                               method_options: Mapping[str, Any]) -> dict[str, Any]:
+        """The stored architecture's options plus the dropout layer."""
+        return {**model_options, "dropout": method_options["p"]}
+
+    def fit(self, run: ModeRun) -> Posterior:
+        model, steps = run.engine.train_base()
+        return Posterior(DropoutPosterior(model, run.spec.method_options["p"]), steps,
+                         run.engine.name)
+
+    def sample(self, state: DropoutPosterior, generator: torch.Generator, count: int
+               ) -> list[dict[str, torch.Tensor]]:
+        return sample(state.model, state.model.state_dict(), state.p, generator, count)
+
+
+METHOD = McDropout()

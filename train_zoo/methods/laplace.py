@@ -94,9 +94,19 @@ import torch
 from scipy.optimize import brentq
 from torch import nn
 
-from posteriorzoo.errors import InvalidOptionError, NonFiniteWeightsError
-from posteriorzoo.options import check_choice
-from train_zoo.methods.common import Params, flatten, state_dict_of, unflatten
+from posteriorzoo.errors import InvalidOptionError, NonFiniteWeightsError, PosteriorZooError
+from posteriorzoo.options import check_choice, check_name, check_number
+from train_zoo.methods.base import (
+    Check,
+    Context,
+    Method,
+    MethodOption,
+    ModeRun,
+    Posterior,
+    Resolved,
+    constant,
+)
+from train_zoo.methods.common import Params, flatten, parameters_of, state_dict_of, unflatten
 from train_zoo.methods.laplace_curvature import (
     Batch,
     FullCurvature,
@@ -523,3 +533,116 @@ def sample(model: nn.Module, state: LaplaceState, generator: torch.Generator, co
     like = {name: state.params[name] for name in state.names}
     return [state_dict_of(model, {**state.params, **unflatten(row, like)}, state.buffers)
             for row in draw(state, generator, count)]
+
+
+# ---------------------------------------------------------------- the method
+#: A prior precision delta (Laplace, SGHMC): the prior N(0, 1/delta) gives the directions
+#: the data do not constrain a standard deviation of delta^-1/2, 10^4 at the lower bound
+#: (below, Laplace's G + delta I stops being positive definite in float64); above the
+#: upper bound the prior alone fixes every weight to within 1e-4 of zero.
+PRIOR_PRECISION_RANGE = (1e-8, 1e8)
+#: ``structure = "auto"`` takes the full GGN up to this many parameters and last-layer
+#: KFAC above. The full GGN is a dense D x D float64 matrix (5,000: 200 MB; the hard limit
+#: of MAX_FULL_PARAMETERS is 3.2 GB) built from N x (K - 1) Jacobian rows, N (K - 1) D^2
+#: multiply-adds, so its time grows as D^2: on Fashion-MNIST, one torch thread of these
+#: CPUs, about 24 s for OptuNet's 392 parameters and 27 min for an MLP 784-6-10 of 4,780
+#: (``posteriorzoo train --dry-run``'s measured estimate), 7 h at the hard limit. OptuNet
+#: and its v1 (355) are far below, ResNets (millions) and an MNIST MLP of width 32
+#: (25,450) above.
+AUTO_FULL_LAPLACE_PARAMETERS = 5_000
+#: The values of the spec option ``structure``.
+LAPLACE_STRUCTURES = ("auto", *STRUCTURES)
+#: Examples per batch when the curvature reads the training set.
+READ_BATCH = 500
+
+
+def prior_check(choices: tuple[str, ...]) -> Check:
+    """The check of a ``prior_precision`` option: one of ``choices`` or a number in
+    :data:`PRIOR_PRECISION_RANGE`."""
+    def check(what: str, value: object, context: Context) -> object:
+        if isinstance(value, str):
+            return check_name(what, value, choices)
+        low, high = PRIOR_PRECISION_RANGE
+        return check_number(what, value, low, maximum=high)
+    return check
+
+
+def _structure_auto(context: Context) -> Resolved:
+    count = context.parameter_count()
+    bound = AUTO_FULL_LAPLACE_PARAMETERS
+    if count <= bound:
+        return Resolved("full", f"auto: {context.architecture} has {count:,} parameters, "
+                                f"at most {bound:,}")
+    return Resolved("last-layer-kfac",
+                    f"auto: {context.architecture} has {count:,} parameters, above {bound:,}",
+                    f"laplace: structure last-layer-kfac (auto: {context.architecture} has "
+                    f"{count:,} parameters, above the {bound:,} up to which the full GGN "
+                    "is used)")
+
+
+def _structure(what: str, value: object, context: Context) -> object:
+    check_name(what, value, LAPLACE_STRUCTURES)
+    if value == "auto":
+        return _structure_auto(context)
+    if value == "full":
+        count = context.parameter_count()
+        if count > MAX_FULL_PARAMETERS:
+            raise InvalidOptionError(
+                f"{what} is 'full', but {context.architecture} has {count:,} parameters: "
+                f"a dense GGN is limited to {MAX_FULL_PARAMETERS:,} (use 'last-layer-kfac' "
+                "or 'auto')")
+    return value
+
+
+@dataclass(frozen=True)
+class LaplacePosterior:
+    """The base network and the Laplace approximation fitted at its weights."""
+
+    model: nn.Module
+    state: LaplaceState
+
+
+class Laplace(Method):
+    """The Laplace approximation: no phase of its own; the curvature (GGN) of the trained
+    base network, the prior precision by the evidence or the weight decay."""
+
+    name = "laplace"
+    summary = "the Laplace approximation (GGN curvature) at each trained base network"
+    fits_curvature = True
+    options = (
+        MethodOption("structure", _structure, _structure_auto, "auto",
+                     "auto (full up to "
+                     f"{AUTO_FULL_LAPLACE_PARAMETERS:,} parameters, else last-layer-kfac), "
+                     "full (the GGN of every weight) or last-layer-kfac"),
+        MethodOption("prior_precision", prior_check(("marglik", "training")),
+                     constant("marglik"), "marglik",
+                     "marglik (maximises the evidence), training (N x weight decay) or a "
+                     f"number in [{PRIOR_PRECISION_RANGE[0]:g}, {PRIOR_PRECISION_RANGE[1]:g}]"),
+    )
+
+    def fit(self, run: ModeRun) -> Posterior:
+        spec = run.spec
+        model, steps = run.engine.train_base()
+        opts = spec.method_options
+        params, buffers = parameters_of(model)
+        prior = opts["prior_precision"]
+        try:
+            state = init(model, params, buffers,
+                         run.engine.read_batches(run.seeds.method, READ_BATCH),
+                         run.num_data, structure=opts["structure"], prior_precision=prior,
+                         weight_decay=spec.recipe.weight_decay if prior == "training" else None)
+        except PosteriorZooError as error:  # a diverged base network, a too small prior
+            raise type(error)(f"laplace mode {run.index}: {error}") from None
+        evidence = float(state.log_evidence)
+        record = {"method": "laplace", "structure": state.structure,
+                  "prior_precision": float(state.prior_precision),
+                  "prior_source": state.prior_source,
+                  "log_evidence": evidence if math.isfinite(evidence) else None}
+        return Posterior(LaplacePosterior(model, state), steps, run.engine.name, record)
+
+    def sample(self, state: LaplacePosterior, generator: torch.Generator, count: int
+               ) -> list[dict[str, torch.Tensor]]:
+        return sample(state.model, state.state, generator, count)
+
+
+METHOD = Laplace()

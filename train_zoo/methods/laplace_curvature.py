@@ -13,7 +13,7 @@ Full GGN (:func:`full_ggn`)
 
     The rows come from one of two paths, which agree to float32 rounding:
 
-    - OptuNet-shaped networks (:mod:`train_zoo.methods.laplace_optunet`): the backward
+    - OptuNet-shaped networks (:mod:`train_zoo.fast.laplace_optunet`): the backward
       pass of the ``K - 1`` cotangents written out layer by layer for a whole chunk of
       examples;
     - any other network: ``vmap`` over examples of ``vmap`` over cotangents of
@@ -42,7 +42,6 @@ from torch import nn
 from torch.func import vjp, vmap
 
 from posteriorzoo.errors import InvalidOptionError
-from train_zoo.methods import laplace_optunet
 from train_zoo.methods.common import Params, logits
 
 if TYPE_CHECKING:
@@ -291,6 +290,8 @@ def _vmap_rows(model: nn.Module, params: Params, buffers: Params) -> RowsFunctio
 
 def _optunet_rows(layout: NetLayout, params: Params) -> RowsFunction:
     """OptuNet-shaped networks: rows from the layers' own formulas (laplace_optunet)."""
+    from train_zoo.fast import laplace_optunet
+
     def rows(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out, tape = laplace_optunet.forward(layout, params, images)
         _check_classes(out)
@@ -344,6 +345,8 @@ def full_ggn(model: nn.Module, params: Mapping[str, torch.Tensor],
     with _EvalMode(model), threadpool_limits(torch.get_num_threads(), user_api="blas"):
         for x, y in _chunks(batches, chunk_size):
             if rows_of is None:
+                from train_zoo.fast import laplace_optunet
+
                 layout = None if generic else laplace_optunet.layout_for(
                     model, params, buffers, tuple(x.shape[1:]))
                 rows_of = (_vmap_rows(model, params, buffers) if layout is None

@@ -33,15 +33,29 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from posteriorzoo.errors import InvalidOptionError
-from train_zoo.methods.common import Params, flatten, logits, unflatten
+from posteriorzoo.options import check_integer, check_number
+from train_zoo.loop import fit
+from train_zoo.methods.base import (
+    Collector,
+    Context,
+    DefaultRule,
+    Method,
+    MethodOption,
+    ModeRun,
+    Posterior,
+    Resolved,
+    constant,
+    recipe_lr,
+    with_context,
+)
+from train_zoo.methods.common import Params, flatten, logits, parameters_of, unflatten
 
 __all__ = [
     "ITERATES",
@@ -76,20 +90,11 @@ default ``anneal_epochs``; the paper does not give one)."""
 
 # ---------------------------------------------------------------- option checks
 def _integer(name: str, value: object, minimum: int) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
-        raise InvalidOptionError(f"swag option {name!r} must be an integer >= {minimum}, "
-                                 f"not {value!r}")
-    return int(value)
+    return check_integer(f"swag option {name!r}", value, minimum)
 
 
 def _number(name: str, value: object, minimum: float, *, strict: bool = False) -> float:
-    ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
-          and math.isfinite(value) and (value > minimum if strict else value >= minimum))
-    if not ok:
-        relation = ">" if strict else ">="
-        raise InvalidOptionError(f"swag option {name!r} must be a finite number "
-                                 f"{relation} {minimum:g}, not {value!r}")
-    return float(value)
+    return float(check_number(f"swag option {name!r}", value, minimum, strict=strict))
 
 
 # ---------------------------------------------------------------- schedule
@@ -335,8 +340,7 @@ def sample(state: SwagState, generator: torch.Generator, count: int, scale: floa
         ``S`` dicts: the parameters (names, shapes and dtypes of the ``params`` given to
         :func:`init`), then the buffers. Load with ``model.load_state_dict``.
     """
-    if not isinstance(count, numbers.Integral) or isinstance(count, bool) or count < 1:
-        raise InvalidOptionError(f"swag option 'count' must be an integer >= 1, not {count!r}")
+    count = _integer("count", count, 1)
     scale = _number("scale", scale, 0)
     result = []
     for _ in range(int(count)):
@@ -417,3 +421,186 @@ def recompute_batchnorm(model: nn.Module, params: Mapping[str, torch.Tensor],
         raise InvalidOptionError("swag option 'batches' is empty: BatchNorm statistics need "
                                  "at least one batch")
     return new
+
+
+# ---------------------------------------------------------------- the method
+#: SWAG's deviation columns: each is one more copy of the parameters in memory (ResNet-18:
+#: 45 MB), and the paper uses 20.
+MAX_SWAG_RANK = 100
+#: SWAG's covariance multiplier: 1 is SWAG's own covariance (the paper draws with 0.1);
+#: far above, draws leave the basin and overflow float32.
+MAX_SWAG_SCALE = 100.0
+#: The phase length the defaults RAMP_EPOCHS, ITERATES and RANK are for: twice the paper's
+#: 60-epoch recipe.
+SWAG_REFERENCE_EPOCHS = LENGTH_FACTOR * 60
+
+
+def scaled_default(usual: int, epochs: int, reference: int, minimum: int) -> int:
+    """``usual`` scaled to a phase of ``epochs`` instead of ``reference`` epochs, rounded,
+    at least ``minimum`` and at most ``usual`` (a longer phase keeps the usual value)."""
+    return min(usual, max(minimum, round(usual * epochs / reference)))
+
+
+def _epochs_default(context: Context) -> Resolved:
+    epochs = context.recipe.epochs
+    value = LENGTH_FACTOR * epochs
+    usual = SWAG_REFERENCE_EPOCHS
+    note = (None if value == usual else
+            f"swag: epochs {value} (derived: twice the recipe's {epochs} epochs; "
+            f"{usual} at 60 epochs)")
+    return Resolved(value, f"derived from the recipe (twice its {epochs} epochs)", note)
+
+
+def _scaled(name: str, usual: int, minimum: int) -> DefaultRule:
+    """A default that scales with the phase's epochs (:func:`scaled_default`); the
+    iterates also fit the collection window."""
+    def rule(context: Context) -> Resolved:
+        epochs = context.resolved["epochs"]
+        value = scaled_default(usual, epochs, SWAG_REFERENCE_EPOCHS, minimum)
+        because = f"epochs={epochs}"
+        if name == "iterates":
+            window = epochs - context.resolved["collect_from"]
+            if window < value:
+                value = max(minimum, window)
+                because = (f"the {window} epochs from collect_from="
+                           f"{context.resolved['collect_from']} to epochs={epochs}")
+        if value == usual:
+            return Resolved(value, f"default ({usual} for {SWAG_REFERENCE_EPOCHS} or more "
+                                   "epochs)")
+        return Resolved(value, f"derived from {because}",
+                        f"swag: {name} {value} (derived from {because}; default {usual} at "
+                        f"60 epochs)")
+    return rule
+
+
+def _rank_default(context: Context) -> Resolved:
+    iterates = context.resolved["iterates"]
+    if iterates >= RANK:
+        return Resolved(RANK)
+    return Resolved(iterates, f"derived from iterates={iterates}",
+                    f"swag: rank {iterates} (derived from iterates={iterates}: one deviation "
+                    f"column per iterate; default {RANK} with {ITERATES} iterates)")
+
+
+def _ramp(what: str, value: object, context: Context) -> object:
+    return check_integer(what, value, 0, context.resolved["epochs"])
+
+
+def _collect_from(what: str, value: object, context: Context) -> object:
+    return check_integer(what, value, 0, context.resolved["epochs"] - 1)
+
+
+def _iterates(what: str, value: object, context: Context) -> object:
+    from train_zoo.recipes import MAX_EPOCHS
+
+    check_integer(what, value, 2, MAX_EPOCHS)
+    window = context.resolved["epochs"] - context.resolved["collect_from"]
+    if value > window:
+        raise InvalidOptionError(
+            f"swag option 'iterates' ({value}) exceeds the {window} epochs from "
+            "'collect_from' to 'epochs'")
+    return int(value)
+
+
+def _options() -> tuple[MethodOption, ...]:
+    from train_zoo.recipes import MAX_EPOCHS
+
+    return (
+        MethodOption("lr", with_context(check_number, 0, strict=True), recipe_lr,
+                     "the recipe's lr", "the high learning rate of the SWAG phase, > 0"),
+        MethodOption("epochs", with_context(check_integer, 1, MAX_EPOCHS),
+                     _epochs_default, "twice the recipe's epochs: 120 at 60",
+                     f"length of the SWAG phase in epochs, 1 to {MAX_EPOCHS:,}"),
+        MethodOption("ramp_epochs", _ramp, _scaled("ramp_epochs", RAMP_EPOCHS, 1),
+                     f"{RAMP_EPOCHS} at {SWAG_REFERENCE_EPOCHS} epochs, fewer in "
+                     "proportion below, at least 1",
+                     "epochs of the linear ramp to lr, 0 to epochs"),
+        MethodOption("collect_from", _collect_from, constant(0), "0",
+                     "first epoch of the window whose iterates are collected, below epochs"),
+        MethodOption("iterates", _iterates, _scaled("iterates", ITERATES, 2),
+                     f"{ITERATES} at {SWAG_REFERENCE_EPOCHS} epochs, fewer in "
+                     "proportion below: at least 2, at most the window's epochs",
+                     "iterates collected at equal intervals of the window, 2 to its "
+                     "epochs"),
+        MethodOption("rank", with_context(check_integer, 1, MAX_SWAG_RANK),
+                     _rank_default, f"{RANK}, at most iterates",
+                     f"deviation columns of the low-rank covariance, 1 to {MAX_SWAG_RANK}"),
+        MethodOption("scale", with_context(check_number, 0, maximum=MAX_SWAG_SCALE),
+                     constant(SCALE), f"{SCALE:g}",
+                     f"multiplier of the covariance of a draw, 0 to {MAX_SWAG_SCALE:g}"),
+    )
+
+
+@dataclass(frozen=True)
+class SwagPosterior:
+    """A mode's SWAG posterior: the collected moments (None when the phase stopped early
+    with fewer than 2 iterates: then every sample is the last weights), the scale of a
+    draw, the base network and where BatchNorm statistics are re-estimated from."""
+
+    swag: SwagState | None
+    scale: float
+    model: nn.Module
+    buffers: dict[str, torch.Tensor]
+    read_batches: Callable[[], Iterable]
+
+
+class Swag(Method):
+    """SWAG: the base network's SGD continued on SWAG's schedule; iterates collected at
+    equal intervals of the window give a Gaussian with a diagonal plus low-rank
+    covariance, sampled at ``scale`` (BatchNorm statistics recomputed per sample)."""
+
+    name = "swag"
+    summary = "SWA-Gaussian: moments of SGD iterates around each trained base network"
+
+    def option_table(self) -> tuple[MethodOption, ...]:
+        if not self.options:
+            self.options = _options()
+        return self.options
+
+    def phase_steps(self, spec: object, steps_per_epoch: int) -> int:
+        return spec.method_options["epochs"] * steps_per_epoch
+
+    def fit(self, run: ModeRun) -> Posterior:
+        spec, engine, seeds = run.spec, run.engine, run.seeds
+        model, steps = engine.train_base()
+        opts = spec.method_options
+        recipe = spec.recipe
+        stepper = engine.sgd_stepper(model)
+        start_lr = recipe.learning_rate(max(0, recipe.epochs - 1))
+
+        def schedule(epoch: int) -> float:
+            return swag_learning_rate(epoch, opts["lr"], opts["ramp_epochs"], start_lr)
+
+        names = [name for name, _ in model.named_parameters()]
+        collector = Collector(names, epochs=set(collection_epochs(
+            opts["epochs"], opts["iterates"], opts["collect_from"])))
+        result = fit(stepper, engine.batches(model, seeds.method), schedule, opts["epochs"],
+                     index=run.index, phase="swag", callbacks=[*run.callbacks, collector])
+        engine.load_stepper_weights(model, stepper)
+        params, buffers = parameters_of(model)
+        state = init(params, max_rank=opts["rank"])
+        for iterate in collector.kept:
+            state = update(state, iterate)
+        record = {"method": "swag", "iterates": state.count,
+                  "rank": int(state.deviations.shape[0]), "scale": opts["scale"],
+                  "epochs": opts["epochs"]}
+        posterior = SwagPosterior(
+            state if state.count >= 2 else None, opts["scale"], model, buffers,
+            lambda: engine.read_batches(seeds.method))
+        return Posterior(posterior, steps + result.steps, engine.name, record)
+
+    def sample(self, state: SwagPosterior, generator: torch.Generator, count: int
+               ) -> list[dict[str, torch.Tensor]]:
+        if state.swag is None:  # the phase stopped early (diverged): the last weights
+            return [state.model.state_dict()] * count
+        samples = sample(state.swag, generator, count, state.scale, buffers=state.buffers)
+        if state.buffers:  # BatchNorm statistics of every sample, from the training data
+            names = [name for name, _ in state.model.named_parameters()]
+            for drawn in samples:
+                params = {name: drawn[name] for name in names}
+                drawn.update(recompute_batchnorm(state.model, params, state.buffers,
+                                                 state.read_batches()))
+        return samples
+
+
+METHOD = Swag()

@@ -30,14 +30,16 @@ from train_zoo.fast.layout import NetLayout
 from train_zoo.methods.bbb import (
     _HALF_LOG_2PI,
     OPTIMIZERS,
+    BBBRun,
     BBBState,
+    ElboLog,
     OptimizerState,
     _adam,
     draw_noise,
 )
 from train_zoo.methods.common import Params
 
-__all__ = ["FastBBB"]
+__all__ = ["FastBBB", "FastBBBStepper"]
 
 
 def _flat(values: Mapping[str, Tensor], keys: Sequence[str]) -> np.ndarray:
@@ -257,3 +259,30 @@ class FastBBB:
                                                 tensors(self.adam_second[part]))
         return BBBState(mu=tensors(self.mu), rho=tensors(self.rho), options=self.options,
                         mu_buffers=buffers["mu"], rho_buffers=buffers["rho"])
+
+
+class FastBBBStepper:
+    """BBB's SGD or Adam on the numba kernels
+    (:class:`~train_zoo.methods.bbb_fast.FastBBB`)."""
+
+    def __init__(self, fast: FastBBB, run: BBBRun) -> None:
+        self.fast = fast
+        self.run = run
+        self.stopped = False
+        self.log = ElboLog(fast.options.kl_weight_for(run.num_data))
+
+    def step(self, batch: tuple, lr: float) -> float:
+        x, labels = batch
+        loss = self.fast.step(x, labels, self.run.generator, self.run.num_data, lr,
+                              momentum=self.run.momentum, nesterov=self.run.nesterov,
+                              optimizer=self.run.optimizer, rho_lr=self.run.rho_lr(lr),
+                              rho_optimizer=self.run.rho_optimizer)
+        self.log.add(self.fast.nll, self.fast.kl)
+        self.stopped = not math.isfinite(loss)
+        return loss
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return self.fast.arrays()
+
+    def bbb_state(self) -> BBBState:
+        return self.fast.state()

@@ -1,0 +1,290 @@
+"""What a method is: its declared options, its phases, its samples.
+
+A method of the trainer is one object (a subclass of :class:`Method`) in its own module of
+this package, listed once in :mod:`train_zoo.methods.registry`. It says
+
+- its ``name`` and a one-line ``summary``;
+- its ``options``: declared :class:`MethodOption` records (name, check, default, one line
+  of help), validated once with :mod:`posteriorzoo.options` when a spec is read
+  (:mod:`train_zoo.method_options`) and listed by ``posteriorzoo train --list-options``;
+- its phases, :meth:`Method.fit`: steppers that the one loop
+  (:func:`train_zoo.loop.fit`) drives, returning the method's posterior state;
+- :meth:`Method.sample` ``(state, generator, count)``: ``count`` state_dicts of the base
+  architecture.
+
+Engines stay out of methods: a method asks its :class:`ModeRun`'s ``engine``
+(:class:`Engine`, built by :mod:`train_zoo.programs`) for a base network, an SGD stepper,
+batches or a gradient, and the engine falls back to torch where it has no kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from train_zoo.recipes import Recipe
+
+StateDict = dict[str, Any]
+
+
+# ---------------------------------------------------------------- declared options
+@dataclass(frozen=True)
+class Context:
+    """What a default or a check may depend on: the spec's architecture, model options,
+    output count and recipe, and the options of the method resolved before this one (in
+    table order)."""
+
+    method: str
+    architecture: str
+    recipe: Recipe
+    model_options: Mapping[str, Any] = field(default_factory=dict)
+    num_classes: int | None = None
+    resolved: dict[str, Any] = field(default_factory=dict)
+
+    def parameter_count(self) -> int:
+        """Trainable parameters of the spec's model (built on the meta device)."""
+        from posteriorzoo.models import parameter_count
+
+        return parameter_count(self.architecture, self.num_classes, **self.model_options)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A value with where it came from: ``source`` is ``"given"``, ``"default"`` or
+    ``"derived from ..."``; ``note`` is one line saying why the value differs from the
+    option's usual default (None when it does not)."""
+
+    value: Any
+    source: str = "default"
+    note: str | None = None
+
+
+#: ``check(what, value, context)``: the value checked (or a :class:`Resolved`, when the
+#: check completes it, as Laplace's ``structure = "auto"``); raises InvalidOptionError.
+Check = Callable[[str, Any, Context], Any]
+#: ``default(context)``: the value when the spec does not give one.
+DefaultRule = Callable[[Context], Resolved]
+
+
+@dataclass(frozen=True)
+class MethodOption:
+    """One option of a method: its name, its check, its default and one line of help.
+
+    ``default_text`` is the default as the listing shows it (a rule, where the default
+    depends on the recipe or the model).
+    """
+
+    name: str
+    check: Check
+    default: DefaultRule
+    default_text: str
+    help: str
+
+
+def constant(value: Any) -> DefaultRule:
+    """A default that depends on nothing."""
+    return lambda context: Resolved(value)
+
+
+def with_context(check: Callable[..., Any], *args: Any, **kwargs: Any) -> Check:
+    """A check of :mod:`posteriorzoo.options` with fixed bounds, as a :data:`Check`."""
+    return lambda what, value, context: check(what, value, *args, **kwargs)
+
+
+def recipe_lr(context: Context) -> Resolved:
+    """The default of an ``lr`` option that follows the recipe."""
+    return Resolved(context.recipe.lr, "derived from the recipe (its lr)")
+
+
+@dataclass(frozen=True)
+class ResolvedOptions:
+    """A method's options after :meth:`Method.explain`.
+
+    Attributes
+    ----------
+    values : dict
+        Every option, defaults filled in (what a collection records).
+    sources : dict
+        Per option: ``"given"``, ``"default"``, or ``"derived from ..."`` (and for BBB
+        ``"from the preset ..."``).
+    notes : tuple of str
+        One line per default that differs from its usual value because of the recipe's
+        length or the model's size, e.g. ``swag: iterates 2 (derived from epochs=4;
+        default 20 at 60 epochs)``.
+    """
+
+    values: dict[str, Any]
+    sources: dict[str, str]
+    notes: tuple[str, ...]
+
+
+# ---------------------------------------------------------------- one mode's run
+class Engine(Protocol):
+    """What a method may ask of the engine that runs its mode (:mod:`train_zoo.programs`).
+
+    ``name`` is the engine that ran the base network (``fast`` or ``torch``); every method
+    falls back to torch where the engine has no kernel for a piece.
+    """
+
+    name: str
+
+    def train_base(self) -> tuple[Any, int]: ...
+
+    def initial_model(self) -> Any: ...
+
+    def sgd_stepper(self, model: Any) -> Any: ...
+
+    def batches(self, model: Any, seed: int, batch_size: int | None = None
+                ) -> Callable[[int], Any]: ...
+
+    def read_batches(self, seed: int, batch_size: int | None = None) -> Any: ...
+
+    def load_stepper_weights(self, model: Any, stepper: Any) -> None: ...
+
+    def log_posterior(self, model: Any, params: Any, buffers: Any, num_data: int,
+                      prior_precision: float) -> Any: ...
+
+    def bbb_stepper(self, model: Any, start: Any, run: Any) -> Any: ...
+
+
+@dataclass
+class ModeRun:
+    """Everything one mode's phases need: the spec, the mode's index and seeds
+    (:func:`train_zoo.seeds.checkpoint_seeds`), the training data, the engine and the
+    callbacks every phase reports to."""
+
+    spec: Any
+    index: int
+    seeds: Any
+    data: Any
+    engine: Engine
+    callbacks: Sequence[object] = ()
+
+    @property
+    def num_data(self) -> int:
+        return len(self.data.train)
+
+
+@dataclass
+class Posterior:
+    """What :meth:`Method.fit` returns: the method's own ``state`` (given back to
+    :meth:`Method.sample`), the gradient steps its phases took (the base network's
+    included), the engine that ran them and the record the collection keeps for the mode
+    (JSON-able, or None)."""
+
+    state: Any
+    steps: int
+    engine: str
+    record: dict[str, Any] | None = None
+
+
+class Method:
+    """One method of the trainer (module docstring). Subclasses set the class attributes
+    and implement :meth:`fit` and :meth:`sample`."""
+
+    #: The name specs and collections use.
+    name: str = ""
+    #: One line for ``posteriorzoo train --help`` and the data card.
+    summary: str = ""
+    #: The declared options, in the order they are resolved and listed.
+    options: tuple[MethodOption, ...] = ()
+    #: A mode is one trained network (``samples_per_mode`` must be 1), as DE's members.
+    one_sample_per_mode: bool = False
+    #: The vectorised engine (many small models in lockstep) can train it.
+    vectorisable: bool = False
+    #: The collection's recipe records an option resolved for the training-set size
+    #: (:meth:`recorded_options`), so resuming needs the data.
+    options_need_data: bool = False
+    #: Each mode first trains a base network with the recipe (BBB trains its variational
+    #: posterior instead, in its own first phase).
+    trains_base: bool = True
+    #: The method fits a curvature at the trained weights (what ``--dry-run`` times).
+    fits_curvature: bool = False
+
+    def phase_steps(self, spec: Any, steps_per_epoch: int) -> int:
+        """Gradient steps of the method's own phase per mode, after the base network
+        (0: none); ``steps_per_epoch`` at the recipe's batch size."""
+        return 0
+
+    def option_table(self) -> tuple[MethodOption, ...]:
+        """The declared options (:attr:`options`; a method may build them on first use)."""
+        return self.options
+
+    def explain(self, options: Mapping[str, Any], context: Context) -> ResolvedOptions:
+        """Every option resolved in table order, with where it came from (given, default,
+        derived) and the notes of derived defaults. ``options`` holds known names only."""
+        sources: dict[str, str] = {}
+        notes: list[str] = []
+        for option in self.option_table():
+            given = option.name in options
+            result = (Resolved(options[option.name], "given") if given
+                      else option.default(context))
+            checked = option.check(f"{self.name} option {option.name!r}", result.value,
+                                   context)
+            if isinstance(checked, Resolved):  # the check completed it ("auto")
+                source = f"given ({checked.source})" if given else checked.source
+                result = Resolved(checked.value, source, checked.note)
+            else:
+                result = Resolved(checked, result.source, result.note)
+            context.resolved[option.name] = result.value
+            sources[option.name] = result.source
+            if result.note:
+                notes.append(result.note)
+        return ResolvedOptions(dict(context.resolved), sources, tuple(notes))
+
+    def check_model(self, architecture: str, model_options: Mapping[str, Any],
+                    model_option_names: Sequence[str]) -> None:
+        """Refuse a model the method cannot train (InvalidOptionError); the default
+        accepts every model."""
+
+    def training_model_options(self, model_options: Mapping[str, Any],
+                               method_options: Mapping[str, Any]) -> dict[str, Any]:
+        """The options base networks are trained with (default: the stored
+        architecture's)."""
+        return dict(model_options)
+
+    def recorded_options(self, options: Mapping[str, Any], num_data: int | None
+                         ) -> dict[str, Any]:
+        """The options a collection records (default: as resolved)."""
+        return dict(options)
+
+    def fit(self, run: ModeRun) -> Posterior:
+        """Run the method's phases for one mode."""
+        raise NotImplementedError
+
+    def sample(self, state: Any, generator: Any, count: int) -> list[StateDict]:
+        """``count`` state_dicts of the base architecture from the posterior ``state``."""
+        raise NotImplementedError
+
+
+def generator_for(seed: int) -> Any:
+    """A ``torch.Generator`` seeded with ``seed``."""
+    import torch
+
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return generator
+
+
+class Collector:
+    """Keeps copies of the weights at chosen epochs (SWAG) or steps (SGHMC): a callback of
+    :func:`train_zoo.loop.fit`."""
+
+    def __init__(self, names: Sequence[str], epochs: set[int] = frozenset(),
+                 steps: set[int] = frozenset()) -> None:
+        self.names, self.epochs, self.steps = list(names), epochs, steps
+        self.kept: list[dict[str, Any]] = []
+
+    def _keep(self, weights: Mapping[str, Any]) -> None:
+        import torch
+
+        self.kept.append({name: torch.tensor(weights[name]) for name in self.names})
+
+    def on_epoch_end(self, info: Any, weights: Mapping[str, Any]) -> None:
+        if info.epoch in self.epochs:
+            self._keep(weights)
+
+    def on_step_end(self, info: Any, weights: Mapping[str, Any]) -> None:
+        if info.step in self.steps:
+            self._keep(weights)
