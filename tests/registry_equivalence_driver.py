@@ -1,6 +1,6 @@
-"""Train tiny digits specs of every method on both engines; print one JSON line: per spec
-and engine, the SHA-256 of every checkpoint's arrays, the steps, the engines that ran and
-the mode's training record.
+"""Train tiny digits specs of every method on the torch and the auto engine (the numba
+kernels where they apply); print one JSON line: per spec and engine, the SHA-256 of every
+checkpoint's arrays, the steps, the engines that ran and the mode's training record.
 
 Run by tests/test_method_registry_equivalence.py with the code of a given checkout on
 ``PYTHONPATH`` (this file imports only the trainer's public API, which both the code
@@ -49,7 +49,7 @@ def main(names: list[str]) -> dict[str, object]:
             continue
         spec = make_spec("optunet-mnist", dataset="digits", base_seed=5,
                          recipe_overrides={"epochs": 2}, **fields)
-        for engine in ("torch", "fast"):
+        for engine in ("torch", "auto"):
             results = train_checkpoints(spec, range(spec.modes), engine=engine)
             out[f"{name}/{engine}"] = {
                 "digests": [_digest(r.state) for r in results],

@@ -16,7 +16,7 @@ import torch
 from posteriorzoo.cli import main
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 from posteriorzoo.options import check_integer
-from train_zoo import make_spec
+from train_zoo import load_spec, make_spec
 from train_zoo.data import load_training_data
 from train_zoo.method_options import METHODS, describe_options, option_table
 from train_zoo.methods import registry
@@ -77,7 +77,7 @@ def test_the_checker_sees_a_method_chain(tmp_path):
     assert compare.comparators[0].value in METHODS
 
 
-def test_train_help_and_the_data_card_list_the_registry_methods():
+def test_train_help_lists_the_registry_and_the_data_card_the_shipped_methods():
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
         main(["train", "--help"])
@@ -86,9 +86,11 @@ def test_train_help_and_the_data_card_list_the_registry_methods():
     listed = re.sub(r"\([^)]*\)", "", re.search(r"Methods: ([^;]*);", text).group(1))
     names = [name.strip() for name in listed.replace(" and ", ",").split(",")]
     assert sorted(names) == sorted(METHODS)
+    # The data card names the methods of the shipped collections: those of specs/.
     card = (ROOT / "data_card.md").read_text(encoding="utf-8")
     named = re.search(r"names the method \(([^)]*)\)", " ".join(card.split())).group(1)
-    assert sorted(re.findall(r"`([^`]+)`", named)) == sorted(METHODS)
+    shipped = {load_spec(path).method for path in (ROOT / "specs").glob("*.toml")}
+    assert set(re.findall(r"`([^`]+)`", named)) == shipped <= set(METHODS)
 
 
 # ---------------------------------------------------------------- a new method: one object
@@ -134,3 +136,25 @@ def test_a_new_method_is_one_object_plus_one_registry_entry(monkeypatch):
     for result in results:  # mode 0's base network is DE member 0
         assert result.state.keys() == member.state.keys()
         assert all((result.state[k] == member.state[k]).all() for k in result.state)
+
+
+# ---------------------------------------------------------------- EMP: one file, one line
+def test_emp_is_wired_by_its_module_and_one_registry_line():
+    from train_zoo.methods import emp
+
+    assert registry.REGISTRY["emp"] is emp.METHOD
+    assert [row["option"] for row in describe_options("emp")] == list(emp.OPTION_HELP)
+    spec = load_spec(ROOT / "examples" / "optunet-digits-emp.toml")
+    assert spec.method_options == {**emp.resolve_options({}), "patch": "in+out"}
+    with pytest.raises(InvalidOptionError, match="emp option 'components'"):
+        spec.replace(method_options={"components": 0})
+    short = spec.replace(samples_per_mode=4)
+    data = load_training_data("digits")
+    results = produce_mode(short, 1, data, "auto")
+    assert [r.sample for r in results] == [0, 1, 2, 3] and results[0].engine == "torch"
+    assert results[0].record["patched"] == ["conv1.weight", "fc.bias", "fc.weight"]
+    first, second = results[0].state, results[1].state
+    assert all((first[k] == second[k]).all() for k in first if not k.startswith(("conv1", "fc")))
+    assert any((first[k] != second[k]).any() for k in first if k.startswith(("conv1", "fc")))
+    again = produce_mode(short, 1, data, "torch")  # a mode depends only on its seeds
+    assert all((again[0].state[k] == first[k]).all() for k in first)

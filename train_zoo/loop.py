@@ -7,8 +7,8 @@ method provide together:
   the numba engine's :class:`~train_zoo.fast.engine.FastNet`, the vectorised engine's
   stacked models);
 - SWAG: the same SGD steppers continued on SWAG's schedule, with a collector callback;
-- SGHMC: :class:`~train_zoo.steppers.SghmcStepper` on an engine's gradient;
-- BBB: :class:`~train_zoo.steppers.BBBStepper` (torch.func) or
+- SGHMC: :class:`~train_zoo.methods.sghmc.SghmcStepper` on an engine's gradient;
+- BBB: :class:`~train_zoo.methods.bbb.BBBStepper` (torch.func) or
   :class:`~train_zoo.fast.bbb.FastBBB` (numba).
 
 A stepper has ``step(batch, lr) -> loss`` (the mini-batch loss before the update),

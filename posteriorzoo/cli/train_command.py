@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "train", help="train a collection from a zoo spec (resumable)",
         description="Produce the checkpoints of a TOML zoo spec into a collection file. "
                     "Methods: de (independently trained networks), mc-dropout, swag, "
-                    "laplace, sghmc and bbb (samples around independently trained base "
+                    "laplace, sghmc, bbb and emp (samples around independently trained "
                     "networks, stored as checkpoints of the base architecture); the spec "
                     "gives modes x samples_per_mode and [method_options] (--list-options "
                     "lists them with their defaults). Mode i depends only on "

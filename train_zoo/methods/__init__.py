@@ -21,8 +21,13 @@ The contract (each method module of this package):
   (parameters and buffers) that load into the base architecture.
 - Options are validated once (``InvalidOptionError`` with one line naming the option).
 
-The trainer (:mod:`train_zoo.run`) drives these pieces for every mode of a spec: it
-trains the base network with the recipe, runs the method's phases, draws
-``samples_per_mode`` samples and stores them with ``mode_id`` (the base network) and
-``sample_id`` (the draw).
+Each method of the trainer is one object, a :class:`~train_zoo.methods.base.Method` in
+its own module here (``de``, ``dropout``, ``swag``, ``laplace``, ``sghmc``, ``bbb``): its
+name, its declared options, its phases (steppers for :func:`train_zoo.loop.fit`) and
+``sample(state, generator, count)``. :mod:`train_zoo.methods.registry` lists them; the
+trainer (:mod:`train_zoo.programs`, :mod:`train_zoo.run`) looks a spec's method up there,
+runs its phases for every mode, draws ``samples_per_mode`` samples and stores them with
+``mode_id`` (the base network) and ``sample_id`` (the draw). Engines stay out: a method
+asks the engine its mode runs on (:class:`~train_zoo.programs.ModeEngine`) for base
+networks, SGD steppers, batches and gradients.
 """

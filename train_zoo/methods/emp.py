@@ -56,8 +56,9 @@ tensors out, randomness only from a ``torch.Generator``, the model evaluated wit
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import torch
@@ -66,6 +67,16 @@ from torch.func import functional_call
 
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 from posteriorzoo.options import check_choice, check_integer, check_number
+from train_zoo.loop import fit
+from train_zoo.methods.base import (
+    Context,
+    Method,
+    MethodOption,
+    ModeRun,
+    Posterior,
+    constant,
+    generator_for,
+)
 from train_zoo.methods.common import Params, state_dict_of
 
 __all__ = [
@@ -559,3 +570,61 @@ def predict(model: nn.Module, state: EmpState, inputs: Tensor, samples: int,
     finally:
         model.train(was_training)
     return total / samples
+
+
+# ---------------------------------------------------------------- the method
+def _option(name: str) -> MethodOption:
+    """A record of :data:`OPTION_HELP`'s option ``name``: its default from
+    :class:`EmpOptions`, checked by :class:`EmpOptions` itself (one set of bounds)."""
+    default = next(field.default for field in fields(EmpOptions) if field.name == name)
+    text = OPTION_HELP[name]
+    # the listing shows the default beside the help: "(default 5)", "(...; default emp)"
+    help_text = re.sub(r"; default[^()]*\)$", ")", re.sub(r"\s*\(default[^()]*\)$", "", text))
+
+    def check(what: str, value: object, context: Context) -> object:
+        return getattr(EmpOptions(**{name: value}), name)
+
+    shown = f"{default:g}" if isinstance(default, float) else str(default)
+    return MethodOption(name, check, constant(default), shown, help_text)
+
+
+@dataclass(frozen=True)
+class EmpPosterior:
+    """The trained EMP/ECMP distribution and the base architecture it folds into."""
+
+    model: nn.Module
+    state: EmpState
+
+
+class EnsembleModelPatching(Method):
+    """EMP/ECMP: each mode trains the patched network from the mode's initial weights
+    with Adam (:class:`EmpStepper`) for the recipe's epochs on its batches; a sample is
+    one draw folded into a checkpoint of the base architecture (:func:`sample`)."""
+
+    name = "emp"
+    summary = "Ensemble Model Patching: K components of a few patch layers, one draw a sample"
+    options = tuple(_option(name) for name in OPTION_HELP)
+    trains_base = False
+
+    def fit(self, run: ModeRun) -> Posterior:
+        spec, seeds = run.spec, run.seeds
+        options = EmpOptions(**spec.method_options)
+        model = run.engine.initial_model()
+        start = init_model(model, generator_for(seeds.init), options)
+        stepper = EmpStepper(model, start, generator_for(seeds.noise),
+                             weight_decay=options.weight_decay, lr=options.lr)
+        # No kernel of the fast engine trains EMP: torch batches whatever the engine.
+        result = fit(stepper, run.engine.batches(model, seeds.data, torch_only=True),
+                     lambda epoch: options.lr, spec.recipe.epochs, index=run.index,
+                     phase="emp", callbacks=run.callbacks)
+        state = stepper.state()
+        record = {"method": "emp", "variant": state.variant,
+                  "components": state.num_components, "patched": sorted(state.components)}
+        return Posterior(EmpPosterior(model, state), result.steps, "torch", record)
+
+    def sample(self, state: EmpPosterior, generator: torch.Generator, count: int
+               ) -> list[dict[str, Tensor]]:
+        return sample(state.model, state.state, generator, count)
+
+
+METHOD = EnsembleModelPatching()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from posteriorzoo.errors import UnknownNameError
 from posteriorzoo.options import show
-from train_zoo.methods import bbb, de, dropout, laplace, sghmc, swag
+from train_zoo.methods import bbb, de, dropout, emp, laplace, sghmc, swag
 from train_zoo.methods.base import Method
 
 __all__ = ["METHODS", "REGISTRY", "get_method"]
@@ -24,6 +24,7 @@ REGISTRY: dict[str, Method] = {method.name: method for method in (
     laplace.METHOD,
     sghmc.METHOD,
     bbb.METHOD,
+    emp.METHOD,
 )}
 #: The names, in order.
 METHODS: tuple[str, ...] = tuple(REGISTRY)
