@@ -4,12 +4,13 @@
 
 1. looks the spec's method up in the registry (:mod:`train_zoo.methods.registry`);
 2. runs the method's phases (:meth:`~train_zoo.methods.base.Method.fit`) on a
-   :class:`ModeEngine`: every method but BBB first trains the base network with the
-   recipe (:func:`train_zoo.loop.fit` on the chosen engine; MC Dropout's with its dropout
-   layer) from the seeds of :func:`train_zoo.seeds.checkpoint_seeds` ``(base_seed, i)``,
-   exactly as DE member ``i``; then its own phase, again :func:`~train_zoo.loop.fit`
-   around a stepper (SWAG's continued SGD with a collector, the SGHMC chains, BBB's ELBO
-   steps; Laplace fits the curvature at the trained weights);
+   :class:`ModeEngine`: a method that ``trains_base`` first trains the base network with
+   the recipe (:func:`train_zoo.loop.fit` on the chosen engine; MC Dropout's with its
+   dropout layer) from the seeds of :func:`train_zoo.seeds.checkpoint_seeds`
+   ``(base_seed, i)``, exactly as DE member ``i``; then its own phase, again
+   :func:`~train_zoo.loop.fit` around a stepper (SWAG's continued SGD with a collector,
+   the SGHMC chains; Laplace fits the curvature at the trained weights). BBB and EMP
+   train their own distribution from the mode's initial weights instead;
 3. draws ``samples_per_mode`` samples with the method's
    :meth:`~train_zoo.methods.base.Method.sample` from a generator seeded with the mode's
    ``sample`` seed: state_dicts of the *base* architecture;
