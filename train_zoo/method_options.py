@@ -61,6 +61,11 @@ its reason at the constants of the method's module (re-exported here):
     :data:`train_zoo.methods.bbb.OPTION_HELP`, from which its records are made. Their values
     are checked by :func:`train_zoo.methods.bbb.resolve_options`. The paper's training
     records only the latter, as collections made before the others existed.
+``emp``
+    The fields of :class:`train_zoo.methods.emp.EmpOptions` (``components`` 5, ``patch``
+    ``"auto"``, ``variant`` ``"emp"``, ``samples`` 100, ``weight_decay`` 1e-3, ``lr``
+    1e-3, ``init_noise`` 0.1), each checked by that class, with the help of
+    :data:`train_zoo.methods.emp.OPTION_HELP`.
 """
 
 from __future__ import annotations
