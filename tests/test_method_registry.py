@@ -18,6 +18,7 @@ from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 from posteriorzoo.options import check_integer
 from train_zoo import load_spec, make_spec
 from train_zoo.data import load_training_data
+from train_zoo.job import resolve_engine
 from train_zoo.method_options import METHODS, describe_options, option_table
 from train_zoo.methods import registry
 from train_zoo.methods.base import Method, MethodOption, ModeRun, Posterior, constant, with_context
@@ -149,6 +150,7 @@ def test_emp_is_wired_by_its_module_and_one_registry_line():
     with pytest.raises(InvalidOptionError, match="emp option 'components'"):
         spec.replace(method_options={"components": 0})
     short = spec.replace(samples_per_mode=4)
+    assert resolve_engine(short, "auto") == "torch"  # no kernel of the fast engine
     data = load_training_data("digits")
     results = produce_mode(short, 1, data, "auto")
     assert [r.sample for r in results] == [0, 1, 2, 3] and results[0].engine == "torch"

@@ -2,9 +2,10 @@
 
 Engines: ``torch`` (generic autograd, any model), ``fast`` (numba, OptuNet-shaped
 networks), ``vectorised`` (torch.func, many small models in lockstep; Deep Ensembles
-only). ``auto`` picks ``fast`` when it supports the spec's base networks and ``torch``
-otherwise, so everything the fast paths do not cover falls back to the generic engine.
-All three are engines of the one loop :func:`train_zoo.loop.fit`.
+only). ``auto`` picks ``fast`` when it supports the spec's base networks and has kernels
+for the method's phases, and ``torch`` otherwise, so everything the fast paths do not
+cover falls back to the generic engine. All three are engines of the one loop
+:func:`train_zoo.loop.fit`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def resolve_engine(spec: ZooSpec, engine: str) -> str:
     if engine not in ENGINES:
         raise UnknownNameError(f"unknown engine {engine!r}; engines: {', '.join(ENGINES)}")
     if engine == "auto":
-        return "fast" if fast.supports(spec) else "torch"
+        kernels = get_method(spec.method).uses_fast_kernels
+        return "fast" if kernels and fast.supports(spec) else "torch"
     if engine == "fast" and not fast.supports(spec):
         raise InvalidOptionError(
             f"the fast engine does not support {spec.architecture} with this recipe; "

@@ -201,6 +201,9 @@ class Method:
     trains_base: bool = True
     #: The method fits a curvature at the trained weights (what ``--dry-run`` times).
     fits_curvature: bool = False
+    #: The fast engine has kernels for the method's phases; without them the engine
+    #: ``auto`` picks torch (a method asked to run on ``fast`` falls back to torch).
+    uses_fast_kernels: bool = True
 
     def phase_steps(self, spec: Any, steps_per_epoch: int) -> int:
         """Gradient steps of the method's own phase per mode, after the base network

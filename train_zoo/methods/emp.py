@@ -605,6 +605,7 @@ class EnsembleModelPatching(Method):
     summary = "Ensemble Model Patching: K components of a few patch layers, one draw a sample"
     options = tuple(_option(name) for name in OPTION_HELP)
     trains_base = False
+    uses_fast_kernels = False
 
     def fit(self, run: ModeRun) -> Posterior:
         spec, seeds = run.spec, run.seeds
