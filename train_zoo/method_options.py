@@ -42,7 +42,7 @@ number has a range, with its reason at the constants below:
     ``chains`` (1: independent chains per mode from its base network, each keeping
     ``samples_per_mode / chains`` samples), ``noise_correction`` (true: subtract Chen et
     al.'s ``beta_hat`` estimated from the minibatch gradients) and ``noise_decay`` (0.99,
-    the running estimate's weight of the past), ``preconditioner`` (``"auto"``:
+    the running estimate's weight of the past), ``preconditioner`` (``"none"``; ``"auto"``:
     ``"laplace"`` up to :data:`AUTO_FULL_LAPLACE_PARAMETERS` parameters, else ``"none"``;
     ``"laplace"`` runs each chain with a constant mass matrix, the base network's full
     Laplace precision, from its own draw of that Laplace approximation), ``whitened_lr``
@@ -179,6 +179,10 @@ class MethodOption:
     default: DefaultRule
     default_text: str
     help: str
+    #: Whether a collection records the resolved value (None: always). An option added
+    #: after collections were made is recorded only where it shapes the weights, so their
+    #: specs still resolve to the recipe they record and can be resumed.
+    recorded: Callable[[Context], bool] | None = None
 
 
 def _constant(value: Any) -> DefaultRule:
@@ -424,19 +428,23 @@ _TABLES: dict[str, tuple[MethodOption, ...]] = {
                      _with_context(check_number, 0, strict=True, maximum=0.9999),
                      _constant(0.99), "0.99",
                      "weight of the past in the running noise estimate, in (0, 0.9999]"),
-        MethodOption("preconditioner", _sghmc_preconditioner, _sghmc_preconditioner_auto,
-                     "auto", "auto (laplace up to "
+        MethodOption("preconditioner", _sghmc_preconditioner, _constant("none"),
+                     "none", "none, auto (laplace up to "
                      f"{AUTO_FULL_LAPLACE_PARAMETERS:,} parameters, else none), laplace (a "
                      "constant mass matrix: the base network's full Laplace precision; "
-                     "each chain starts from a draw of that Laplace approximation) or none"),
+                     "each chain starts from a draw of that Laplace approximation)",
+                     recorded=lambda context: context.resolved["preconditioner"] != "none"),
         MethodOption("whitened_lr", _with_context(check_number, 0, strict=True, maximum=1),
                      _constant(SGHMC_WHITENED_LR), f"{SGHMC_WHITENED_LR:g}",
                      "step size of a preconditioned chain (in whitened coordinates, where "
-                     "the posterior's curvature is about 1), in (0, 1]; lr is unused there"),
+                     "the posterior's curvature is about 1), in (0, 1]; lr is unused there",
+                     recorded=lambda context: context.resolved["preconditioner"] != "none"),
         MethodOption("batch_size", _sghmc_batch_size, _sghmc_batch_size_default,
                      f"{SGHMC_WHITENED_BATCH} with a preconditioner, else the recipe's",
                      "minibatch size of the chains (the gradient noise falls as 1 / "
-                     "batch_size), 1 to the training set"),
+                     "batch_size), 1 to the training set",
+                     recorded=lambda context: (context.resolved["batch_size"]
+                                               != context.recipe.batch_size)),
     ),
 }
 
@@ -536,7 +544,9 @@ def explain_method_options(method: str, options: Mapping[str, Any], architecture
         sources[option.name] = result.source
         if result.note:
             notes.append(result.note)
-    return ResolvedOptions(dict(context.resolved), sources, tuple(notes))
+    values = {option.name: context.resolved[option.name] for option in table
+              if option.recorded is None or option.recorded(context)}
+    return ResolvedOptions(values, {name: sources[name] for name in values}, tuple(notes))
 
 
 def _explain_bbb(options: Mapping[str, Any], recipe: Recipe) -> ResolvedOptions:
