@@ -251,10 +251,11 @@ def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
         extra["pairwise_id"], extra["pairs"] = pairwise_mutual_information(members, chosen)
         if ood is not None:
             extra["pairwise_ood"] = pairwise_mutual_information(ood, chosen)[0]
+    # the ensemble's first: they check the labels, and posterior_predictive the members
+    ensemble_accuracy = accuracy(predictive, labels)
+    ensemble_nll = negative_log_likelihood(predictive, labels)
     return EvaluateResult(
-        name, split, np.array([accuracy(p, labels) for p in members]),
-        np.array([negative_log_likelihood(p, labels) for p in members]),
-        accuracy(predictive, labels), negative_log_likelihood(predictive, labels),
+        name, split, *_member_metrics(members, labels), ensemble_accuracy, ensemble_nll,
         brier_score(predictive, labels), expected_calibration_error(predictive, labels, bins),
         mean_mutual_information(members), bins,
         {"id": len(labels), "ood": 0 if ood is None else ood.shape[1]}, **extra,
@@ -266,3 +267,15 @@ def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
                                    "ood_score": ood_score, "bins": bins, "n_images": n_images,
                                    "n_pairs": n_pairs, "verify": verify}))
 
+
+
+def _member_metrics(members: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`~posteriorzoo.metrics.accuracy` and
+    :func:`~posteriorzoo.metrics.negative_log_likelihood` of each member ``(N, n, K)``
+    at once: the same formulas along the member axis, without checking every member's
+    probabilities again (the caller has checked them all, and the labels)."""
+    labels = np.asarray(labels, dtype=np.int64)
+    right = (members.argmax(axis=2) == labels).mean(axis=1)
+    picked = np.take_along_axis(members, labels[None, :, None], axis=2)[..., 0]
+    nll = -np.log(np.clip(picked.astype(np.float64), 1e-12, None)).mean(axis=1)
+    return right, nll
