@@ -31,6 +31,7 @@ from torch import nn
 from posteriorzoo.errors import PosteriorZooError
 from train_zoo.data import TrainingData
 from train_zoo.fast.engine import FastNet, batches_for, layout_for
+from train_zoo.fast.engine import evaluate as fast_evaluate
 from train_zoo.fast.engine import train_base as fast_train_base
 from train_zoo.loop import fit
 from train_zoo.method_options import resolve_kl_weight
@@ -49,7 +50,7 @@ from train_zoo.steppers import (
     fast_log_posterior,
     torch_log_posterior,
 )
-from train_zoo.torch_engine import TorchSGD, finish, initial_model, torch_batches
+from train_zoo.torch_engine import TorchSGD, evaluate, finish, initial_model, torch_batches
 from train_zoo.torch_engine import train_base as torch_train_base
 
 __all__ = ["BBBTrainingRun", "produce_mode", "train_bbb"]
@@ -367,7 +368,8 @@ def _evaluate(spec: ZooSpec, index: int, samples: Sequence[StateDict], seeds: Ch
     for number, sample in enumerate(samples):
         base.load_state_dict(sample)
         result = finish(spec, index, base, seeds, steps, time.perf_counter() - share,
-                        engine, data, sample=number)
+                        engine, data, sample=number,
+                        measure=fast_evaluate if engine == "fast" else evaluate)
         result.record = record
         results.append(result)
     return results
