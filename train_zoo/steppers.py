@@ -69,6 +69,19 @@ def fast_log_posterior(layout: NetLayout, like: Params, num_data: int,
     return evaluate
 
 
+def _chain_record(temperature_sum: float, capped_sum: float, count: int, alpha: float,
+                  steps: int) -> dict[str, float | int | bool | None]:
+    """An SGHMC chain's record: mean kinetic temperature and capped fraction over the
+    ``count`` recorded steps (None when there were none, or when the chain diverged and
+    its momentum is no longer finite: ``diverged`` says so)."""
+    temperature = temperature_sum / count if count else None
+    diverged = temperature is not None and not math.isfinite(temperature)
+    return {"kinetic_temperature": None if diverged else temperature,
+            "exact_temperature": 1.0 / (1.0 - alpha / 2.0),
+            "beta_hat_capped": capped_sum / count if count and not diverged else None,
+            "steps": steps, "recorded_steps": count, "diverged": diverged}
+
+
 class SghmcStepper:
     """One SGHMC chain (:func:`train_zoo.methods.sghmc.update`) for ``total_steps`` steps.
 
@@ -124,11 +137,8 @@ class SghmcStepper:
         """What the chain did after ``record_from``: the mean kinetic temperature
         ``mean(v^2) / eta`` (its exact-chain value ``1 / (1 - alpha / 2)`` beside it), the
         mean fraction of coordinates whose ``beta_hat`` was capped, and the steps."""
-        count = self._recorded
-        return {"kinetic_temperature": self._temperature / count if count else None,
-                "exact_temperature": 1.0 / (1.0 - self.alpha / 2.0),
-                "beta_hat_capped": self._capped / count if count else None,
-                "steps": self.state.step, "recorded_steps": count}
+        return _chain_record(self._temperature, self._capped, self._recorded, self.alpha,
+                             self.state.step)
 
 
 class WhitenedSghmcStepper:
@@ -217,11 +227,8 @@ class WhitenedSghmcStepper:
 
     def record(self) -> dict[str, float | int | None]:
         """:meth:`SghmcStepper.record`, in whitened coordinates."""
-        count = self._recorded
-        return {"kinetic_temperature": self._temperature / count if count else None,
-                "exact_temperature": 1.0 / (1.0 - self.alpha / 2.0),
-                "beta_hat_capped": self._capped / count if count else None,
-                "steps": self.steps, "recorded_steps": count, "whitened": True}
+        return {**_chain_record(self._temperature, self._capped, self._recorded, self.alpha,
+                                self.steps), "whitened": True}
 
 
 @dataclass(frozen=True)
