@@ -293,15 +293,19 @@ def _laplace_structure(what: str, value: Any, context: Context) -> Any:
     if value == "auto":
         return _laplace_auto(context)
     if value == "full":
-        from train_zoo.methods.laplace import MAX_FULL_PARAMETERS
-
-        count = context.parameter_count()
-        if count > MAX_FULL_PARAMETERS:
-            raise InvalidOptionError(
-                f"{what} is 'full', but {context.architecture} has {count:,} parameters: "
-                f"a dense GGN is limited to {MAX_FULL_PARAMETERS:,} (use 'last-layer-kfac' "
-                "or 'auto')")
+        _check_dense(what, value, context, "a dense GGN", "'last-layer-kfac' or 'auto'")
     return value
+
+
+def _check_dense(what: str, value: str, context: Context, matrix: str, instead: str) -> None:
+    """Refuse a dense D x D matrix of the parameters past the full Laplace's limit."""
+    from train_zoo.methods.laplace import MAX_FULL_PARAMETERS
+
+    count = context.parameter_count()
+    if count > MAX_FULL_PARAMETERS:
+        raise InvalidOptionError(
+            f"{what} is {value!r}, but {context.architecture} has {count:,} parameters: "
+            f"{matrix} is limited to {MAX_FULL_PARAMETERS:,} (use {instead})")
 
 
 def _prior(choices: tuple[str, ...]) -> Check:
@@ -326,13 +330,7 @@ def _sghmc_preconditioner(what: str, value: Any, context: Context) -> Any:
     if value == "auto":
         return _sghmc_preconditioner_auto(context)
     if value == "laplace":
-        from train_zoo.methods.laplace import MAX_FULL_PARAMETERS
-
-        count = context.parameter_count()
-        if count > MAX_FULL_PARAMETERS:
-            raise InvalidOptionError(
-                f"{what} is 'laplace', but {context.architecture} has {count:,} parameters: "
-                f"a dense mass matrix is limited to {MAX_FULL_PARAMETERS:,} (use 'none')")
+        _check_dense(what, value, context, "a dense mass matrix", "'none'")
     return value
 
 
