@@ -135,7 +135,7 @@ def noise_floor(target: Mapping[str, np.ndarray], *, symmetries: str, held_out: 
         results = []
         for layer in chosen:
             l1, l2sq = (matrix.ravel() for matrix in full[layer.name])
-            xx, xy, yy = ((l1[index], l2sq[index]) for index in where)
+            xx, xy, yy = ((l1.take(index), l2sq.take(index)) for index in where)
             xy = tuple(block.reshape(len(first), len(second)) for block in xy)
             distances = Distances(xx=xx, xy=xy, yy=yy, m=len(first), n=len(second))
             results.append(LayerResult("draw", symmetries, layer.name, layer.keys, layer.size,
