@@ -40,7 +40,7 @@ BackPack (Curvlinops and the generic path run once).
 Run from the repository root::
 
     .venv/bin/python benchmarks/bench_methods.py                 # ~5 minutes
-    .venv/bin/python benchmarks/bench_methods.py --quick         # smoke run, ~30 s
+    .venv/bin/python benchmarks/bench_methods.py --quick         # smoke run, seconds
     .venv/bin/python benchmarks/bench_methods.py --json benchmarks/output/methods.json
 """
 
@@ -358,9 +358,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="torch threads for every contestant (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of inits and noise")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: at most 2,000 images, batch sizes 64,256, "
-                             "calibration on 1,024 and Curvlinops on 256 images, 30 / 100 "
-                             "BBB steps, 1 repeat (explicit options still apply)")
+                        help="smoke run: at most 512 images, batch sizes 64,128, "
+                             "calibration on 256 and Curvlinops on 64 images, 5 / 10 BBB "
+                             "steps, 1 repeat (explicit options still apply)")
     parser.add_argument("--methods", nargs="*", default=None, metavar="METHOD",
                         help="(c): methods whose 100-sample collection is timed (default: "
                              f"{' '.join(METHODS)}; none with --quick)")
@@ -371,12 +371,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="also write every number, the command and versions as JSON")
     args = parser.parse_args(argv)
     if args.quick:
-        args.ggn_images = min(args.ggn_images, 2000)
-        args.batch_sizes = args.batch_sizes or [64, 256]
-        args.calibration_images = min(args.calibration_images, 1024)
-        args.curvlinops_images = min(args.curvlinops_images, 256)
-        args.bbb_steps = min(args.bbb_steps, 30)
-        args.bbb_fast_steps = min(args.bbb_fast_steps or 100, 100)
+        args.ggn_images = min(args.ggn_images, 512)
+        args.batch_sizes = args.batch_sizes or [64, 128]
+        args.calibration_images = min(args.calibration_images, 256)
+        args.curvlinops_images = min(args.curvlinops_images, 64)
+        args.bbb_steps = min(args.bbb_steps, 5)
+        args.bbb_fast_steps = min(args.bbb_fast_steps or 10, 10)
         args.repeats = args.repeats or 1
     if args.methods is None:
         args.methods = [] if args.quick else list(METHODS)

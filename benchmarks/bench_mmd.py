@@ -132,6 +132,8 @@ def bench_layer(args: argparse.Namespace) -> dict[str, Any]:
     with open_reference("target") as target, open_reference("de") as de:
         X = target.layer("conv2.weight").reshape(len(target), -1)
         Y = de.layer("conv2.weight").reshape(len(de), -1)
+    if args.quick:   # a smoke run: the test's resamples on the full sizes take seconds
+        X, Y = X[:200], Y[:50]
     torch.set_num_threads(os.cpu_count() or 1)
     first, ours, result = timed(lambda: kernel_mmds(X, Y), args.repeats)
     rows = {"posteriorzoo kernel_mmds": {"seconds": ours, "fastest_seconds": timed.fastest,
@@ -335,7 +337,7 @@ def evict(path: Path) -> None:
 def bench_resnet(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     from posteriorzoo.hashing import sha256_file
 
-    channels = args.resnet_channels if not args.quick else 16
+    channels = args.resnet_channels if not args.quick else 1
     per_row = channels * int(np.prod(LAYER_SHAPE[1:])) * 4
     free = shutil.disk_usage(folder).free
     note = None
@@ -401,7 +403,8 @@ def print_resnet(result: dict[str, Any]) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: fewer repeats, 3 methods, a 16-channel layer in item 3")
+                        help="smoke run: X = 200 x 250 and Y = 50 x 250 in item 1, fewer "
+                             "repeats, 3 methods, a 1-channel layer in item 3")
     parser.add_argument("--repeats", type=int, default=11, help="timed repeats in item 1")
     parser.add_argument("--resnet-channels", type=int, default=512,
                         help="output channels of the streamed layer (512: full size)")

@@ -139,7 +139,7 @@ def test_import_with_model_options(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["info"], ["frobnicate"], ["export", "z.h5", "x", "--out"],
-                                  ["train", "spec.toml"]])
+                                  ["train", "spec.toml", "--workers", "0"]])
 def test_usage_errors_are_one_line_with_exit_2(capsys, argv):
     with pytest.raises(SystemExit) as stop:
         main(argv)
@@ -176,3 +176,10 @@ def test_export_and_import_json_print_the_results(capsys, tmp_path, zoo_file):
     assert code == 0 and imported["kind"] == "import" and imported["created"]
     assert imported["added"] == list(range(5)) and imported["inputs"] == 5
     assert len(imported["provenance"]["inputs"]) == 5
+
+
+def test_train_without_out_is_a_usage_error_before_the_spec_is_read(capsys):
+    # --out is needed unless --dry-run: said in one line, even for a spec that does not exist
+    assert main(["train", "no-such-spec.toml"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--out" in err[0] and "--dry-run" in err[0]

@@ -132,3 +132,19 @@ def test_dense_noise_estimate_is_the_gradient_covariance():
     assert capped == 1.0
     assert math.isclose(float(sghmc.dense_noise_factor(None, LR, ALPHA, DIM)[0][0, 0]),
                         math.sqrt(2 * ALPHA * LR))
+
+
+def test_the_preconditioner_options_are_recorded_only_where_they_shape_the_weights():
+    from train_zoo.spec import make_spec
+
+    def options(**given):
+        return make_spec("optunet-mnist", dataset="digits", method="sghmc", modes=1,
+                         samples_per_mode=4, base_seed=0, method_options=given).method_options
+
+    plain = options()
+    assert not {"preconditioner", "whitened_lr", "batch_size"} & set(plain)
+    assert options(preconditioner="none") == plain          # the same chain, the same record
+    assert options(batch_size=128)["batch_size"] == 128     # differs from the recipe's 64
+    whitened = options(preconditioner="auto")                # OptuNet: 392 parameters
+    assert (whitened["preconditioner"], whitened["batch_size"]) == ("laplace", 512)
+    assert whitened["whitened_lr"] == pytest.approx(1e-4)

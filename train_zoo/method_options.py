@@ -44,7 +44,7 @@ its reason at the constants of the method's module (re-exported here):
     ``chains`` (1: independent chains per mode from its base network, each keeping
     ``samples_per_mode / chains`` samples), ``noise_correction`` (true: subtract Chen et
     al.'s ``beta_hat`` estimated from the minibatch gradients) and ``noise_decay`` (0.99,
-    the running estimate's weight of the past), ``preconditioner`` (``"auto"``:
+    the running estimate's weight of the past), ``preconditioner`` (``"none"``; ``"auto"``:
     ``"laplace"`` up to :data:`AUTO_FULL_LAPLACE_PARAMETERS` parameters, else ``"none"``;
     ``"laplace"`` runs each chain with a constant mass matrix, the base network's full
     Laplace precision, from its own draw of that Laplace approximation), ``whitened_lr``

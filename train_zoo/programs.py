@@ -36,6 +36,7 @@ from torch import nn
 from train_zoo.data import TrainingData
 from train_zoo.fast.bbb import FastBBB, FastBBBStepper
 from train_zoo.fast.engine import FastNet, batches_for, layout_for
+from train_zoo.fast.engine import evaluate as fast_evaluate
 from train_zoo.fast.engine import train_base as fast_train_base
 from train_zoo.fast.gradients import fast_log_posterior
 from train_zoo.methods.base import ModeRun, generator_for
@@ -48,6 +49,7 @@ from train_zoo.seeds import CheckpointSeeds, checkpoint_seeds
 from train_zoo.spec import ZooSpec
 from train_zoo.torch_engine import (
     TorchSGD,
+    evaluate,
     finish,
     initial_model,
     torch_batches,
@@ -194,7 +196,8 @@ def _evaluate(spec: ZooSpec, index: int, samples: Sequence[StateDict], seeds: Ch
     for number, sample in enumerate(samples):
         base.load_state_dict(sample)
         result = finish(spec, index, base, seeds, steps, time.perf_counter() - share,
-                        engine, data, sample=number)
+                        engine, data, sample=number,
+                        measure=fast_evaluate if engine == "fast" else evaluate)
         result.record = record
         results.append(result)
     return results

@@ -129,11 +129,13 @@ def train_torch(spec: ZooSpec, index: int, data: TrainingData,
 
 
 def finish(spec: ZooSpec, index: int, model: nn.Module, seeds: CheckpointSeeds, steps: int,
-           started: float, engine: str, data: TrainingData, sample: int = 0
+           started: float, engine: str, data: TrainingData, sample: int = 0,
+           measure: Callable[[nn.Module, object], tuple[float, float]] = evaluate
            ) -> CheckpointResult:
-    """Evaluate the final model on both splits and package the result."""
-    train_loss, train_accuracy = evaluate(model, data.train)
-    test_loss, test_accuracy = evaluate(model, data.test)
+    """Evaluate the final model on both splits and package the result (``measure``: the
+    evaluation, :func:`evaluate` or the fast engine's :func:`train_zoo.fast.evaluate`)."""
+    train_loss, train_accuracy = measure(model, data.train)
+    test_loss, test_accuracy = measure(model, data.test)
     state = {key: value.detach().clone().numpy() for key, value in model.state_dict().items()}
     num_classes = spec.num_classes or data.train.num_classes
     return CheckpointResult(

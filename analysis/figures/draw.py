@@ -35,6 +35,7 @@ from analysis.figures.statistics import (
     unit_marginals,
     unit_position,
 )
+from analysis.figures.styles import method_style
 from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.text import MMD_DISPLAY_SCALE, matplotlib_text, scaled_label
 
@@ -349,14 +350,14 @@ def mmd_figure(per_layer: Mapping[str, Mapping[str, float]],
                                 linewidth=0, label=NOISE_LABEL if not everything else None)
                 everything += [low, high]
     count = len(per_layer)
-    markers = "osD^v<>ph*"
     for k, (method, values) in enumerate(per_layer.items()):
         offset = (k - (count - 1) / 2) * min(0.6 / max(count, 1), 0.15)
         xs = [i + offset for i, name in enumerate(layers) if name in values]
         ys = [scale * float(values[name]) for name in layers if name in values]
         everything += ys
-        ax.plot(xs, ys, linestyle="none", marker=markers[k % len(markers)], markersize=6,
-                label=matplotlib_text(method))
+        style = method_style(method)   # the same in every figure, report and plot
+        ax.plot(xs, ys, linestyle="none", marker=style.marker, color=style.colour,
+                markersize=6, label=matplotlib_text(method))
     axis_scale = _value_scale(ax, np.asarray(everything, dtype=np.float64))
     ax.set_xticks(range(len(layers)), [matplotlib_text(name) for name in layers], rotation=30,
                   ha="right", fontsize=8)
@@ -395,14 +396,15 @@ def pca_figure(curves: Mapping[str, np.ndarray], *, threshold: float = 0.9) -> F
         raise InvalidOptionError("no curve to draw")
     figure = _figure(8.5, 4.2)
     ax = figure.subplots()
-    for index, (name, curve) in enumerate(curves.items()):
+    for name, curve in curves.items():
         curve = np.asarray(curve, dtype=np.float64).ravel()
         components = np.arange(1, curve.size + 1)
         reached = np.flatnonzero(curve >= threshold)
         needed = reached[0] + 1 if reached.size else f">{curve.size}"
+        style = method_style(name)   # the same in every figure, report and plot
         # the legend says how many components each collection needs to reach the threshold
-        ax.plot(components, curve, marker="." if curve.size <= 60 else None,
-                linestyle="-" if index < 10 else "--",   # the 10 colours repeat after 10
+        ax.plot(components, curve, color=style.colour, linestyle=style.linestyle,
+                marker=style.marker if curve.size <= 60 else None, markersize=4,
                 label=f"{matplotlib_text(name)}: {needed} of {curve.size}")
     ax.axhline(threshold, color="0.5", linestyle="--", linewidth=0.8)
     ax.set_ylim(0.0, 1.02)

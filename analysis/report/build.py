@@ -11,9 +11,12 @@ CSV, JSON and the figures as PNG and PDF.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,10 @@ from posteriorzoo.text import MMD_DISPLAY_SCALE
 MAX_BINS = 10_000
 MAX_SPLITS = 1_000
 MAX_PAIRS = 100_000
+#: The noise floor says little when the target holds fewer than this many times the n of
+#: its held-out splits: a split then keeps less than 80% of the target, and the splits
+#: overlap heavily. The page, report.md and the printed table warn below it.
+NOISE_FLOOR_MIN_RATIO = 5
 #: Display names of the methods (multi-mode versions get "MM-").
 METHOD_LABELS = {"de": "DE", "mc-dropout": "Dropout", "bbb": "BBB", "swag": "SWAG",
                  "laplace": "Laplace", "sghmc": "SGHMC"}
@@ -110,16 +117,31 @@ class ReportResult(CollectionResult):
                                                  (list(t.values()) for t in self.tests))
         return files
 
+    def figure_png(self, name: str) -> bytes:
+        """Figure ``name`` as PNG (110 dpi), rendered on the first call only: the page
+        embeds the same bytes that ``figures/<name>.png`` holds, and the PDF keeps the
+        layout of this render."""
+        rendered = self.__dict__.setdefault("_rendered_png", {})
+        if name not in rendered:
+            figure = self.figures[name]
+            buffer = io.BytesIO()
+            figure.savefig(buffer, format="png", dpi=110)
+            rendered[name] = buffer.getvalue()
+            # Keep the layout this render computed: the PDF reuses it instead of running
+            # the constrained layout (most of a figure's rendering time) once more.
+            figure.set_layout_engine("none")
+        return rendered[name]
+
     def write_into(self, folder: str | os.PathLike) -> dict[str, Path]:
         """The tables, the JSON, and every figure as ``figures/<name>.png`` and ``.pdf``."""
         folder = Path(folder)
         paths = super().write_into(folder)
         (folder / "figures").mkdir(exist_ok=True)
         for name, figure in self.figures.items():
-            for suffix in ("png", "pdf"):
-                path = folder / "figures" / f"{name}.{suffix}"
-                figure.savefig(path, format=suffix, dpi=110 if suffix == "png" else None)
-                paths[f"figures/{name}.{suffix}"] = path
+            png, pdf = folder / "figures" / f"{name}.png", folder / "figures" / f"{name}.pdf"
+            png.write_bytes(self.figure_png(name))
+            figure.savefig(pdf, format="pdf")
+            paths[f"figures/{name}.png"], paths[f"figures/{name}.pdf"] = png, pdf
         return paths
 
 
@@ -176,7 +198,9 @@ def build_report(target: str | os.PathLike,
                  ood_score: str = "max-probability", n_images: int | None = None,
                  splits: int = 50, n_pairs: int = 300, collapse: str | None = None,
                  seed: int = 0, figures: bool = True, workdir: str | os.PathLike | None = None,
-                 progress: bool = False, command: str | None = None) -> ReportResult:
+                 progress: bool = False, command: str | None = None,
+                 predict: Callable[[Any, Any], np.ndarray] | None = None,
+                 timings: dict[str, float] | None = None) -> ReportResult:
     """The benchmark report of method collections against a target collection.
 
     Parameters
@@ -218,7 +242,18 @@ def build_report(target: str | os.PathLike,
         Show progress bars.
     command : str, optional
         Recorded in the provenance.
+    predict : callable, optional
+        ``predict(zoo, images)``: the members' softmax outputs (``evaluate``'s
+        ``predict``). Default: :func:`analysis.report.predictions.member_probabilities`
+        (numba kernels for OptuNets, the torch path otherwise);
+        :func:`posteriorzoo.collection.evaluation.member_probabilities` gives the torch
+        path for every collection.
+    timings : dict, optional
+        Filled with the seconds each stage took: ``load``, ``canonicalize``, ``mmd``,
+        ``noise floor``, ``predictions``, ``metrics``, ``diagnostics``, ``figures``
+        (``benchmarks/bench_report.py``).
     """
+    from analysis.report.predictions import member_probabilities
     from posteriorzoo.collection import compare, diagnose, evaluate
     from posteriorzoo.collection.comparison import parameter_keys
     from posteriorzoo.metrics import OOD_SCORES
@@ -231,7 +266,11 @@ def build_report(target: str | os.PathLike,
     check_integer("seed", seed, 0)
     check_choice("ood_score", ood_score, OOD_SCORES)
     target = Path(target)
-    info, entries = _inputs(target, methods, allow_mixed)
+    timings = {} if timings is None else timings
+    stage = _stage_timer(timings)
+    predict = _timed(predict or member_probabilities, timings, "predictions")
+    with stage("load"):
+        info, entries = _inputs(target, methods, allow_mixed)
     names = [e["name"] for e in entries]
     if collapse is not None and collapse not in names:
         raise InvalidOptionError(f"collapse must name a method ({', '.join(names)}), "
@@ -241,22 +280,28 @@ def build_report(target: str | os.PathLike,
     with tempfile.TemporaryDirectory(prefix="report-", dir=workdir) as scratch:
         canonical = Path(scratch) / "canonical"
         canonical.mkdir()
-        comparison = compare(target, {e["name"]: e["path"] for e in entries},
-                             symmetries="both", test=test, seed=seed, canonical_dir=canonical,
-                             progress=progress, command=command)
+        with stage("mmd"):
+            comparison = compare(target, {e["name"]: e["path"] for e in entries},
+                                 symmetries="both", test=test, seed=seed,
+                                 canonical_dir=canonical, progress=progress, command=command)
+        # compare's own clock tells its canonicalization from its statistics
+        canonicalizing = (comparison.provenance.get("canonicalizer") or {}).get("seconds", 0.0)
+        timings["canonicalize"] = timings.get("canonicalize", 0.0) + canonicalizing
+        timings["mmd"] -= canonicalizing
         treatments = sorted({r.symmetries for r in comparison.results})
         target_arrays = {}
-        with open_zoo(target) as zoo:
+        with stage("load"), open_zoo(target) as zoo:
             keys = parameter_keys(zoo)
             target_arrays["keep"] = {key: zoo.layer(key) for key in keys}
         # compare's canonical copy of the target (the target itself if it is canonical
         # already), named by compare: never guessed from the file name
-        with open_zoo(comparison.canonical_target or target) as zoo:
+        with stage("load"), open_zoo(comparison.canonical_target or target) as zoo:
             target_arrays["remove"] = {key: zoo.layer(key) for key in keys}
         held_out = int(np.median([e["n"] for e in entries]))
         held_out = min(held_out, info["n"] - 2)
-        noise = {t: noise_floor(target_arrays[t], symmetries=t, held_out=held_out,
-                                splits=splits, seed=seed) for t in treatments}
+        with stage("noise floor"):
+            noise = {t: noise_floor(target_arrays[t], symmetries=t, held_out=held_out,
+                                    splits=splits, seed=seed) for t in treatments}
         per_layer: dict[str, dict[str, dict[str, float]]] = {}
         tests = [{"method": r.method, "symmetries": r.symmetries, "layer": r.layer,
                   "reject": bool(r.test.reject), "min_p_value": float(np.min(r.test.p_values)),
@@ -266,22 +311,27 @@ def build_report(target: str | os.PathLike,
             per_layer.setdefault(result.symmetries, {}).setdefault(
                 result.method, {})[result.layer] = result.median
         evaluations = {}
-        for entry in entries:
-            evaluations[entry["name"]] = evaluate(
-                entry["path"], dataset=id_data, ood_dataset=ood_data, ood_score=ood_score,
-                bins=bins, n_images=n_images, seed=seed,
-                n_pairs=n_pairs if entry["name"] == collapse else 0)
+        with stage("metrics"):   # less the predictions, which time themselves
+            for entry in entries:
+                evaluations[entry["name"]] = evaluate(
+                    entry["path"], dataset=id_data, ood_dataset=ood_data, ood_score=ood_score,
+                    bins=bins, n_images=n_images, seed=seed,
+                    n_pairs=n_pairs if entry["name"] == collapse else 0, predict=predict)
+        timings["metrics"] -= timings.get("predictions", 0.0)
         rows = [_row(entry, comparison, evaluations[entry["name"]]) for entry in entries]
         # The inputs were verified as compare read them; IDMI is in Table 1 already.
-        diagnostics = [diagnosis_row(entry["name"], diagnose(entry["path"], predictions=False,
-                                                             verify=False))
-                       for entry in entries]
+        with stage("diagnostics"):
+            diagnostics = [diagnosis_row(entry["name"],
+                                         diagnose(entry["path"], predictions=False,
+                                                  verify=False))
+                           for entry in entries]
         drawn, notes = ({}, {})
         if figures:
             from analysis.report.figures import report_figures
 
-            drawn, notes = report_figures(target, target_arrays, per_layer, noise,
-                                          evaluations[collapse], collapse, entries)
+            with stage("figures"):
+                drawn, notes = report_figures(target, target_arrays, per_layer, noise,
+                                              evaluations[collapse], collapse, entries)
     first = evaluations[entries[0]["name"]]
     return ReportResult(
         info, rows, noise, per_layer,
@@ -298,6 +348,31 @@ def build_report(target: str | os.PathLike,
                      "test": test, "bins": bins, "ood_score": ood_score,
                      "n_images": n_images, "splits": splits, "n_pairs": n_pairs,
                      "collapse": collapse, "held_out": held_out}))
+
+
+def _stage_timer(timings: dict[str, float]) -> Callable[[str], Any]:
+    """``with stage(name):`` adds the block's wall time to ``timings[name]``."""
+    @contextlib.contextmanager
+    def stage(name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            timings[name] = timings.get(name, 0.0) + time.perf_counter() - started
+
+    return stage
+
+
+def _timed(function: Callable[..., Any], timings: dict[str, float], name: str
+           ) -> Callable[..., Any]:
+    """``function``, adding the wall time of each call to ``timings[name]``."""
+    stage = _stage_timer(timings)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        with stage(name):
+            return function(*args, **kwargs)
+
+    return timed
 
 
 def diagnosis_row(name: str, diagnosis: Any) -> dict[str, Any]:

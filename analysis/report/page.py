@@ -9,7 +9,6 @@ through :mod:`posteriorzoo.text` for the format it lands in: ``html_text`` on th
 from __future__ import annotations
 
 import base64
-import io
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +32,8 @@ th, td { border: 1px solid #bbb; padding: 0.25em 0.6em; text-align: right; }
 th:first-child, td:first-child { text-align: left; }
 tr.noise td { background: #eef3fb; font-style: italic; }
 .note { background: #f7f7f2; border-left: 4px solid #99a; padding: 0.6em 1em; }
+.warning { background: #fdf3e1; border-left: 4px solid #d89b2b; padding: 0.6em 1em; }
+summary { cursor: pointer; color: #444; }
 figure { margin: 1.5em 0; } figure img { max-width: 100%; border: 1px solid #ddd; }
 figcaption { font-size: 0.9em; color: #444; }
 pre { background: #f4f4f4; padding: 0.8em; overflow-x: auto; font-size: 0.8em; }
@@ -85,6 +86,26 @@ def _same(text: str) -> str:
     return text
 
 
+def noise_floor_warning(report: ReportResult) -> str | None:
+    """A sentence when the target holds too few checkpoints for its noise floor to say much
+    (fewer than :data:`~analysis.report.build.NOISE_FLOOR_MIN_RATIO` times the held-out
+    n), else None."""
+    from analysis.report.build import NOISE_FLOOR_MIN_RATIO
+
+    noise = next(iter(report.noise.values()), None)
+    if noise is None:
+        return None
+    count, held_out = report.target["n"], noise.held_out
+    if count >= NOISE_FLOOR_MIN_RATIO * held_out:
+        return None
+    return (f"The target holds {count} checkpoints, fewer than {NOISE_FLOOR_MIN_RATIO} times "
+            f"the {held_out} of each noise-floor split: its splits leave less than "
+            f"{100 - 100 // NOISE_FLOOR_MIN_RATIO}% of the target and overlap heavily, so "
+            "the noise band is too narrow and too noisy to tell methods from another draw of "
+            f"the target. Use a target of at least {NOISE_FLOOR_MIN_RATIO * held_out} "
+            "checkpoints (the paper's: 1,000 against 100).")
+
+
 def _verdicts(report: ReportResult, escape: Callable[[str], str] = _same) -> list[str]:
     """One line per method: is its MMD inside the noise band? Names through ``escape``."""
     lines = []
@@ -125,12 +146,6 @@ def _captions(report: ReportResult, escape: Callable[[str], str] = _same
     return table1, table2
 
 
-def _png(figure: Any) -> str:
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=110)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
 def html_page(report: ReportResult) -> str:
     """The self-contained HTML page."""
     caption1, caption2 = _captions(report)
@@ -145,10 +160,13 @@ def html_page(report: ReportResult) -> str:
                                caption=caption2, table_id="table2")
     figures = "".join(
         f'<figure id="figure-{name}"><img alt="{name}" src="data:image/png;base64,'
-        f'{_png(figure)}"><figcaption>{html_text(FIGURE_CAPTIONS.get(name, name))} '
+        f'{base64.b64encode(report.figure_png(name)).decode("ascii")}"><figcaption>'
+        f"{html_text(FIGURE_CAPTIONS.get(name, name))} "
         f"{html_text(report.figure_notes.get(name, ''))} (PDF: figures/{name}.pdf)"
-        "</figcaption></figure>" for name, figure in report.figures.items())
+        "</figcaption></figure>" for name in report.figures)
     verdicts = "".join(f"<li>{html_text(line)}</li>" for line in _verdicts(report))
+    warning = noise_floor_warning(report)
+    warning = f'<p class="warning" id="noise-warning">{html_text(warning)}</p>' if warning else ""
     provenance = html_text(html_safe_json(report.provenance, indent=1, default=str))
     target = report.target
     return f"""<!DOCTYPE html>
@@ -170,6 +188,7 @@ target itself: a method whose value lies inside the band cannot be told from ano
 draw of the target with as many samples. Lower is better for MMD, ECE, Brier, FPR95;
 higher for accuracy and AUPR.</p></div>
 <h2>Table 1</h2>
+{warning}
 {table1}
 <ul id="verdicts">{verdicts}</ul>
 <h2>MMD detail (Table 2)</h2>
@@ -179,7 +198,10 @@ higher for accuracy and AUPR.</p></div>
 <h2>Figures</h2>
 {figures}
 <h2>Provenance</h2>
+<details><summary>The command, library versions, git commit, seeds and the SHA-256 of
+every input (JSON; also in report.json)</summary>
 <pre id="provenance">{provenance}</pre>
+</details>
 </body></html>
 """
 
@@ -188,8 +210,10 @@ def markdown_page(report: ReportResult) -> str:
     """The same tables as Markdown, with the figures linked."""
     caption1, caption2 = _captions(report, markdown_text)
     rows1 = tables.table1_rows(report.rows, markdown_text) + _noise_rows(report)
+    warning = noise_floor_warning(report)
     lines = [f"# posteriorzoo report: {markdown_text(report.target['path'])}", "", caption1,
-             "", tables.markdown_table(tables.TABLE1_HEADER, rows1),
+             *([f"> **Warning.** {warning}", ""] if warning else [""]),
+             tables.markdown_table(tables.TABLE1_HEADER, rows1),
              *[f"- {line}" for line in _verdicts(report, markdown_text)], "", caption2, "",
              tables.markdown_table(tables.TABLE2_HEADER,
                                    tables.table2_rows(report.rows, markdown_text)),
@@ -204,9 +228,11 @@ def markdown_page(report: ReportResult) -> str:
 def table1_text(report: ReportResult) -> str:
     """Table 1 with its noise rows and verdicts, as printed by ``posteriorzoo report``."""
     caption, _ = _captions(report, markdown_text)
+    warning = noise_floor_warning(report)
     return "\n".join([caption, "", tables.markdown_table(
         tables.TABLE1_HEADER, tables.table1_rows(report.rows, markdown_text)
-        + _noise_rows(report)), *_verdicts(report, markdown_text)])
+        + _noise_rows(report)), *_verdicts(report, markdown_text),
+        *([f"warning: {warning}"] if warning else [])])
 
 
 DIAGNOSTICS_CAPTION = (

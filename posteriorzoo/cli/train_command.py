@@ -112,6 +112,9 @@ def run_train(args: argparse.Namespace) -> int:
                                  "specs/optunet-fashion-mnist-de.toml --out de.h5")
     if args.no_estimate and not args.dry_run:
         raise InvalidOptionError("--no-estimate is an option of --dry-run")
+    if args.out is None and not args.dry_run:  # a usage error before any file is read
+        raise InvalidOptionError("--out names the collection file to train into (or ask "
+                                 "for --dry-run)")
     from train_zoo import load_spec
 
     spec = load_spec(args.spec)
@@ -119,9 +122,6 @@ def run_train(args: argparse.Namespace) -> int:
         spec = spec.replace(checkpoints=args.checkpoints)
     if args.dry_run:
         return _dry_run(args, spec)
-    if args.out is None:
-        raise InvalidOptionError("--out names the collection file to train into (or ask "
-                                 "for --dry-run)")
     from train_zoo.backends import make_backend
     from train_zoo.run import train_collection
 

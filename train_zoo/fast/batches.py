@@ -27,10 +27,10 @@ from posteriorzoo.data import (
 )
 from train_zoo.fast.kernels import prepare_batch
 
-__all__ = ["FastTransform", "fast_batches"]
+__all__ = ["FastTransform", "fast_batches", "normalize_table"]
 
 
-def _normalize_table(normalize: Normalize, channels: int) -> np.ndarray:
+def normalize_table(normalize: Normalize, channels: int) -> np.ndarray:
     """float32 ``(channels, 256)``: ``normalize`` applied to every uint8 level."""
     levels = torch.arange(256, dtype=torch.uint8).reshape(1, 1, 1, 256)
     levels = levels.expand(1, channels, 1, 256).contiguous()
@@ -72,7 +72,7 @@ class FastTransform:
         if steps and type(steps[0]) is RandomHorizontalFlip:
             self.flip = steps.pop(0)
         if len(steps) == 1 and type(steps[0]) is Normalize:
-            self.table = _normalize_table(steps[0], int(channels))
+            self.table = normalize_table(steps[0], int(channels))
         self.fused = self.table is not None
 
     def __call__(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -26,10 +26,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from posteriorzoo.data import ArrayDataset
 from posteriorzoo.models import input_shape
 from train_zoo.data import TrainingData, eval_transform, train_transform
-from train_zoo.fast.batches import FastTransform, fast_batches
-from train_zoo.fast.kernels import train_step
+from train_zoo.fast.batches import FastTransform, fast_batches, normalize_table
+from train_zoo.fast.kernels import evaluate_batch, prepare_batch, train_step
 from train_zoo.fast.layout import (
     ARCHITECTURES,
     NetLayout,
@@ -41,10 +42,11 @@ from train_zoo.recipes import Recipe
 from train_zoo.result import CheckpointResult
 from train_zoo.seeds import checkpoint_seeds
 from train_zoo.spec import ZooSpec
+from train_zoo.torch_engine import evaluate as torch_evaluate
 from train_zoo.torch_engine import finish, initial_model
 from train_zoo.torch_engine import train_base as torch_train_base
 
-__all__ = ["FastNet", "batches_for", "layout_for", "supports", "train_fast",
+__all__ = ["FastNet", "batches_for", "evaluate", "layout_for", "supports", "train_fast",
            "unsupported_reason"]
 
 #: Recipe fields whose meaning this engine implements. A field added to Recipe later is
@@ -55,6 +57,8 @@ KNOWN_RECIPE_FIELDS = frozenset({
     "model_options"})
 
 FastBatch = tuple[np.ndarray, np.ndarray]
+#: Images per forward pass when a trained network is evaluated (as the torch engine's).
+EVALUATION_BATCH = 1000
 
 
 class FastNet:
@@ -161,6 +165,55 @@ def layout_for(model: nn.Module, data: TrainingData) -> NetLayout | None:
     return layout
 
 
+def evaluate(model: nn.Module, dataset: ArrayDataset, batch_size: int = EVALUATION_BATCH
+             ) -> tuple[float, float]:
+    """:func:`train_zoo.torch_engine.evaluate` by the kernels: the mean cross-entropy
+    (nats) and the accuracy of ``model`` in eval mode on ``dataset``'s normalised images.
+
+    The same numbers up to float32 rounding (the forward pass of the training kernels,
+    :func:`~train_zoo.fast.kernels.evaluate_batch`), in a fraction of the time: the
+    trainer evaluates every checkpoint on both splits (70,000 images for Fashion-MNIST),
+    which took longer than training it with the kernels. Networks the kernels do not
+    take (see :func:`layout_for`) and a loss that is not finite go to the torch engine's
+    evaluation, so its results and errors stay the reference there.
+    """
+    layout = _evaluation_layout(model, dataset)
+    if layout is None or len(dataset) == 0:
+        return torch_evaluate(model, dataset, batch_size)
+    theta = layout.flatten(model.state_dict())
+    dims = layout.dims()
+    channels, height, width = dataset.image_shape
+    table = normalize_table(eval_transform(dataset), channels)
+    logits = np.empty((layout.num_classes, batch_size), dtype=np.float32)
+    total, correct = 0.0, 0
+    for start in range(0, len(dataset), batch_size):
+        images = np.ascontiguousarray(dataset.images[start:start + batch_size])
+        count = len(images)
+        x = np.empty((channels, height, width, count), dtype=np.float32)
+        still = np.zeros(count, dtype=np.int64)
+        prepare_batch(images, still, still, np.zeros(count, dtype=np.bool_), 0, table, x)
+        labels = np.ascontiguousarray(dataset.labels[start:start + count], dtype=np.int64)
+        loss, right = evaluate_batch(x, labels, theta, dims, logits[:, :count])
+        total += loss
+        correct += right
+    if not math.isfinite(total):   # an overflow or NaN weights: as torch says
+        return torch_evaluate(model, dataset, batch_size)
+    return total / len(dataset), correct / len(dataset)
+
+
+def _evaluation_layout(model: nn.Module, dataset: ArrayDataset) -> NetLayout | None:
+    """``model``'s layout when the evaluation kernel takes it and ``dataset`` (its uint8
+    images, its labels), else None."""
+    try:
+        layout = describe_model(model, dataset.image_shape)
+    except UnsupportedModelError:
+        return None
+    labels = dataset.labels
+    if len(labels) and (labels.min() < 0 or labels.max() >= layout.num_classes):
+        return None
+    return layout
+
+
 def batches_for(data: TrainingData, recipe: Recipe, seed: int, *, augment: bool = True
                 ) -> Callable[[int], Iterable[FastBatch]]:
     """:func:`train_zoo.torch_engine.torch_batches` in the kernels' layout."""
@@ -203,4 +256,4 @@ def train_fast(spec: ZooSpec, index: int, data: TrainingData,
     started = time.perf_counter()
     model, steps, engine = train_base(spec, index, data, callbacks)
     return finish(spec, index, model, checkpoint_seeds(spec.base_seed, index), steps,
-                  started, engine, data)
+                  started, engine, data, measure=evaluate)

@@ -41,7 +41,8 @@ from posteriorzoo._numba import announce_compilation
 
 announce_compilation()
 
-__all__ = ["fma32", "loss_and_grad", "prepare_batch", "sgd_update", "train_step"]
+__all__ = ["evaluate_batch", "fma32", "loss_and_grad", "prepare_batch", "sgd_update",
+           "train_step"]
 
 # Indices into ``dims`` (train_zoo.fast.layout.DIM_NAMES).
 _CIN, _H, _W, _C1, _K1H, _K1W, _G1 = 0, 1, 2, 3, 4, 5, 6
@@ -459,6 +460,164 @@ def loss_and_grad(x: np.ndarray, labels: np.ndarray, theta: np.ndarray, dims: np
     for i in range(theta.size):
         grad[i] = np.float32(g64[i])
     return float(loss)
+
+
+@njit(cache=True, fastmath=False)
+def evaluate_batch(x: np.ndarray, labels: np.ndarray, theta: np.ndarray, dims: np.ndarray,
+                   logits: np.ndarray) -> tuple[float, int]:
+    """The summed cross-entropy and the number of correct top-1 predictions of a batch:
+    the forward pass of :func:`loss_and_grad` alone (no max-pool positions recorded, no
+    gradient), for evaluating a trained network.
+
+    Shapes as in :func:`loss_and_grad`; ``logits`` ``(num_classes, B)`` receives the
+    logits. Returns ``(sum over the batch of -log softmax[label] in float64, correct)``;
+    a prediction is the first largest logit, as ``torch.argmax``.
+    """
+    cin, h, w = dims[_CIN], dims[_H], dims[_W]
+    c1, k1h, k1w, g1 = dims[_C1], dims[_K1H], dims[_K1W], dims[_G1]
+    pkh, pkw, psh, psw = dims[_PKH], dims[_PKW], dims[_PSH], dims[_PSW]
+    c2, k2h, k2w, g2 = dims[_C2], dims[_K2H], dims[_K2W], dims[_G2]
+    hid, ncls = dims[_HID], dims[_NCLS]
+    nb = x.shape[3]
+    ph = (h - k1h + 1 - pkh) // psh + 1
+    pw = (w - k1w + 1 - pkw) // psw + 1
+    wu = (pw - 1) * psw + pkw
+    h2, w2 = ph - k2h + 1, pw - k2w + 1
+    cpg1, opg1 = cin // g1, c1 // g1
+    cpg2, opg2 = c1 // g2, c2 // g2
+    na = hid if hid > 0 else ncls
+    rl1, rl2 = wu * nb, w2 * nb
+    xf = x.reshape(x.size)
+    o = 0
+    n = c1 * cpg1 * k1h * k1w
+    wc1 = theta[o:o + n].reshape((c1, cpg1, k1h, k1w))
+    o += n
+    n = c2 * cpg2 * k2h * k2w
+    wc2 = theta[o:o + n].reshape((c2, cpg2, k2h, k2w))
+    o += n
+    wa = theta[o:o + na * c2].reshape((na, c2))
+    o += na * c2
+    ba = theta[o:o + na]
+    o += na
+    wb, bb = wa, ba  # unused without a hidden layer
+    if hid > 0:
+        wb = theta[o:o + ncls * hid].reshape((ncls, hid))
+        o += ncls * hid
+        bb = theta[o:o + ncls]
+
+    # conv1 -> ReLU -> max-pool, a band of pool-kernel rows at a time (as in training)
+    p1 = np.empty(c1 * ph * pw * nb, np.float32)
+    band = np.empty(pkh * rl1, np.float32)
+    taps1 = cpg1 * k1h * k1w
+    tap_offsets = np.empty(taps1, np.int64)
+    tap_weights = np.empty(taps1, np.float32)
+    row_offsets = np.empty(taps1, np.int64)
+    for c in range(c1):
+        first = (c // opg1) * cpg1
+        tap = 0
+        for ci in range(cpg1):
+            for ki in range(k1h):
+                for kj in range(k1w):
+                    tap_offsets[tap] = ((ci * h + ki) * w + kj) * nb
+                    tap_weights[tap] = wc1[c, ci, ki, kj]
+                    tap += 1
+        for py in range(ph):
+            for i in range(pkh):
+                row = band[i * rl1:(i + 1) * rl1]
+                _zero(row)
+                base = ((first * h + py * psh + i) * w) * nb
+                for tap in range(taps1):
+                    row_offsets[tap] = base + tap_offsets[tap]
+                _taps(row, xf, row_offsets, tap_weights)
+            for px in range(pw):
+                o = ((c * ph + py) * pw + px) * nb
+                best = p1[o:o + nb]
+                for b in range(nb):
+                    best[b] = -np.inf
+                for i in range(pkh):
+                    for j in range(pkw):
+                        col = i * rl1 + (px * psw + j) * nb
+                        vals = band[col:col + nb]
+                        for b in range(nb):
+                            r = _relu(vals[b])
+                            best[b] = r if (r > best[b]) | (r != r) else best[b]
+
+    # conv2 -> ReLU -> global average pool
+    a2 = np.empty(h2 * rl2, np.float32)
+    feat = np.empty((c2, nb), np.float32)
+    npos = np.float32(h2 * w2)
+    taps2 = cpg2 * k2h * k2w
+    tap_weights2 = np.empty(taps2, np.float32)
+    row_offsets2 = np.empty(taps2, np.int64)
+    for oc in range(c2):
+        first = (oc // opg2) * cpg2
+        tap = 0
+        for ci in range(cpg2):
+            for ki in range(k2h):
+                for kj in range(k2w):
+                    tap_weights2[tap] = wc2[oc, ci, ki, kj]
+                    tap += 1
+        for y in range(h2):
+            row = a2[y * rl2:(y + 1) * rl2]
+            _zero(row)
+            tap = 0
+            for ci in range(cpg2):
+                for ki in range(k2h):
+                    for kj in range(k2w):
+                        row_offsets2[tap] = (((first + ci) * ph + y + ki) * pw + kj) * nb
+                        tap += 1
+            _taps(row, p1, row_offsets2, tap_weights2)
+        total = feat[oc]
+        _zero(total)
+        for q in range(h2 * w2):
+            vals = a2[q * nb:(q + 1) * nb]
+            for b in range(nb):
+                total[b] += _relu(vals[b])
+        for b in range(nb):
+            total[b] = total[b] / npos
+
+    # head
+    ha = np.empty((na, nb), np.float32)
+    for j in range(na):
+        _zero(ha[j])
+        for k in range(c2):
+            _axpy(ha[j], feat[k], wa[j, k])
+        for b in range(nb):
+            ha[j, b] += ba[j]
+    if hid > 0:
+        for j in range(hid):
+            for b in range(nb):
+                ha[j, b] = _relu(ha[j, b])
+        for j in range(ncls):
+            _zero(logits[j])
+            for k in range(hid):
+                _axpy(logits[j], ha[k], wb[j, k])
+            for b in range(nb):
+                logits[j, b] += bb[j]
+    else:
+        for j in range(ncls):
+            for b in range(nb):
+                logits[j, b] = ha[j, b]
+
+    # cross-entropy and top-1
+    loss = 0.0
+    correct = 0
+    for b in range(nb):
+        m = logits[0, b]
+        top = 0
+        for j in range(1, ncls):
+            if logits[j, b] > m:
+                m = logits[j, b]
+                top = j
+        s = np.float32(0.0)
+        for j in range(ncls):
+            s += np.exp(logits[j, b] - m)
+        t = labels[b]
+        if t < 0 or t >= ncls:
+            raise IndexError("a label is outside 0 .. num_classes - 1")
+        loss -= np.float64(logits[t, b] - m - np.log(s))
+        correct += top == t
+    return loss, correct
 
 
 @njit(cache=True, fastmath=False)

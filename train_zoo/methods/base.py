@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from posteriorzoo.errors import InvalidOptionError
 from train_zoo.recipes import Recipe
 
 StateDict = dict[str, Any]
@@ -80,6 +81,22 @@ class MethodOption:
     default: DefaultRule
     default_text: str
     help: str
+    #: Whether a collection records the resolved value (None: always). An option added
+    #: after collections were made is recorded only where it shapes the weights, so their
+    #: specs still resolve to the recipe they record and can be resumed.
+    recorded: Callable[[Context], bool] | None = None
+
+
+def check_dense(what: str, value: str, context: Context, matrix: str, instead: str) -> None:
+    """Refuse a dense D x D matrix of the parameters past the full Laplace's limit
+    (:data:`train_zoo.methods.laplace.MAX_FULL_PARAMETERS`)."""
+    from train_zoo.methods.laplace import MAX_FULL_PARAMETERS
+
+    count = context.parameter_count()
+    if count > MAX_FULL_PARAMETERS:
+        raise InvalidOptionError(
+            f"{what} is {value!r}, but {context.architecture} has {count:,} parameters: "
+            f"{matrix} is limited to {MAX_FULL_PARAMETERS:,} (use {instead})")
 
 
 def constant(value: Any) -> DefaultRule:
@@ -234,7 +251,9 @@ class Method:
             sources[option.name] = result.source
             if result.note:
                 notes.append(result.note)
-        return ResolvedOptions(dict(context.resolved), sources, tuple(notes))
+        values = {option.name: context.resolved[option.name] for option in self.option_table()
+                  if option.recorded is None or option.recorded(context)}
+        return ResolvedOptions(values, {name: sources[name] for name in values}, tuple(notes))
 
     def check_model(self, architecture: str, model_options: Mapping[str, Any],
                     model_option_names: Sequence[str]) -> None:

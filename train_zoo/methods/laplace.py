@@ -104,6 +104,7 @@ from train_zoo.methods.base import (
     ModeRun,
     Posterior,
     Resolved,
+    check_dense,
     constant,
 )
 from train_zoo.methods.common import Params, flatten, parameters_of, state_dict_of, unflatten
@@ -585,12 +586,7 @@ def _structure(what: str, value: object, context: Context) -> object:
     if value == "auto":
         return _structure_auto(context)
     if value == "full":
-        count = context.parameter_count()
-        if count > MAX_FULL_PARAMETERS:
-            raise InvalidOptionError(
-                f"{what} is 'full', but {context.architecture} has {count:,} parameters: "
-                f"a dense GGN is limited to {MAX_FULL_PARAMETERS:,} (use 'last-layer-kfac' "
-                "or 'auto')")
+        check_dense(what, value, context, "a dense GGN", "'last-layer-kfac' or 'auto'")
     return value
 
 

@@ -61,6 +61,7 @@ from train_zoo.methods.base import (
     ModeRun,
     Posterior,
     Resolved,
+    check_dense,
     constant,
     generator_for,
     with_context,
@@ -549,6 +550,19 @@ def whitened_update(z: torch.Tensor, momentum: torch.Tensor, grad_z: torch.Tenso
 LogPosteriorGradient = Callable[[Params, tuple], tuple[float, Params]]
 
 
+def _chain_record(temperature_sum: float, capped_sum: float, count: int, alpha: float,
+                  steps: int) -> dict[str, float | int | bool | None]:
+    """An SGHMC chain's record: mean kinetic temperature and capped fraction over the
+    ``count`` recorded steps (None when there were none, or when the chain diverged and
+    its momentum is no longer finite: ``diverged`` says so)."""
+    temperature = temperature_sum / count if count else None
+    diverged = temperature is not None and not math.isfinite(temperature)
+    return {"kinetic_temperature": None if diverged else temperature,
+            "exact_temperature": 1.0 / (1.0 - alpha / 2.0),
+            "beta_hat_capped": capped_sum / count if count and not diverged else None,
+            "steps": steps, "recorded_steps": count, "diverged": diverged}
+
+
 class SghmcStepper:
     """One SGHMC chain (:func:`update`) for ``total_steps`` steps.
 
@@ -604,11 +618,8 @@ class SghmcStepper:
         """What the chain did after ``record_from``: the mean kinetic temperature
         ``mean(v^2) / eta`` (its exact-chain value ``1 / (1 - alpha / 2)`` beside it), the
         mean fraction of coordinates whose ``beta_hat`` was capped, and the steps."""
-        count = self._recorded
-        return {"kinetic_temperature": self._temperature / count if count else None,
-                "exact_temperature": 1.0 / (1.0 - self.alpha / 2.0),
-                "beta_hat_capped": self._capped / count if count else None,
-                "steps": self.state.step, "recorded_steps": count}
+        return _chain_record(self._temperature, self._capped, self._recorded, self.alpha,
+                             self.state.step)
 
 
 class WhitenedSghmcStepper:
@@ -697,11 +708,8 @@ class WhitenedSghmcStepper:
 
     def record(self) -> dict[str, float | int | None]:
         """:meth:`SghmcStepper.record`, in whitened coordinates."""
-        count = self._recorded
-        return {"kinetic_temperature": self._temperature / count if count else None,
-                "exact_temperature": 1.0 / (1.0 - self.alpha / 2.0),
-                "beta_hat_capped": self._capped / count if count else None,
-                "steps": self.steps, "recorded_steps": count, "whitened": True}
+        return {**_chain_record(self._temperature, self._capped, self._recorded, self.alpha,
+                                self.steps), "whitened": True}
 
 
 # ---------------------------------------------------------------- the method
@@ -739,11 +747,7 @@ def _preconditioner(what: str, value: object, context: Context) -> object:
     if value == "auto":
         return _preconditioner_auto(context)
     if value == "laplace":
-        count = context.parameter_count()
-        if count > laplace.MAX_FULL_PARAMETERS:
-            raise InvalidOptionError(
-                f"{what} is 'laplace', but {context.architecture} has {count:,} parameters: "
-                f"a dense mass matrix is limited to {laplace.MAX_FULL_PARAMETERS:,} (use 'none')")
+        check_dense(what, value, context, "a dense mass matrix", "'none'")
     return value
 
 
@@ -771,6 +775,11 @@ def _batch_size_default(context: Context) -> Resolved:
     return Resolved(context.recipe.batch_size, "derived from the recipe (its batch_size)")
 
 
+def _preconditioned(context: Context) -> bool:
+    # Collections made before the preconditioner existed record none of its options.
+    return context.resolved["preconditioner"] != "none"
+
+
 def _options() -> tuple[MethodOption, ...]:
     low, high = laplace.PRIOR_PRECISION_RANGE
 
@@ -796,19 +805,23 @@ def _options() -> tuple[MethodOption, ...]:
                      with_context(check_number, 0, strict=True, maximum=0.9999),
                      constant(0.99), "0.99",
                      "weight of the past in the running noise estimate, in (0, 0.9999]"),
-        MethodOption("preconditioner", _preconditioner, _preconditioner_auto,
-                     "auto", "auto (laplace up to "
+        MethodOption("preconditioner", _preconditioner, constant("none"),
+                     "none", "none, auto (laplace up to "
                      f"{laplace.AUTO_FULL_LAPLACE_PARAMETERS:,} parameters, else none), laplace (a "
                      "constant mass matrix: the base network's full Laplace precision; "
-                     "each chain starts from a draw of that Laplace approximation) or none"),
+                     "each chain starts from a draw of that Laplace approximation)",
+                     recorded=_preconditioned),
         MethodOption("whitened_lr", with_context(check_number, 0, strict=True, maximum=1),
                      constant(SGHMC_WHITENED_LR), f"{SGHMC_WHITENED_LR:g}",
                      "step size of a preconditioned chain (in whitened coordinates, where "
-                     "the posterior's curvature is about 1), in (0, 1]; lr is unused there"),
+                     "the posterior's curvature is about 1), in (0, 1]; lr is unused there",
+                     recorded=_preconditioned),
         MethodOption("batch_size", _batch_size, _batch_size_default,
                      f"{SGHMC_WHITENED_BATCH} with a preconditioner, else the recipe's",
                      "minibatch size of the chains (the gradient noise falls as 1 / "
-                     "batch_size), 1 to the training set"),
+                     "batch_size), 1 to the training set",
+                     recorded=lambda context: (context.resolved["batch_size"]
+                                               != context.recipe.batch_size)),
     )
 
 

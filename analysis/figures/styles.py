@@ -1,0 +1,78 @@
+"""One colour and one marker per method, wherever a figure shows methods.
+
+:func:`method_style` maps a method's name to its style. The report names its rows by
+method (``SWAG``, ``MM-SWAG``, ``BBB (trained-variance)``) and ``posteriorzoo plot`` by
+file (``optunet-fashion-mnist-swag-multi-mode``) unless told ``NAME=PATH``; both spellings
+of a method get the same style, because the style is read from the method the name
+mentions:
+
+- the colour says the method (Deep Ensemble, MC Dropout, BBB, BBB with trained variance,
+  SWAG, Laplace, SGHMC; the target is black);
+- the marker says single-mode (circle), multi-mode (square, ``MM-`` or ``multi-mode``)
+  or a Deep Ensemble (diamond), and lines are dashed for multi-mode methods;
+- ``plot pca --symmetries both`` names its curves ``NAME (raw)`` and ``NAME (canonical)``:
+  the same colour and marker, the canonical one dotted.
+
+A name that mentions no known method gets a colour and marker of its own from a stable
+digest of the name, the same in every figure and every run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+__all__ = ["MethodStyle", "method_style"]
+
+
+@dataclass(frozen=True)
+class MethodStyle:
+    """How a method is drawn: ``colour`` and ``marker`` (matplotlib), ``linestyle``."""
+
+    colour: str
+    marker: str
+    linestyle: str
+
+
+#: Method (as the name spells it) -> colour; checked in this order, so the trained-variance
+#: BBB is told from the paper's.
+_COLOURS = (("trained-variance", "#e377c2"), ("dropout", "#ff7f0e"), ("sghmc", "#8c564b"),
+            ("swag", "#d62728"), ("laplace", "#9467bd"), ("bbb", "#2ca02c"), ("de", "#1f77b4"),
+            ("ensemble", "#1f77b4"))
+_TARGET = MethodStyle("#000000", "*", "-")
+#: Colours and markers of names that mention no known method (none of the above).
+_OTHER_COLOURS = ("#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#637939", "#843c39")
+_OTHER_MARKERS = ("^", "v", "<", ">", "p", "h")
+
+
+def _words(name: str) -> list[str]:
+    return [word for word in re.split(r"[^a-z0-9]+", name.lower()) if word]
+
+
+def method_style(name: str) -> MethodStyle:
+    """The style of the method called ``name`` (a report label or a file stem).
+
+    >>> method_style("MM-SWAG") == method_style("optunet-fashion-mnist-swag-multi-mode")
+    True
+    """
+    words = _words(name)
+    canonical = bool(words) and words[-1] == "canonical"
+    if words and words[-1] in ("raw", "canonical"):
+        words = words[:-1]
+    text = "-".join(words)
+    if words and words[-1] == "target":
+        return MethodStyle(_TARGET.colour, _TARGET.marker, ":" if canonical else "-")
+    multi = (bool(words) and words[0] == "mm") or "multi-mode" in text or "multimode" in text
+    for token, colour in _COLOURS:
+        if token in text if "-" in token else token in words:
+            deep_ensemble = token in ("de", "ensemble")
+            marker = "D" if deep_ensemble else "s" if multi else "o"
+            return MethodStyle(colour, marker, _line(multi and not deep_ensemble, canonical))
+    digest = hashlib.sha256(" ".join(words).encode("utf-8")).digest()
+    return MethodStyle(_OTHER_COLOURS[digest[0] % len(_OTHER_COLOURS)],
+                       _OTHER_MARKERS[digest[1] % len(_OTHER_MARKERS)], _line(multi, canonical))
+
+
+def _line(multi: bool, canonical: bool) -> str:
+    return ":" if canonical else "--" if multi else "-"
