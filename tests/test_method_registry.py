@@ -29,13 +29,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_the_registry_names_every_method_once_and_each_lives_in_its_own_module():
     assert METHODS == tuple(registry.REGISTRY) == registry.METHODS
-    modules = set()
+    classes: dict[str, type] = {}
     for name, method in registry.REGISTRY.items():
         assert isinstance(method, Method) and method.name == name and method.summary
         assert all(isinstance(option, MethodOption) for option in method.option_table())
         module = type(method).__module__
-        assert module.startswith("train_zoo.methods.") and module not in modules
-        modules.add(module)
+        assert module.startswith("train_zoo.methods.")
+        # a module holds one method class (EMP and ECMP are two objects of one class)
+        assert classes.setdefault(module, type(method)) is type(method)
 
 
 def test_the_listing_and_the_validation_read_the_registry():
@@ -144,9 +145,15 @@ def test_emp_is_wired_by_its_module_and_one_registry_line():
     from train_zoo.methods import emp
 
     assert registry.REGISTRY["emp"] is emp.METHOD
-    assert [row["option"] for row in describe_options("emp")] == list(emp.OPTION_HELP)
+    assert registry.REGISTRY["ecmp"] is emp.ECMP
+    for name in ("emp", "ecmp"):  # the method's name fixes the variant
+        assert [row["option"] for row in describe_options(name)] == [
+            option for option in emp.OPTION_HELP if option != "variant"]
     spec = load_spec(ROOT / "examples" / "optunet-digits-emp.toml")
-    assert spec.method_options == {**emp.resolve_options({}), "patch": "in+out"}
+    defaults = {k: v for k, v in emp.resolve_options({}).items() if k != "variant"}
+    assert spec.method_options == {**defaults, "patch": "in+out"}
+    with pytest.raises(UnknownNameError, match="variant"):
+        spec.replace(method_options={"variant": "ecmp"})
     with pytest.raises(InvalidOptionError, match="emp option 'components'"):
         spec.replace(method_options={"components": 0})
     short = spec.replace(samples_per_mode=4)

@@ -46,8 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "train", help="train a collection from a zoo spec (resumable)",
         description="Produce the checkpoints of a TOML zoo spec into a collection file. "
                     "Methods: de (independently trained networks), mc-dropout, swag, "
-                    "laplace, sghmc, bbb and emp (samples around independently trained "
-                    "networks, stored as checkpoints of the base architecture); the spec "
+                    "laplace, sghmc, bbb, emp, ecmp and rank-1 (samples of each mode's "
+                    "posterior, stored as checkpoints of the base architecture); the spec "
                     "gives modes x samples_per_mode and [method_options] (--list-options "
                     "lists them with their defaults). Mode i depends only on "
                     "the spec's base seed and i, and its samples are stored together. "

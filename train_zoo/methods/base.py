@@ -23,7 +23,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from posteriorzoo.errors import InvalidOptionError
 from train_zoo.recipes import Recipe
 
 StateDict = dict[str, Any]
@@ -85,18 +84,6 @@ class MethodOption:
     #: after collections were made is recorded only where it shapes the weights, so their
     #: specs still resolve to the recipe they record and can be resumed.
     recorded: Callable[[Context], bool] | None = None
-
-
-def check_dense(what: str, value: str, context: Context, matrix: str, instead: str) -> None:
-    """Refuse a dense D x D matrix of the parameters past the full Laplace's limit
-    (:data:`train_zoo.methods.laplace.MAX_FULL_PARAMETERS`)."""
-    from train_zoo.methods.laplace import MAX_FULL_PARAMETERS
-
-    count = context.parameter_count()
-    if count > MAX_FULL_PARAMETERS:
-        raise InvalidOptionError(
-            f"{what} is {value!r}, but {context.architecture} has {count:,} parameters: "
-            f"{matrix} is limited to {MAX_FULL_PARAMETERS:,} (use {instead})")
 
 
 def constant(value: Any) -> DefaultRule:

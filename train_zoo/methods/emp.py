@@ -80,6 +80,7 @@ from train_zoo.methods.base import (
 from train_zoo.methods.common import Params, state_dict_of
 
 __all__ = [
+    "ECMP",
     "ADAM_LR",
     "COMPONENTS",
     "INIT_NOISE",
@@ -597,19 +598,26 @@ class EmpPosterior:
 
 
 class EnsembleModelPatching(Method):
-    """EMP/ECMP: each mode trains the patched network from the mode's initial weights
-    with Adam (:class:`EmpStepper`) for the recipe's epochs on its batches; a sample is
-    one draw folded into a checkpoint of the base architecture (:func:`sample`)."""
+    """EMP or ECMP (``variant``, also the method's name): each mode trains the patched
+    network from the mode's initial weights with Adam (:class:`EmpStepper`) for the
+    recipe's epochs on its batches; a sample is one draw folded into a checkpoint of the
+    base architecture (:func:`sample`). The options are :data:`OPTION_HELP`'s but
+    ``variant``, which the name fixes."""
 
-    name = "emp"
-    summary = "Ensemble Model Patching: K components of a few patch layers, one draw a sample"
-    options = tuple(_option(name) for name in OPTION_HELP)
+    options = tuple(_option(name) for name in OPTION_HELP if name != "variant")
     trains_base = False
     uses_fast_kernels = False
 
+    def __init__(self, variant: str) -> None:
+        self.name = check_choice("variant", variant, VARIANTS)
+        self.summary = ("Ensemble Model Patching: K components of a few patch layers, one "
+                        "draw folded into a sample" if variant == "emp" else
+                        "Ensemble Model Patching per element: each element of the patch "
+                        "layers drawn from its K components, one draw folded into a sample")
+
     def fit(self, run: ModeRun) -> Posterior:
         spec, seeds = run.spec, run.seeds
-        options = EmpOptions(**spec.method_options)
+        options = EmpOptions(**spec.method_options, variant=self.name)
         model = run.engine.initial_model()
         start = init_model(model, generator_for(seeds.init), options)
         stepper = EmpStepper(model, start, generator_for(seeds.noise),
@@ -617,9 +625,9 @@ class EnsembleModelPatching(Method):
         # No kernel of the fast engine trains EMP: torch batches whatever the engine.
         result = fit(stepper, run.engine.batches(model, seeds.data, torch_only=True),
                      lambda epoch: options.lr, spec.recipe.epochs, index=run.index,
-                     phase="emp", callbacks=run.callbacks)
+                     phase=self.name, callbacks=run.callbacks)
         state = stepper.state()
-        record = {"method": "emp", "variant": state.variant,
+        record = {"method": self.name, "variant": state.variant,
                   "components": state.num_components, "patched": sorted(state.components)}
         return Posterior(EmpPosterior(model, state), result.steps, "torch", record)
 
@@ -628,4 +636,7 @@ class EnsembleModelPatching(Method):
         return sample(state.model, state.state, generator, count)
 
 
-METHOD = EnsembleModelPatching()
+#: The registry's ``emp`` (one component per patched layer and pass) and ``ecmp`` (one per
+#: element).
+METHOD = EnsembleModelPatching("emp")
+ECMP = EnsembleModelPatching("ecmp")

@@ -104,7 +104,6 @@ from train_zoo.methods.base import (
     ModeRun,
     Posterior,
     Resolved,
-    check_dense,
     constant,
 )
 from train_zoo.methods.common import Params, flatten, parameters_of, state_dict_of, unflatten
@@ -579,6 +578,16 @@ def _structure_auto(context: Context) -> Resolved:
                     f"laplace: structure last-layer-kfac (auto: {context.architecture} has "
                     f"{count:,} parameters, above the {bound:,} up to which the full GGN "
                     "is used)")
+
+
+def check_dense(what: str, value: str, context: Context, matrix: str, instead: str) -> None:
+    """Refuse a dense D x D matrix of the parameters past :data:`MAX_FULL_PARAMETERS`
+    (the full GGN here, SGHMC's mass matrix)."""
+    count = context.parameter_count()
+    if count > MAX_FULL_PARAMETERS:
+        raise InvalidOptionError(
+            f"{what} is {value!r}, but {context.architecture} has {count:,} parameters: "
+            f"{matrix} is limited to {MAX_FULL_PARAMETERS:,} (use {instead})")
 
 
 def _structure(what: str, value: object, context: Context) -> object:

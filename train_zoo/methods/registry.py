@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from posteriorzoo.errors import UnknownNameError
 from posteriorzoo.options import show
-from train_zoo.methods import bbb, de, dropout, emp, laplace, sghmc, swag
+from train_zoo.methods import bbb, de, dropout, emp, laplace, rank1, sghmc, swag
 from train_zoo.methods.base import Method
 
 __all__ = ["METHODS", "REGISTRY", "get_method"]
@@ -25,6 +25,8 @@ REGISTRY: dict[str, Method] = {method.name: method for method in (
     sghmc.METHOD,
     bbb.METHOD,
     emp.METHOD,
+    emp.ECMP,
+    rank1.METHOD,
 )}
 #: The names, in order.
 METHODS: tuple[str, ...] = tuple(REGISTRY)

@@ -61,7 +61,6 @@ from train_zoo.methods.base import (
     ModeRun,
     Posterior,
     Resolved,
-    check_dense,
     constant,
     generator_for,
     with_context,
@@ -747,7 +746,7 @@ def _preconditioner(what: str, value: object, context: Context) -> object:
     if value == "auto":
         return _preconditioner_auto(context)
     if value == "laplace":
-        check_dense(what, value, context, "a dense mass matrix", "'none'")
+        laplace.check_dense(what, value, context, "a dense mass matrix", "'none'")
     return value
 
 
