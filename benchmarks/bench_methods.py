@@ -1,4 +1,5 @@
-"""Benchmark the posterior methods' hot loops: the Laplace GGN and the BBB training step.
+"""Benchmark the posterior methods' hot loops: the Laplace GGN, the BBB training step and
+the EMP, ECMP and Rank-1 training steps.
 
 Side by side in one run:
 
@@ -31,6 +32,19 @@ Side by side in one run:
 
 (c) **Collection times** (:func:`collection_times`): a hook, empty for now.
 
+(d) **Variant training steps per second**, OptuNet, batch 64, ``--variant-steps`` steps
+    (default 200) over 32 Fashion-MNIST batches prepared beforehand, for EMP, ECMP and
+    Rank-1: this project's steppers (``train_zoo.methods.emp.EmpStepper``, Adam lr 1e-3,
+    K = 5 components of conv1.weight, fc.weight and fc.bias; ``rank1.Rank1Stepper``,
+    K = 4, the batch tiled 4 times, SGD with Nesterov momentum 0.9 at lr 0.04, the KL
+    annealed over the recipe's 60 epochs) against the same method written plainly as an
+    ``nn.Module`` trained with ``loss.backward()`` and a ``torch.optim`` optimiser
+    (:class:`PlainEMP`, :class:`PlainRank1`). Both start from the same state and draw
+    their noise from generators of the same seed in the same order, so their losses must
+    agree step by step: the table prints the largest difference of the two losses of a
+    step, and each path's mean loss over its first and last 10 steps. The headline is ours
+    / plain steps per second (goal >= 3x). The runs alternate, best of ``--repeats``.
+
 Every contestant runs with the same ``--threads`` torch threads (default 1: on a shared
 2-core machine two threads per process slow everyone down; ``full_ggn`` gives its BLAS
 calls the same budget). Times are wall-clock; CPU seconds are printed too, since a busy
@@ -39,8 +53,9 @@ BackPack (Curvlinops and the generic path run once).
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/bench_methods.py                 # ~5 minutes
+    .venv/bin/python benchmarks/bench_methods.py                 # ~6 minutes
     .venv/bin/python benchmarks/bench_methods.py --quick         # smoke run, seconds
+    .venv/bin/python benchmarks/bench_methods.py --parts d       # part (d) alone, ~40 s
     .venv/bin/python benchmarks/bench_methods.py --json benchmarks/output/methods.json
 """
 
@@ -49,6 +64,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import shlex
 import sys
 import time
@@ -58,6 +74,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 DATASET = "fashion-mnist"
 BBB_BATCH = 64
@@ -283,6 +301,257 @@ def _shortened_method_options(spec: Any, method: str) -> Any:
     return spec.replace(method_options=options)
 
 
+# ------------------------------------------------------------------ (d) variant training
+VARIANT_BATCH = 64
+VARIANT_BATCHES = 32      # prepared batches the variant loops cycle over
+VARIANTS = ("emp", "ecmp", "rank-1")
+RANK1_LR = 0.04           # the optunet-mnist recipe's base learning rate
+NUM_DATA = 60_000
+# Rank-1's KL annealing runs over the whole training: the recipe's 60 epochs of 938 batches
+RANK1_TOTAL_STEPS = 60 * math.ceil(NUM_DATA / VARIANT_BATCH)
+# the loss summaries average this many steps at the start and the end of a run
+LOSS_WINDOW = 10
+
+
+def _optunet_trunk(x: torch.Tensor, conv1: torch.Tensor, conv2: torch.Tensor
+                   ) -> torch.Tensor:
+    """OptuNet's layers up to ``fc``'s input: conv1, ReLU, max-pool 3, grouped conv2, ReLU,
+    global average pool (``posteriorzoo.models.optunet``)."""
+    x = F.max_pool2d(F.relu(F.conv2d(x, conv1)), 3, 3)
+    return F.adaptive_avg_pool2d(F.relu(F.conv2d(x, conv2, groups=2)), 1).flatten(1)
+
+
+class PlainEMP(nn.Module):
+    """EMP or ECMP on OptuNet written plainly: the ``K`` components of the patched layers
+    (``conv1.weight``, ``fc.weight``, ``fc.bias``) are ``nn.Parameter`` stacks, ``conv2`` is
+    shared, and ``forward`` draws the indices from ``generator`` (EMP: one per layer, fc's
+    weight and bias sharing it; ECMP: one per element) in the order the method draws them.
+    Trained with ``loss.backward()`` and ``torch.optim.Adam``."""
+
+    def __init__(self, conv1: torch.Tensor, conv2: torch.Tensor, fc_weight: torch.Tensor,
+                 fc_bias: torch.Tensor, variant: str, generator: torch.Generator) -> None:
+        super().__init__()
+        self.conv1 = nn.Parameter(conv1.detach().clone())          # (K, 2, 1, 4, 4)
+        self.conv2 = nn.Parameter(conv2.detach().clone())          # (10, 1, 5, 5)
+        self.fc_weight = nn.Parameter(fc_weight.detach().clone())  # (K, 10, 10)
+        self.fc_bias = nn.Parameter(fc_bias.detach().clone())      # (K, 10)
+        self.variant = variant
+        self.generator = generator
+
+    @classmethod
+    def from_state(cls, state: Any, generator: torch.Generator) -> PlainEMP:
+        """The module holding an ``EmpState``'s values (the same starting point)."""
+        components, shared = state.components, state.shared
+        return cls(components["conv1.weight"], shared["conv2.weight"],
+                   components["fc.weight"], components["fc.bias"], state.variant, generator)
+
+    def _element_draw(self, stack: torch.Tensor) -> torch.Tensor:
+        index = torch.randint(stack.shape[0], stack.shape[1:], generator=self.generator)
+        return stack.gather(0, index.unsqueeze(0)).squeeze(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.variant == "emp":
+            first = torch.randint(self.conv1.shape[0], (), generator=self.generator)
+            last = torch.randint(self.fc_weight.shape[0], (), generator=self.generator)
+            conv1, fc_weight, fc_bias = self.conv1[first], self.fc_weight[last], self.fc_bias[last]
+        else:
+            conv1 = self._element_draw(self.conv1)
+            fc_weight = self._element_draw(self.fc_weight)
+            fc_bias = self._element_draw(self.fc_bias)
+        return F.linear(_optunet_trunk(x, conv1, self.conv2), fc_weight, fc_bias)
+
+
+def plain_emp_step(module: PlainEMP, optimizer: torch.optim.Optimizer,
+                   batch: tuple[torch.Tensor, torch.Tensor], weight_decay: float) -> float:
+    """Mean cross-entropy plus ``weight_decay / B`` times the squares of every parameter
+    (every component, drawn or not), one Adam step."""
+    images, labels = batch
+    squares = sum(parameter.square().sum() for parameter in module.parameters())
+    loss = F.cross_entropy(module(images), labels) + weight_decay / len(labels) * squares
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+class PlainRank1(nn.Module):
+    """Rank-1 OptuNet written plainly: per layer (conv1, conv2, fc) a shared weight, and
+    the ``(K, outputs)`` / ``(K, inputs)`` locations and ``rho`` of ``r`` and ``s`` as
+    parameters; fc's bias is one row per component. ``forward`` tiles the batch ``K`` times
+    (component-major), draws ``r = clip(loc + softplus(rho) eps)`` and ``s`` likewise per
+    example (``eps`` from ``generator``, layer by layer, ``r``'s then ``s``'s) and computes
+    ``(W (x * s)) * r + b_k``. Trained with ``loss.backward()`` and ``torch.optim.SGD``
+    (Nesterov momentum 0.9)."""
+
+    LAYERS = ("conv1", "conv2", "fc")
+
+    def __init__(self, weights: dict[str, torch.Tensor], fc_bias: torch.Tensor,
+                 factors: dict[str, dict[str, torch.Tensor]], generator: torch.Generator, *,
+                 prior_mean: float = 1.0, prior_scale: float = 0.1, clip: float = 10.0
+                 ) -> None:
+        super().__init__()
+        self.weight = nn.ParameterDict({layer: nn.Parameter(weights[layer].detach().clone())
+                                        for layer in self.LAYERS})
+        self.fc_bias = nn.Parameter(fc_bias.detach().clone())       # (K, 10)
+        self.r_loc, self.r_rho, self.s_loc, self.s_rho = (
+            nn.ParameterDict({layer: nn.Parameter(factors[part][layer].detach().clone())
+                              for layer in self.LAYERS})
+            for part in ("r_loc", "r_rho", "s_loc", "s_rho"))
+        self.components = self.fc_bias.shape[0]
+        self.generator = generator
+        self.prior_mean, self.prior_scale, self.clip = prior_mean, prior_scale, clip
+
+    @classmethod
+    def from_state(cls, state: Any, generator: torch.Generator) -> PlainRank1:
+        """The module holding a ``Rank1State``'s values (the same starting point)."""
+        options = state.options
+        return cls({layer: state.weights[f"{layer}.weight"] for layer in cls.LAYERS},
+                   state.biases["fc.bias"],
+                   {part: getattr(state, part) for part in ("r_loc", "r_rho", "s_loc",
+                                                            "s_rho")},
+                   generator, prior_mean=options.prior_mean,
+                   prior_scale=options.prior_scale, clip=options.clip)
+
+    def _draw(self, loc: torch.Tensor, rho: torch.Tensor, which: torch.Tensor
+              ) -> torch.Tensor:
+        eps = torch.randn(len(which), loc.shape[1], generator=self.generator)
+        return (loc[which] + F.softplus(rho[which]) * eps).clamp(-self.clip, self.clip)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``(K B, 10)`` of the tiled batch: row ``k B + i`` is example ``i`` under
+        component ``k``."""
+        which = torch.arange(self.components).repeat_interleave(x.shape[0])
+        x = x.repeat(self.components, 1, 1, 1)
+        r, s = {}, {}
+        for layer in self.LAYERS:
+            r[layer] = self._draw(self.r_loc[layer], self.r_rho[layer], which)
+            s[layer] = self._draw(self.s_loc[layer], self.s_rho[layer], which)
+        w = self.weight
+        h = F.conv2d(x * s["conv1"][:, :, None, None], w["conv1"]) * r["conv1"][:, :, None, None]
+        h = F.max_pool2d(F.relu(h), 3, 3)
+        h = (F.conv2d(h * s["conv2"][:, :, None, None], w["conv2"], groups=2)
+             * r["conv2"][:, :, None, None])
+        h = F.adaptive_avg_pool2d(F.relu(h), 1).flatten(1)
+        return F.linear(h * s["fc"], w["fc"]) * r["fc"] + self.fc_bias[which]
+
+    def kl(self) -> torch.Tensor:
+        """Closed-form KL of every factor entry of every component to N(mean, scale^2)."""
+        total = torch.zeros(())
+        for locs, rhos in ((self.r_loc, self.r_rho), (self.s_loc, self.s_rho)):
+            for layer in self.LAYERS:
+                scale = F.softplus(rhos[layer])
+                total = total + (math.log(self.prior_scale) - torch.log(scale)
+                                 + (scale ** 2 + (locs[layer] - self.prior_mean) ** 2)
+                                 / (2 * self.prior_scale ** 2) - 0.5).sum()
+        return total
+
+
+def plain_rank1_step(module: PlainRank1, optimizer: torch.optim.Optimizer,
+                     batch: tuple[torch.Tensor, torch.Tensor], step: int, *, num_data: int,
+                     total_steps: int, annealing: float = 0.8, l2: float = 1e-4) -> float:
+    """Mean cross-entropy over the tiled batch + annealed KL / N + L2 on the weights and
+    biases, one optimiser step."""
+    images, labels = batch
+    kl_scale = min(1.0, (step + 1) / (annealing * total_steps))
+    squares = sum(value.square().sum() for value in (*module.weight.values(), module.fc_bias))
+    loss = (F.cross_entropy(module(images), labels.repeat(module.components))
+            + kl_scale * module.kl() / num_data + l2 * squares)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def _variant_runners(variant: str, seed: int, num_data: int
+                     ) -> tuple[Callable[[], Callable], Callable[[], Callable]]:
+    """Two factories, ours and plain, each returning a fresh ``step(batch, index) ->
+    loss`` from the same initial state with a noise generator of the same seed."""
+    from posteriorzoo.models import build
+    from train_zoo.methods import emp, rank1
+
+    torch.manual_seed(seed)
+    model = build("optunet")
+    init_generator = torch.Generator().manual_seed(seed)
+    if variant in ("emp", "ecmp"):
+        options = emp.EmpOptions(variant=variant)
+        start = emp.init_model(model, init_generator, options)
+
+        def ours() -> Callable:
+            stepper = emp.EmpStepper(model, start, torch.Generator().manual_seed(seed + 1),
+                                     weight_decay=options.weight_decay, lr=options.lr)
+            return lambda batch, index: stepper.step(batch, options.lr)
+
+        def plain() -> Callable:
+            module = PlainEMP.from_state(start, torch.Generator().manual_seed(seed + 1))
+            optimizer = torch.optim.Adam(module.parameters(), lr=options.lr)
+            return lambda batch, index: plain_emp_step(module, optimizer, batch,
+                                                       options.weight_decay)
+        return ours, plain
+
+    params = {name: value.detach() for name, value in model.named_parameters()}
+    start = rank1.init(model, params, rank1.Rank1Options.components, init_generator)
+
+    def ours() -> Callable:
+        stepper = rank1.Rank1Stepper(start, model, rank1.Rank1Run(
+            torch.Generator().manual_seed(seed + 1), num_data, RANK1_TOTAL_STEPS))
+        return lambda batch, index: stepper.step(batch, RANK1_LR)
+
+    def plain() -> Callable:
+        module = PlainRank1.from_state(start, torch.Generator().manual_seed(seed + 1))
+        optimizer = torch.optim.SGD(module.parameters(), lr=RANK1_LR,
+                                    momentum=rank1.MOMENTUM, nesterov=rank1.NESTEROV)
+        options = start.options
+        return lambda batch, index: plain_rank1_step(
+            module, optimizer, batch, index, num_data=num_data,
+            total_steps=RANK1_TOTAL_STEPS, annealing=options.kl_annealing, l2=options.l2)
+    return ours, plain
+
+
+def _timed_steps(factory: Callable[[], Callable], batches: list, steps: int
+                 ) -> tuple[float, float, list[float]]:
+    """``(wall s, CPU s, losses)`` of ``steps`` steps of a fresh runner (its construction
+    is not timed)."""
+    step = factory()
+    losses = []
+    wall, cpu = time.perf_counter(), time.process_time()
+    for index in range(steps):
+        losses.append(step(batches[index % len(batches)], index))
+    return time.perf_counter() - wall, time.process_time() - cpu, losses
+
+
+def bench_variants(args: argparse.Namespace) -> dict[str, Any]:
+    x, y = training_images(VARIANT_BATCH * VARIANT_BATCHES)
+    batches = [(x[i:i + VARIANT_BATCH], y[i:i + VARIANT_BATCH])
+               for i in range(0, len(y), VARIANT_BATCH)]
+    steps = args.variant_steps
+    window = min(LOSS_WINDOW, steps)
+    rows = []
+    for variant in VARIANTS:
+        ours, plain = _variant_runners(variant, args.seed, NUM_DATA)
+        factories = {"ours": ours, "plain": plain}
+        for factory in factories.values():
+            _timed_steps(factory, batches, 3)                           # warm-up
+        best: dict[str, tuple[float, float]] = {}
+        losses: dict[str, list[float]] = {}
+        for _ in range(args.repeats):                                   # interleaved
+            for name, factory in factories.items():
+                wall, cpu, losses[name] = _timed_steps(factory, batches, steps)
+                best[name] = min(best.get(name, (float("inf"), 0.0)), (wall, cpu))
+        row: dict[str, Any] = {"variant": variant, "steps": steps}
+        for name in factories:
+            wall, cpu = best[name]
+            row[name] = {"wall_s": wall, "cpu_s": cpu, "steps_per_s": steps / wall,
+                         "loss_start": sum(losses[name][:window]) / window,
+                         "loss_end": sum(losses[name][-window:]) / window}
+        row["ratio"] = row["ours"]["steps_per_s"] / row["plain"]["steps_per_s"]
+        # same initial state, same batches, same noise seed: the two losses of each step
+        row["max_loss_diff"] = max(abs(a - b) for a, b in zip(losses["ours"],
+                                                              losses["plain"], strict=True))
+        rows.append(row)
+    return {"batch": VARIANT_BATCH, "steps": steps, "loss_window": window,
+            "rank1_lr": RANK1_LR, "rows": rows}
+
+
 # ------------------------------------------------------------------ printing
 def print_ggn(result: dict[str, Any]) -> None:
     n = result["images"]
@@ -329,6 +598,29 @@ def print_collections(rows: list[dict[str, Any]], header: bool = True) -> None:
               f"{row['wall_s']:8.1f} {row['cpu_s']:8.1f}")
 
 
+def print_variants(result: dict[str, Any]) -> None:
+    print(f"(d) variant training steps/s, OptuNet, {DATASET}, batch {result['batch']}, "
+          f"{result['steps']} steps each: ours (train_zoo.methods) vs the same method as a "
+          "plain nn.Module with autograd")
+    print(f"    {'variant':8} {'path':34} {'wall s':>8} {'cpu s':>8} {'steps/s':>9} "
+          f"{'loss start -> end':>19}")
+    labels = {"emp": ("EmpStepper (emp)", "PlainEMP + Adam"),
+              "ecmp": ("EmpStepper (ecmp)", "PlainEMP(ecmp) + Adam"),
+              "rank-1": ("Rank1Stepper", "PlainRank1 + SGD Nesterov")}
+    for row in result["rows"]:
+        for name, label in zip(("ours", "plain"), labels[row["variant"]], strict=True):
+            part = row[name]
+            losses = f"{part['loss_start']:.4f} -> {part['loss_end']:.4f}"
+            print(f"    {row['variant']:8} {label:34} {part['wall_s']:8.2f} "
+                  f"{part['cpu_s']:8.2f} {part['steps_per_s']:9.0f} {losses:>19}")
+    for row in result["rows"]:
+        print(f"    => {row['variant']}: ours / plain {row['ratio']:.2f}x (goal >= 3x); "
+              f"same start, batches and noise seed: the losses of each step differ by at "
+              f"most {row['max_loss_diff']:.1e}")
+    print(f"    loss start / end: mean of the first / last {result['loss_window']} steps "
+          f"(Adam lr 1e-3 for EMP/ECMP, SGD lr {result['rank1_lr']} for Rank-1)")
+
+
 # ------------------------------------------------------------------ main
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -352,24 +644,35 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bbb-fast-steps", type=int, default=None,
                         help="timed BBB steps of the numba path (default: 5 x --bbb-steps)")
     parser.add_argument("--repeats", type=int, default=None,
-                        help="runs of ours, BackPack and the BBB loops; the best is "
-                             "reported (default: 2)")
+                        help="runs of ours, BackPack, the BBB and the variant loops; the "
+                             "best is reported (default: 2)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for every contestant (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of inits and noise")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: at most 512 images, batch sizes 64,128, "
                              "calibration on 256 and Curvlinops on 64 images, 5 / 10 BBB "
-                             "steps, 1 repeat (explicit options still apply)")
+                             "steps, 5 variant steps, 1 repeat (explicit options still "
+                             "apply)")
     parser.add_argument("--methods", nargs="*", default=None, metavar="METHOD",
                         help="(c): methods whose 100-sample collection is timed (default: "
                              f"{' '.join(METHODS)}; none with --quick)")
     parser.add_argument("--collection-epochs", type=int, default=None, metavar="E",
                         help="(c): train the base networks for E epochs instead of the "
                              "spec's 60")
+    parser.add_argument("--variant-steps", type=int, default=200, metavar="STEPS",
+                        help="(d): timed training steps of each EMP / ECMP / Rank-1 path "
+                             "(default: %(default)s; 5 with --quick)")
+    parser.add_argument("--parts", default="abcd",
+                        help="the parts to run, letters of abcd (default: all; (c) also "
+                             "needs --methods)")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT",
                         help="also write every number, the command and versions as JSON")
     args = parser.parse_args(argv)
+    if not args.parts or set(args.parts) - set("abcd"):
+        parser.error(f"--parts takes letters of abcd, not {args.parts!r}")
+    if args.variant_steps < 1:
+        parser.error(f"--variant-steps must be at least 1, not {args.variant_steps}")
     if args.quick:
         args.ggn_images = min(args.ggn_images, 512)
         args.batch_sizes = args.batch_sizes or [64, 128]
@@ -377,6 +680,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.curvlinops_images = min(args.curvlinops_images, 64)
         args.bbb_steps = min(args.bbb_steps, 5)
         args.bbb_fast_steps = min(args.bbb_fast_steps or 10, 10)
+        args.variant_steps = min(args.variant_steps, 5)
         args.repeats = args.repeats or 1
     if args.methods is None:
         args.methods = [] if args.quick else list(METHODS)
@@ -387,21 +691,30 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Every part, printed as it finishes; returns the numbers."""
+    """Every part of ``--parts``, printed as it finishes; returns the numbers (None for a
+    part not run)."""
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), seed {args.seed}")
-    ggn = bench_ggn(args)
-    print_ggn(ggn)
-    print()
-    bbb = bench_bbb(args)
-    print_bbb(bbb)
-    print()
-    if args.methods:
-        collections = collection_times(args)
-    else:
-        collections = []
-        print_collections([])
-        print("    not measured yet: pass --methods (the default without --quick)")
-    return {"ggn": ggn, "bbb": bbb, "collections": collections}
+    ggn = bbb = variants = None
+    collections: list[dict[str, Any]] = []
+    if "a" in args.parts:
+        ggn = bench_ggn(args)
+        print_ggn(ggn)
+        print()
+    if "b" in args.parts:
+        bbb = bench_bbb(args)
+        print_bbb(bbb)
+        print()
+    if "c" in args.parts:
+        if args.methods:
+            collections = collection_times(args)
+        else:
+            print_collections([])
+            print("    not measured yet: pass --methods (the default without --quick)")
+        print()
+    if "d" in args.parts:
+        variants = bench_variants(args)
+        print_variants(variants)
+    return {"ggn": ggn, "bbb": bbb, "collections": collections, "variants": variants}
 
 
 def main(argv: list[str] | None = None) -> int:
