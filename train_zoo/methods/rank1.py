@@ -142,6 +142,7 @@ __all__ = [
     "rank1_layers",
     "resolve_options",
     "sample",
+    "scale_record",
     "step",
     "update",
 ]
@@ -965,6 +966,33 @@ class Rank1Stepper:
 
 
 # ------------------------------------------------------------------------ the method
+def scale_record(start: Rank1State, end: Rank1State) -> dict[str, dict[str, float]]:
+    """How the factors' scales moved between two states of one run, per layer and factor.
+
+    Returns
+    -------
+    dict
+        ``{"conv1.r": {"scale_median_start", "scale_median_end", "rho_max_change"}, ...}``
+        for each rank-1 layer's ``r`` then ``s``: the median ``softplus(rho)`` over the
+        components and entries in each state and the largest ``|rho_end - rho_start|``
+        (plain floats, JSON-able; the scale is the standard deviation of a Gaussian, the
+        scale of a Cauchy).
+    """
+    def median(rho: Tensor) -> float:  # the midpoint for an even count, as numpy's
+        return float(torch.quantile(nn.functional.softplus(rho.detach()).reshape(-1).double(),
+                                    0.5))
+
+    record = {}
+    for layer in start.layers:
+        for factor, first, last in (("r", start.r_rho, end.r_rho), ("s", start.s_rho, end.s_rho)):
+            record[f"{layer}.{factor}"] = {
+                "scale_median_start": median(first[layer]),
+                "scale_median_end": median(last[layer]),
+                "rho_max_change": float((last[layer] - first[layer]).abs().max()),
+            }
+    return record
+
+
 def _option(name: str) -> MethodOption:
     """A record of :data:`OPTION_HELP`'s option ``name``: its default from
     :class:`Rank1Options`, checked by :class:`Rank1Options` itself (one set of bounds)."""
@@ -1035,7 +1063,8 @@ class Rank1(Method):
                      phase="rank-1", callbacks=[*run.callbacks, stepper.log])
         state = stepper.rank1_state()
         record = {"method": "rank-1", "components": state.components,
-                  "layers": state.layers, "loss": stepper.log.record()}
+                  "layers": state.layers, "scales": scale_record(start, state),
+                  "loss": stepper.log.record()}
         return Posterior(Rank1Posterior(model, state, stepper.buffers), result.steps, "torch",
                          record)
 
