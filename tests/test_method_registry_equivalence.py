@@ -5,9 +5,7 @@ checkpoints the trainer before it made, to the bit.
   (``posteriorzoo/reference``) exactly (slow: minutes per spec on Fashion-MNIST).
 - Every method on a tiny digits spec, on the torch and the auto engine, gives the
   digests, steps, engines and training records of the code at the branch point of the
-  registry (:data:`BRANCH_POINT`, extracted from git), SGHMC included: its shipped
-  collection is being replaced by one of the preconditioned sampler, so it is compared
-  to the code here.
+  registry (:data:`BRANCH_POINT`, extracted from git), SGHMC included.
 """
 
 from __future__ import annotations
@@ -48,9 +46,6 @@ def _reference(stem: str) -> Path | None:
                     "(apt-get install dataset-fashion-mnist)")
 @pytest.mark.parametrize("stem", SPECS)
 def test_the_first_modes_of_a_shipped_spec_are_retrained_to_the_bit(stem):
-    if stem.endswith("-sghmc"):
-        pytest.skip("the shipped SGHMC collection is being retrained with the preconditioned "
-                    "sampler: see the digits comparison with the branch point")
     path = _reference(stem)
     if path is None:
         pytest.skip(f"{stem} is not in this checkout")

@@ -39,10 +39,11 @@ class MethodStyle:
 #: BBB is told from the paper's.
 _COLOURS = (("trained-variance", "#e377c2"), ("dropout", "#ff7f0e"), ("sghmc", "#8c564b"),
             ("swag", "#d62728"), ("laplace", "#9467bd"), ("bbb", "#2ca02c"), ("de", "#1f77b4"),
-            ("ensemble", "#1f77b4"))
+            ("ensemble", "#1f77b4"), ("ecmp", "#17becf"), ("emp", "#bcbd22"),
+            ("rank-1", "#393b79"))
 _TARGET = MethodStyle("#000000", "*", "-")
 #: Colours and markers of names that mention no known method (none of the above).
-_OTHER_COLOURS = ("#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#637939", "#843c39")
+_OTHER_COLOURS = ("#7f7f7f", "#637939", "#843c39", "#e7ba52", "#7b4173", "#ad494a")
 _OTHER_MARKERS = ("^", "v", "<", ">", "p", "h")
 
 

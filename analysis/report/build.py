@@ -42,7 +42,8 @@ MAX_PAIRS = 100_000
 NOISE_FLOOR_MIN_RATIO = 5
 #: Display names of the methods (multi-mode versions get "MM-").
 METHOD_LABELS = {"de": "DE", "mc-dropout": "Dropout", "bbb": "BBB", "swag": "SWAG",
-                 "laplace": "Laplace", "sghmc": "SGHMC"}
+                 "laplace": "Laplace", "sghmc": "SGHMC", "emp": "EMP", "ecmp": "ECMP",
+                 "rank-1": "Rank-1"}
 
 
 class MixedDatasetsError(PosteriorZooError, ValueError):
@@ -392,8 +393,10 @@ def diagnosis_row(name: str, diagnosis: Any) -> dict[str, Any]:
     layers = [v for v in diagnosis.variational or [] if v.get("moved_factor") is not None]
     if layers:
         worst = max(layers, key=lambda v: v["moved_factor"])
+        final = (worst["sample_sigma"] if worst["sample_sigma"] is not None
+                 else worst["final_sigma"])
         parts.append(f"sigma moved at most x{worst['moved_factor']:.2f} from its initial "
-                     f"value ({worst['layer']}: {worst['sample_sigma']:.3g} against "
+                     f"value ({worst['layer']}: {final:.3g} against "
                      f"{worst['initial_sigma']:.3g})")
     accuracy = diagnosis.diversity.get("test_accuracy")
     if accuracy:

@@ -68,7 +68,11 @@ def _print(result) -> None:
     for layer in data["variational"] or []:
         if layer["layer"] == "(recorded)":   # printed with the build records below
             continue
-        print(f"  mode {layer['mode']} {layer['layer']}: sigma {layer['sample_sigma']:.3g} "
+        if layer["sample_sigma"] is None:  # recorded scales (Rank-1's factors)
+            value = f"scale {layer['final_sigma']:.3g} at the end of training"
+        else:
+            value = f"sigma {layer['sample_sigma']:.3g}"
+        print(f"  mode {layer['mode']} {layer['layer']}: {value} "
               f"(initial {layer['initial_sigma']:.3g}, moved x{layer['moved_factor']:.2f})")
     for mode, record in data["build"].items():
         print(f"  mode {mode} build record: {json.dumps(record)}")

@@ -13,7 +13,8 @@ Three parts, each present where it applies:
 - **variational** (BBB): per layer, the standard deviation of the samples around their
   mode (the learned sigma: a sample is ``mu + sigma * eps``) against the initial sigma of
   the method's options, and the recorded sigma and ELBO terms at the start and the end of
-  training.
+  training. Rank-1 (whose samples are products, so their spread is not a sigma): per
+  layer and factor, the recorded median scale at the start and the end of training.
 
 A collection made before training records existed still gets every statistic its
 samples allow; what only a record can tell is reported as unknown, with the reason.
@@ -46,8 +47,11 @@ __all__ = ["DiagnoseResult", "diagnose"]
 CHAIN_METHODS = ("sghmc",)
 #: Methods with a mean-field Gaussian posterior whose samples are ``mu + sigma * eps``.
 VARIATIONAL_METHODS = ("bbb",)
+#: Variational methods whose record holds how their scales moved (``"scales"``: per
+#: factor, the median scale at the start and the end), read instead of the samples.
+RECORDED_SCALE_METHODS = ("rank-1",)
 #: Methods whose phase records what it did while training (DE and MC Dropout have none).
-RECORDING_METHODS = ("sghmc", "bbb", "swag", "laplace")
+RECORDING_METHODS = ("sghmc", "bbb", "swag", "laplace", "emp", "ecmp", "rank-1")
 NOT_RECORDED = ("unknown: not recorded (the collection was made before training records "
                 "were stored)")
 
@@ -202,6 +206,27 @@ def _variational_part(zoo, modes, layers, options, records, flags, unknown):
     return parts
 
 
+def _recorded_scales_part(modes, records, flags, unknown):
+    """Per mode and factor, how far the recorded median scale moved during training."""
+    parts = []
+    for mode in modes:
+        scales = (records.get(mode) or {}).get("scales")
+        if not scales:
+            unknown.append(f"mode {mode}: the scales during training {NOT_RECORDED}")
+            continue
+        moved = []
+        for factor, entry in scales.items():
+            start, end = entry["scale_median_start"], entry["scale_median_end"]
+            movement = scale_movement(np.array([start]), np.array([end]))
+            moved.append(movement)
+            parts.append({"mode": mode, "layer": factor, "initial_sigma": start,
+                          "sample_sigma": None, "final_sigma": end,
+                          "moved_factor": movement})
+        if moved and max(moved) < SCALE_MOVED_FACTOR:
+            flags.append(f"mode {mode}: variance did not train")
+    return parts
+
+
 def _diversity(zoo, metadata, predictions: bool, data_dir: str | None,
                unknown: list[str]) -> dict[str, Any]:
     accuracy = metadata["test_accuracy"][np.isfinite(metadata["test_accuracy"])]
@@ -267,6 +292,8 @@ def diagnose(source: Source, *, predictions: bool = True, data_dir: str | None =
         if zoo.method in VARIATIONAL_METHODS:
             variational = _variational_part(zoo, modes, layers, options, records, flags,
                                             unknown)
+        elif zoo.method in RECORDED_SCALE_METHODS:
+            variational = _recorded_scales_part(modes, records, flags, unknown)
         build = {str(mode): record_ for mode, record_ in records.items()}
         if not records and zoo.method in RECORDING_METHODS:
             unknown.append(f"build-time records {NOT_RECORDED}")

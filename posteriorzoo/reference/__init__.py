@@ -1,6 +1,6 @@
 """The reference zoo shipped with the package: OptuNet on Fashion-MNIST.
 
-Thirteen collections, produced by the mass trainer from the specs in the repository's
+Fifteen collections, produced by the mass trainer from the specs in the repository's
 ``specs/`` folder with the paper's 60-epoch OptuNet recipe (the exact commands and times
 are in data_card.md):
 
@@ -9,6 +9,8 @@ are in data_card.md):
 - the single-mode method collections ``"mc-dropout"``, ``"bbb"``, ``"bbb-trained-variance"``,
   ``"swag"``, ``"laplace"`` and ``"sghmc"``: 100 samples around one base network (SGHMC:
   four chains of 25 from it);
+- the seeds' variants ``"emp"`` and ``"ecmp"`` (Ensemble Model Patching, per layer and
+  per element): 100 draws of one patched network, folded into OptuNet checkpoints;
 - the multi-mode ones ``"mc-dropout-multi-mode"``, ``"bbb-multi-mode"``,
   ``"bbb-trained-variance-multi-mode"``, ``"swag-multi-mode"`` and
   ``"laplace-multi-mode"``: 10 samples around each of 10 base networks.
@@ -34,9 +36,10 @@ from posteriorzoo._api import public
 from posteriorzoo.errors import UnknownNameError, ZooFormatError
 from posteriorzoo.zoo import Zoo, open_zoo
 
-#: The method collections in the order of the paper's Table 1 (single-, then multi-mode).
-METHODS = ("mc-dropout", "bbb", "bbb-trained-variance", "swag", "laplace", "sghmc",
-           "mc-dropout-multi-mode", "bbb-multi-mode", "bbb-trained-variance-multi-mode",
+#: The method collections in the order of the paper's Table 1 (single-, then multi-mode;
+#: the seeds' variants after the paper's single-mode methods).
+METHODS = ("mc-dropout", "bbb", "bbb-trained-variance", "swag", "laplace", "sghmc", "emp",
+           "ecmp", "mc-dropout-multi-mode", "bbb-multi-mode", "bbb-trained-variance-multi-mode",
            "swag-multi-mode", "laplace-multi-mode")
 #: Name -> file name of every shipped collection.
 COLLECTIONS = {name: f"optunet-fashion-mnist-{name}.h5" for name in ("target", "de", *METHODS)}
