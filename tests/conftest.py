@@ -194,6 +194,10 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
     "test_overhead.py": {
         "test_bad_options_are_one_line": ("overhead", "bad option"),
     },
+    "test_byov.py": {
+        "test_cli_bad_options_are_one_line": ("study", "bad option"),
+        "test_cli_refuses_an_existing_output": ("study", "output policy"),
+    },
 }
 
 

@@ -70,6 +70,7 @@ def _options(files: dict[str, Path]) -> list[tuple[list[str], str]]:
     collapse = ["plot", "collapse", zoo, "--ood-data", "digits", "--out", out + "/f"]
     toy = ["study", "toy", "--out", out + "/s"]
     stability = ["study", "permutation-stability", "--out", out + "/s"]
+    byov = ["study", "byov", "--out", out + "/s"]
     importer = ["import", "--out", out + "/i.h5", zoo]
     return [
         *[(canonicalize, o) for o in ("--checkpoints-per-batch", "--n-verify", "--seed")],
@@ -85,6 +86,8 @@ def _options(files: dict[str, Path]) -> list[tuple[list[str], str]]:
           for o in ("--noise-splits", "--seed")],
         *[(toy, o) for o in ("--networks", "--norm", "--points", "--seed")],
         *[(stability, o) for o in ("--runs", "--epochs", "--every", "--seed")],
+        *[(byov, o) for o in ("--train-images", "--test-images", "--epochs", "--batch-size",
+                              "--samples", "--noise-std", "--seed")],
         *[(importer, o) for o in ("--checkpoints-per-batch", "--num-classes")],
         *[(["overhead", "optunet"], o)
           for o in ("--num-classes", "--emp-components", "--rank1-components")],

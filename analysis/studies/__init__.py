@@ -6,14 +6,19 @@
 - :mod:`analysis.studies.permutation_stability`: Kendall's tau between successive sorting
   permutations during training (Fig. 4), through the mass trainer's callbacks
   (:func:`run_permutation_stability`).
+- :mod:`analysis.studies.byov`: Bootstrap Your Own Variance (seed 004) at CPU size: BYOV
+  under three priors against deterministic BYOL, linear-probe calibration with and
+  without input noise, SNR against magnitude pruning (:func:`run_byov_study`; the
+  numerical core is :mod:`train_zoo.byov`).
 
 Each returns a result (a :class:`posteriorzoo.results.CollectionResult`) with
 ``to_dict()``, ``write(out)`` (JSON with provenance, CSV tables, the figure as PNG and
 PDF) and ``figure()`` (a :class:`matplotlib.figure.Figure`). From the command line:
-``posteriorzoo study toy|permutation-stability --out DIR``. Heavy libraries (torch,
+``posteriorzoo study toy|permutation-stability|byov --out DIR``. Heavy libraries (torch,
 scipy, matplotlib) are imported by the functions that use them.
 """
 
+from analysis.studies.byov import ByovStudyResult, run_byov_study
 from analysis.studies.permutation_stability import (
     PermutationStabilityResult,
     kendall_tau,
@@ -32,11 +37,13 @@ from analysis.studies.toy import (
 )
 
 __all__ = [
+    "ByovStudyResult",
     "PermutationStabilityResult",
     "ToyStudyResult",
     "kendall_tau",
     "make_blobs",
     "remove_symmetries",
+    "run_byov_study",
     "rescale_direct",
     "run_permutation_stability",
     "run_toy_study",

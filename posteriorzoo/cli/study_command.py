@@ -1,4 +1,5 @@
-"""``posteriorzoo study``: studies that train their own networks (paper Fig. 1 and Fig. 4)."""
+"""``posteriorzoo study``: studies that train their own networks (paper Fig. 1 and Fig. 4,
+and BYOV, seed 004)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,20 @@ NORM = number_in(1e-3, 1e3)                  # toy.NORM_RANGE
 RUNS = integer_in(1, 100)                    # permutation_stability.MAX_RUNS
 EPOCHS = integer_in(1, 1_000)                # permutation_stability.MAX_EPOCHS
 EVERY = integer_in(1, 100_000)               # permutation_stability.MAX_EVERY
+TRAIN_IMAGES = integer_in(2, 60_000)         # byov.MAX_TRAIN_IMAGES
+TEST_IMAGES = integer_in(1, 10_000)          # byov.MAX_TEST_IMAGES
+BYOV_EPOCHS = integer_in(1, 1_000)           # byov.MAX_EPOCHS
+BATCH = integer_in(2, 4_096)                 # byov.MAX_BATCH
+SAMPLES = integer_in(1, 1_000)               # byov.MAX_SAMPLES
+NOISE = number_in(0, 1, open_low=True)       # byov: noise_std in (0, 1]
+# train_zoo.byov.PRIORS, analysis.studies.byov.DATASETS, DEFAULTS and QUICK (not imported:
+# --help loads no torch).
+BYOV_PRIORS = ("standard", "teacher", "teacher-variance")
+BYOV_DATASETS = ("auto", "fashion-mnist", "mnist", "digits")
+BYOV_DEFAULTS = {"train_images": 10_000, "test_images": 5_000, "epochs": 6,
+                 "batch_size": 128, "samples": 16}
+BYOV_QUICK = {"train_images": 512, "test_images": 256, "epochs": 1, "batch_size": 64,
+              "samples": 2}
 
 _DESCRIPTION = """\
 Studies that need their own training runs, each written with its figure into a new
@@ -35,6 +50,10 @@ if it exists unless --overwrite): a JSON with every reported number and the prov
                           raw, rescaled and sorted (about 10 s)
   permutation-stability   paper Fig. 4: Kendall's tau between successive sorting
                           permutations during training (about 3 minutes)
+  byov                    seed 004: BYOL with a Bayes-by-Backprop student under three
+                          priors against deterministic BYOL: linear-probe accuracy, ECE
+                          and Brier with and without input noise, SNR vs magnitude
+                          pruning (about 7 minutes; --quick: seconds)
 """
 
 _TOY_DESCRIPTION = """\
@@ -91,11 +110,55 @@ auto uses Fashion-MNIST when its files are on this machine (no download; the pap
 MNIST), else scikit-learn's digits (1347 training images: seconds).
 """
 
+_BYOV_DESCRIPTION = """\
+Bootstrap Your Own Variance (seed 004) at the size of one CPU core. Four students are
+trained for the same budget from the same initial means on the same batches: BYOV (BYOL
+whose student, encoder + projector + predictor, has a mean-field Gaussian posterior
+trained by Bayes by Backprop, one weight draw per batch; the teacher is the EMA of the
+student's means) under each of --priors, and deterministic BYOL. The loss is the
+symmetrised BYOL loss plus beta x KL(q || prior) / N (N training images), beta rising
+from 0 to 1 along a single-cycle cosine; variances exp(log-variance), initialised at
+-10; means trunc-normal with std 0.02; Adam, no weight decay. Priors:
+  standard          N(0, I)
+  teacher           N(mu_T, I): the teacher's weights as prior means
+  teacher-variance  N(mu_T, Sigma_T): Sigma_T the variance of the student's means over
+                    the EMA window (EMA of mu^2 minus mu_T^2), floored at exp(-10)
+The encoder is the registered small-cnn (three 3x3 conv blocks with GroupNorm, 23,408
+parameters, a 64-feature representation); the data a seeded subset of --train-images
+training images (Fashion-MNIST with --dataset auto when its files are here), augmented
+by random crops (zero padding 4), horizontal flips and Gaussian pixel noise (std 0.1).
+
+Evaluation on a seeded subset of --test-images test images: a linear probe (logistic
+regression, L-BFGS, fitted on the posterior-mean encoder's features of the training
+subset) scored clean and with Gaussian input noise of std --noise-std (pixel units on
+the [0, 1] scale): accuracy, ECE (15 equal-width bins) and Brier score, for BYOV with
+the posterior-mean encoder and with the probe's probabilities averaged over --samples
+posterior draws; pruning without retraining: in each conv layer, keep the weights with
+the largest SNR |mu|/sigma or the largest magnitude |mu| at sparsities 0.25, 0.5,
+0.75, 0.9, 0.95 and score the probe on the clean test subset. For a posterior draw or a
+pruned encoder the probe's feature standardisation is recomputed on 2,000 training
+images (its weights kept; --no-recalibration keeps the fitted encoder's): a draw shifts
+every feature's mean and scale, which a fixed standardisation turns into wrong logits.
+
+Writes into --out: study-byov.json (every number, the training histories, provenance),
+byov_probe.csv (model, prior, inference mean|mc|point, input clean|noisy, accuracy, ece,
+brier, nll), byov_pruning.csv (model, criterion snr|magnitude, sparsity, achieved
+sparsity, accuracy, ece, brier), byov_training.csv (per model and epoch: BYOL loss, KL
+in nats, beta, tau, per conv layer the mean and largest sigma and SNR), byov.png and
+.pdf, and the encoders as zoo collections (architecture small-cnn): byov-<prior>.h5
+(--samples posterior draws each, with their seeds and probe accuracies) and byol.h5.
+Every random choice derives from --seed.
+
+Runtime: the default (10,000 training and 5,000 test images, 6 epochs of batches of
+128, 16 draws) about 7 minutes on one CPU core; --quick (512 and 256 images, 1 epoch of
+batches of 64, 2 draws) about 15 seconds. Options given with --quick override its sizes.
+"""
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "study", help="studies with their own training runs: the toy example (Fig. 1), "
-                      "permutation stability (Fig. 4)",
+                      "permutation stability (Fig. 4), BYOV (seed 004)",
         description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     studies = parser.add_subparsers(dest="study", metavar="STUDY", required=True)
 
@@ -158,6 +221,57 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                 "OptuNet (default: %(default)s)")
     _common_options(stability, "permutation-stability")
     stability.set_defaults(func=run_permutation_stability)
+
+    byov = studies.add_parser(
+        "byov", help="seed 004: BYOL with a Bayes-by-Backprop student under three priors vs "
+                     "deterministic BYOL: probe calibration, SNR pruning",
+        description=_BYOV_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  posteriorzoo study byov --out byov\n"
+               "  posteriorzoo study byov --quick --out byov-smoke\n"
+               "  posteriorzoo study byov --priors standard --epochs 20 --out byov-20")
+    byov.add_argument("--priors", nargs="+", choices=BYOV_PRIORS, default=list(BYOV_PRIORS),
+                      metavar="PRIOR",
+                      help=f"BYOV priors to train, of {', '.join(BYOV_PRIORS)} (time: one "
+                           "training each; deterministic BYOL is always trained) (default: "
+                           "all three)")
+    sizes = (("--train-images", TRAIN_IMAGES, "train_images",
+              "training images (a seeded subset of the training split; time is proportional "
+              "to it), {range} and at most the split's size (checked once the data are "
+              "loaded)"),
+             ("--test-images", TEST_IMAGES, "test_images",
+              "test images scored (a seeded subset of the test split), {range}"),
+             ("--epochs", BYOV_EPOCHS, "epochs",
+              "epochs of every model's training (the same budget for each; time), {range}"),
+             ("--batch-size", BATCH, "batch_size",
+              "images per step (two views each; drop-last batches), {range} and at most "
+              "--train-images"),
+             ("--samples", SAMPLES, "samples",
+              "posterior draws of each BYOV encoder (the MC predictive and the checkpoints "
+              "of its collection; time of the evaluation), {range}"))
+    for flag, kind, key, text in sizes:
+        byov.add_argument(flag, type=kind, default=None, dest=key,
+                          help=f"{text.format(range=kind.range_text)} (default: "
+                               f"{BYOV_DEFAULTS[key]:,}; --quick: {BYOV_QUICK[key]:,})")
+    byov.add_argument("--noise-std", type=NOISE, default=0.3,
+                      help=f"standard deviation of the Gaussian noise added to the test "
+                           f"images, pixel units on the [0, 1] scale (then clipped), in "
+                           f"{NOISE.range_text} (default: %(default)s)")
+    byov.add_argument("--dataset", choices=BYOV_DATASETS, default="auto",
+                      help="28x28 grey images: auto is Fashion-MNIST when its files are on "
+                           "this machine (no download), else scikit-learn's digits (1,347 "
+                           "training images) (default: %(default)s)")
+    byov.add_argument("--data-dir", metavar="DIR",
+                      help="folder searched first for the dataset's files")
+    byov.add_argument("--no-recalibration", action="store_true",
+                      help="score posterior draws and pruned encoders with the feature "
+                           "standardisation of the probe's own encoder (default: recompute "
+                           "it for each of them on 2,000 training images, the probe's "
+                           "weights kept)")
+    byov.add_argument("--quick", action="store_true",
+                      help="smoke-test sizes (seconds): 512 training and 256 test images, "
+                           "1 epoch, batches of 64, 2 draws")
+    _common_options(byov, "byov-study")
+    byov.set_defaults(func=run_byov)
 
 
 def _common_options(parser: argparse.ArgumentParser, default_out: str) -> None:
@@ -222,6 +336,46 @@ def run_permutation_stability(args: argparse.Namespace) -> int:
                          f"changed: {phases}")
         lines.append(f"wrote {args.out}/ (study-permutation-stability.json, "
                      "tau_by_step.csv, tau_binned.csv, permutation_stability.png/.pdf)")
+        result.write_into(partial)
+    _report(args, result, lines)
+    return 0
+
+
+def run_byov(args: argparse.Namespace) -> int:
+    from analysis.studies.byov import check_byov_options, run_byov_study
+    from posteriorzoo.outputs import atomic_directory
+
+    sizes = BYOV_QUICK if args.quick else BYOV_DEFAULTS
+    chosen = {key: value if getattr(args, key) is None else getattr(args, key)
+              for key, value in sizes.items()}
+    check_byov_options(args.priors, noise_std=args.noise_std, dataset=args.dataset,
+                       **chosen)  # before the output exists
+    with atomic_directory(args.out, overwrite=args.overwrite) as partial:
+        result = run_byov_study(args.priors, args.seed, noise_std=args.noise_std,
+                                dataset=args.dataset, data_dir=args.data_dir,
+                                recalibrate=not args.no_recalibration,
+                                progress=not args.no_progress,
+                                command=getattr(args, "command_line", None), **chosen)
+        summary = result.summary
+        lines = [f"{len(summary['models'])} models, {chosen['epochs']} epochs on "
+                 f"{chosen['train_images']:,} {summary['data']['dataset']} images; linear "
+                 f"probe on {chosen['test_images']:,} test images (noise std "
+                 f"{args.noise_std:g}):"]
+        for row in summary["probe"]:
+            lines.append(f"  {row['model']:<22} {row['inference']:<5} {row['input']:<5} "
+                         f"accuracy {row['accuracy']:.4f}  ECE {row['ece']:.4f}  "
+                         f"Brier {row['brier']:.4f}")
+        lines.append("pruning (clean accuracy at each sparsity):")
+        for model in dict.fromkeys(row["model"] for row in summary["pruning"]):
+            for criterion in ("snr", "magnitude"):
+                cells = [f"{row['sparsity']:g}: {row['accuracy']:.4f}"
+                         for row in summary["pruning"]
+                         if row["model"] == model and row["criterion"] == criterion]
+                if cells:
+                    lines.append(f"  {model:<22} {criterion:<9} " + ", ".join(cells))
+        files = ", ".join(sorted(summary["collections"]))
+        lines.append(f"wrote {args.out}/ (study-byov.json, byov_probe.csv, byov_pruning.csv, "
+                     f"byov_training.csv, byov.png/.pdf, {files})")
         result.write_into(partial)
     _report(args, result, lines)
     return 0

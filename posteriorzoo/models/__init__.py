@@ -6,8 +6,9 @@
 >>> model = build("resnet18", num_classes=10, width=8)  # a small test network
 
 Registered names: ``optunet``, ``optunet-v1``, ``resnet18``, ``resnet18-tiny``, ``mlp``,
-and for parameter-overhead figures (:mod:`posteriorzoo.overhead`) ``resnet18-imagenet``,
-``resnet50``, ``wrn28-10`` and ``mlp-bn`` (see :func:`available_models` and
+``small-cnn`` (the BYOV study's encoder), and for parameter-overhead figures
+(:mod:`posteriorzoo.overhead`) ``resnet18-imagenet``, ``resnet50``, ``wrn28-10`` and
+``mlp-bn`` (see :func:`available_models` and
 :func:`model_entry`). Models of your own are registered by plugin modules: entry points of
 the group ``posteriorzoo.models``, ``POSTERIORZOO_MODELS``, the command line's ``--models``
 or :func:`load_models` (see :mod:`posteriorzoo.models.plugins`).
@@ -27,6 +28,7 @@ from posteriorzoo.models.registry import (
 )
 from posteriorzoo.models.resnet import BasicBlock, ImageNetResNet, ResNet18
 from posteriorzoo.models.schema import check_state_dict, expected_state_shapes, parameter_count
+from posteriorzoo.models.small_cnn import SmallCNN
 from posteriorzoo.models.wide_resnet import WideResNet
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "OptuNet",
     "OptuNetV1",
     "ResNet18",
+    "SmallCNN",
     "WideResNet",
     "available_models",
     "build",
