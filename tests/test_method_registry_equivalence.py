@@ -27,8 +27,8 @@ from train_zoo import load_spec, train_checkpoints
 ROOT = Path(__file__).resolve().parent.parent
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 DRIVER = Path(__file__).resolve().parent / "registry_equivalence_driver.py"
-#: The commit the method registry branched from: the trainer before the redesign.
-BRANCH_POINT = "ae3243591f783fe6f079dd3ed319ebd8b5b96f17"
+#: The trainer before the redesign: main where the method registry was merged into it.
+BRANCH_POINT = "eb63f4acb588d4b1c7e32344e88eba087122a5cf"
 #: Modes retrained per shipped spec.
 MODES = 2
 SPECS = sorted(path.stem for path in (ROOT / "specs").glob("*.toml"))
