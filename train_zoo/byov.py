@@ -83,6 +83,7 @@ __all__ = [
     "ByolNetwork",
     "ByovConfig",
     "ByovRun",
+    "ByovStepper",
     "GaussianNoise",
     "Posterior",
     "Teacher",
@@ -90,14 +91,19 @@ __all__ = [
     "augmentation",
     "beta_at",
     "byol_loss",
+    "draw_noise",
     "draw_seed",
     "encoder_draws",
+    "encoder_features",
     "encoder_parameters",
     "initial_posterior",
+    "initial_teacher",
     "keep_mask",
     "kl_divergence",
+    "layer_statistics",
     "prior_moments",
     "prune",
+    "pruned_keys",
     "sample_parameters",
     "sigma",
     "snr",
@@ -425,9 +431,11 @@ class GaussianNoise(Transform):
         self.std = check_number("noise std", std, 0.0)
 
     def sample(self, shape: Sequence[int], generator: torch.Generator) -> Tensor:
+        """Standard normal noise of ``shape`` (the batch's), float32."""
         return torch.randn(tuple(shape), generator=generator)
 
     def apply(self, images: Tensor, noise: Tensor) -> Tensor:
+        """``clip(images + std * noise, 0, 1)``, images in [0, 1] (uint8 scaled)."""
         x = images.float() / 255.0 if images.dtype == torch.uint8 else images.float()
         return (x + self.std * noise).clamp(0.0, 1.0)
 
