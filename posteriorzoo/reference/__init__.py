@@ -1,6 +1,6 @@
 """The reference zoo shipped with the package: OptuNet on Fashion-MNIST.
 
-Fifteen collections, produced by the mass trainer from the specs in the repository's
+Sixteen collections, produced by the mass trainer from the specs in the repository's
 ``specs/`` folder with the paper's 60-epoch OptuNet recipe (the exact commands and times
 are in data_card.md):
 
@@ -9,8 +9,9 @@ are in data_card.md):
 - the single-mode method collections ``"mc-dropout"``, ``"bbb"``, ``"bbb-trained-variance"``,
   ``"swag"``, ``"laplace"`` and ``"sghmc"``: 100 samples around one base network (SGHMC:
   four chains of 25 from it);
-- the seeds' variants ``"emp"`` and ``"ecmp"`` (Ensemble Model Patching, per layer and
-  per element): 100 draws of one patched network, folded into OptuNet checkpoints;
+- the seeds' variants ``"emp"``, ``"ecmp"`` (Ensemble Model Patching, per layer and per
+  element) and ``"rank-1"`` (a rank-1 BNN): 100 draws of one trained network, each folded
+  into an OptuNet checkpoint;
 - the multi-mode ones ``"mc-dropout-multi-mode"``, ``"bbb-multi-mode"``,
   ``"bbb-trained-variance-multi-mode"``, ``"swag-multi-mode"`` and
   ``"laplace-multi-mode"``: 10 samples around each of 10 base networks.
@@ -39,7 +40,7 @@ from posteriorzoo.zoo import Zoo, open_zoo
 #: The method collections in the order of the paper's Table 1 (single-, then multi-mode;
 #: the seeds' variants after the paper's single-mode methods).
 METHODS = ("mc-dropout", "bbb", "bbb-trained-variance", "swag", "laplace", "sghmc", "emp",
-           "ecmp", "mc-dropout-multi-mode", "bbb-multi-mode", "bbb-trained-variance-multi-mode",
+           "ecmp", "rank-1", "mc-dropout-multi-mode", "bbb-multi-mode", "bbb-trained-variance-multi-mode",
            "swag-multi-mode", "laplace-multi-mode")
 #: Name -> file name of every shipped collection.
 COLLECTIONS = {name: f"optunet-fashion-mnist-{name}.h5" for name in ("target", "de", *METHODS)}
