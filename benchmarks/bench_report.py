@@ -3,8 +3,9 @@
 Side by side in one run:
 
 1. **The report** exactly as ``posteriorzoo demo`` builds it (``analysis.report.build_report``
-   on the target and the 12 method collections, Fashion-MNIST in distribution, MNIST out
-   of distribution when its files are present, else scikit-learn's digits), then written
+   on the target, the Deep Ensemble and the 14 method collections, Fashion-MNIST in
+   distribution, MNIST out of distribution when its files are present, else
+   scikit-learn's digits), then written
    to a temporary folder. The stages (``build_report(timings=...)``): reading the inputs
    (``load``), the canonical copies (``canonicalize``), MMD and NS-MMD (``mmd``), the
    noise floor, the members' predictions (``predictions``), the metrics on them

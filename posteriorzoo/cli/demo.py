@@ -1,7 +1,7 @@
 """``posteriorzoo demo``: the main job end to end, with no download.
 
 1. The shipped reference zoo (OptuNet on Fashion-MNIST, the paper's 60-epoch recipe: 1,000
-   target checkpoints, a 100-member Deep Ensemble and the nine method collections): what
+   target checkpoints, a 100-member Deep Ensemble and the fourteen method collections): what
    each holds, and a full integrity check.
 2. The benchmark report on it (``posteriorzoo report``): Table 1 (MMD and NS-MMD to the
    target, accuracy, ECE, Brier, AUPR, FPR95, IDMI, OODMI) with the noise floor, the
