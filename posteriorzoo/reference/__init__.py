@@ -40,8 +40,8 @@ from posteriorzoo.zoo import Zoo, open_zoo
 #: The method collections in the order of the paper's Table 1 (single-, then multi-mode;
 #: the seeds' variants after the paper's single-mode methods).
 METHODS = ("mc-dropout", "bbb", "bbb-trained-variance", "swag", "laplace", "sghmc", "emp",
-           "ecmp", "rank-1", "mc-dropout-multi-mode", "bbb-multi-mode", "bbb-trained-variance-multi-mode",
-           "swag-multi-mode", "laplace-multi-mode")
+           "ecmp", "rank-1", "mc-dropout-multi-mode", "bbb-multi-mode",
+           "bbb-trained-variance-multi-mode", "swag-multi-mode", "laplace-multi-mode")
 #: Name -> file name of every shipped collection.
 COLLECTIONS = {name: f"optunet-fashion-mnist-{name}.h5" for name in ("target", "de", *METHODS)}
 #: Name -> the spec that produced it, relative to the repository root.
