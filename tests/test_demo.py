@@ -21,7 +21,8 @@ def test_demo_runs_and_resumes(tmp_path, capsys, monkeypatch):
     report = json.loads((out / "demo-summary.json").read_text())["report"]
     assert [row["name"] for row in report["table1"]] == [
         "DE", "Dropout", "BBB", "BBB (trained-variance)", "SWAG", "Laplace", "SGHMC", "EMP",
-        "ECMP", "Rank-1", "MM-Dropout", "MM-BBB", "MM-BBB (trained-variance)", "MM-SWAG", "MM-Laplace"]
+        "ECMP", "Rank-1", "MM-Dropout", "MM-BBB", "MM-BBB (trained-variance)", "MM-SWAG",
+        "MM-Laplace"]
     assert f"[2] report on the reference zoo (OOD: {report['ood']}): " \
            f"{out / 'report' / 'report.html'}" in text
     assert "| MM-Laplace | multi-mode | 100 |" in text

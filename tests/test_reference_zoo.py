@@ -37,7 +37,8 @@ def test_unknown_reference_name():
 
 def test_every_method_and_its_multi_mode_version_is_shipped():
     single = {"mc-dropout", "bbb", "bbb-trained-variance", "swag", "laplace", "sghmc"}
-    variants = {"emp", "ecmp", "rank-1"}  # the seeds' variants: single-mode, as the papers train them
+    # the seeds' variants: single-mode, as the papers train them
+    variants = {"emp", "ecmp", "rank-1"}
     assert set(METHODS) == single | variants | {f"{method}-multi-mode"
                                                 for method in single - {"sghmc"}}
     assert set(COLLECTIONS) == {"target", "de", *METHODS}
