@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 # test module -> test function (or one of its parameters, "test[id]") -> (command, class)
 PROBES: dict[str, dict[str, tuple[str, str]]] = {
     "test_row_order.py": {
@@ -213,3 +215,18 @@ def pytest_runtest_logreport(report) -> None:
     with open(path, "a") as log:
         log.write(json.dumps({"suite": "marked", "command": probe[0], "class": probe[1],
                               "refused": True, "ok": report.passed}) + "\n")
+
+
+STUDY_MODULE = "posteriorzoo.cli.study_command"
+
+
+@pytest.fixture()
+def study_cli(monkeypatch):
+    """The CLI's ``main`` with the study command registered (the studies' tests)."""
+    import posteriorzoo.cli
+    from posteriorzoo.cli import main
+
+    modules = posteriorzoo.cli._SUBCOMMAND_MODULES
+    if STUDY_MODULE not in modules:
+        monkeypatch.setattr(posteriorzoo.cli, "_SUBCOMMAND_MODULES", (*modules, STUDY_MODULE))
+    return main

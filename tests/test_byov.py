@@ -16,9 +16,7 @@ import pytest
 import torch
 from torch.distributions import Normal, kl_divergence
 
-import posteriorzoo.cli
 from analysis.studies.byov import QUICK, fit_linear_probe, run_byov_study
-from posteriorzoo.cli import main
 from posteriorzoo.models import build
 from posteriorzoo.zoo import open_zoo
 from train_zoo import byov
@@ -50,16 +48,6 @@ from train_zoo.byov import (
 )
 
 STUDY_MODULE = "posteriorzoo.cli.study_command"
-
-
-@pytest.fixture()
-def study_cli(monkeypatch):
-    """The CLI with the study command registered."""
-    modules = posteriorzoo.cli._SUBCOMMAND_MODULES
-    if STUDY_MODULE not in modules:
-        monkeypatch.setattr(posteriorzoo.cli, "_SUBCOMMAND_MODULES", (*modules, STUDY_MODULE))
-    return main
-
 
 @pytest.fixture(scope="module")
 def network():

@@ -15,7 +15,6 @@ import pytest
 import torch
 from torch import nn
 
-import posteriorzoo.cli
 from analysis.studies import toy
 from analysis.studies.permutation_stability import (
     kendall_tau,
@@ -36,7 +35,6 @@ from analysis.studies.toy import (
     study_seeds,
     train_networks,
 )
-from posteriorzoo.cli import main
 from posteriorzoo.symmetry import (
     apply_symmetry_batch,
     canonicalize_batch,
@@ -45,16 +43,6 @@ from posteriorzoo.symmetry import (
 )
 
 STUDY_MODULE = "posteriorzoo.cli.study_command"
-
-
-@pytest.fixture()
-def study_cli(monkeypatch):
-    """The CLI with the study command registered."""
-    modules = posteriorzoo.cli._SUBCOMMAND_MODULES
-    if STUDY_MODULE not in modules:
-        monkeypatch.setattr(posteriorzoo.cli, "_SUBCOMMAND_MODULES", (*modules, STUDY_MODULE))
-    return main
-
 
 @pytest.fixture(scope="module")
 def trained():

@@ -215,8 +215,15 @@ class Method:
         return 0
 
     def option_table(self) -> tuple[MethodOption, ...]:
-        """The declared options (:attr:`options`; a method may build them on first use)."""
+        """The declared options: :attr:`options`, or those :meth:`build_options` makes on
+        first use."""
+        if not self.options:
+            self.options = self.build_options()
         return self.options
+
+    def build_options(self) -> tuple[MethodOption, ...]:
+        """The options of a method that builds them on first use (none by default)."""
+        return ()
 
     def explain(self, options: Mapping[str, Any], context: Context) -> ResolvedOptions:
         """Every option resolved in table order, with where it came from (given, default,

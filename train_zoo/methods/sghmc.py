@@ -852,10 +852,8 @@ class Sghmc(Method):
     name = "sghmc"
     summary = "stochastic-gradient HMC chains from each trained base network"
 
-    def option_table(self) -> tuple[MethodOption, ...]:
-        if not self.options:
-            self.options = _options()
-        return self.options
+    def build_options(self) -> tuple[MethodOption, ...]:
+        return _options()
 
     def _whitening(self, run: ModeRun, model: nn.Module, params: Params, buffers: Params,
                    prior: float) -> Whitening:

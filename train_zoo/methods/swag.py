@@ -552,10 +552,8 @@ class Swag(Method):
     name = "swag"
     summary = "SWA-Gaussian: moments of SGD iterates around each trained base network"
 
-    def option_table(self) -> tuple[MethodOption, ...]:
-        if not self.options:
-            self.options = _options()
-        return self.options
+    def build_options(self) -> tuple[MethodOption, ...]:
+        return _options()
 
     def phase_steps(self, spec: object, steps_per_epoch: int) -> int:
         return spec.method_options["epochs"] * steps_per_epoch
