@@ -28,6 +28,7 @@ from posteriorzoo.errors import (
     DataNotFoundError,
     InvalidOptionError,
 )
+from posteriorzoo.reference import METHODS
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ROOT / "posteriorzoo" / "data" / "bundled" / "fashion-mnist"
@@ -191,7 +192,8 @@ def test_demo_writes_the_report_with_no_data_anywhere(tmp_path):
         in done.stdout
     assert (out / "report" / "report.html").is_file()
     report = json.loads((out / "demo-summary.json").read_text())["report"]
-    assert len(report["table1"]) == 12 and report["ood"] == "digits"
+    # every shipped method collection and the Deep Ensemble
+    assert len(report["table1"]) == len(METHODS) + 1 and report["ood"] == "digits"
     assert not any((tmp_path / "cache").iterdir())
     # it ends saying how to run the command line
     assert any("posteriorzoo --help" in line for line in done.stdout.splitlines()[-2:])
