@@ -1045,8 +1045,6 @@ class Rank1(Method):
         spec, seeds = run.spec, run.seeds
         recipe = spec.recipe
         options = dict(spec.method_options)
-        if options.get("layers") is not None:
-            options["layers"] = tuple(options["layers"])
         components = options.pop("components", Rank1Options.components)
         model = run.engine.initial_model()
         params = {name: value.detach() for name, value in model.named_parameters()}
