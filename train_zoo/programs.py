@@ -38,7 +38,7 @@ from train_zoo.fast.bbb import FastBBB, FastBBBStepper
 from train_zoo.fast.engine import FastNet, batches_for, layout_for
 from train_zoo.fast.engine import evaluate as fast_evaluate
 from train_zoo.fast.engine import train_base as fast_train_base
-from train_zoo.fast.gradients import fast_log_posterior
+from train_zoo.fast.gradients import LossGradient, fast_log_posterior, fast_loss_gradient
 from train_zoo.methods.base import ModeRun, generator_for
 from train_zoo.methods.bbb import METHOD as BBB
 from train_zoo.methods.bbb import BBBRun, BBBStepper, BBBTrainingRun
@@ -124,6 +124,17 @@ class ModeEngine:
         if batch_size is not None:
             recipe = dataclasses.replace(recipe, batch_size=batch_size)
         return torch_batches(self.data, recipe, seed, augment=False)(0)
+
+    def loss_gradient(self, model: nn.Module) -> LossGradient | None:
+        """The batch mean cross-entropy's gradient on the kernels where they cover
+        ``model`` (batches from :meth:`batches`), else None: the method differentiates
+        with torch autograd (and :meth:`batches` with ``torch_only``)."""
+        layout = self._layout(model)
+        self.name = "fast" if layout is not None else "torch"
+        if layout is None:
+            return None
+        return fast_loss_gradient(layout, {name: value.detach()
+                                           for name, value in model.named_parameters()})
 
     def log_posterior(self, model: nn.Module, params: dict, buffers: dict, num_data: int,
                       prior_precision: float) -> LogPosteriorGradient:

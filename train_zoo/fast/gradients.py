@@ -10,6 +10,7 @@ choosing (Bayes by Backprop at sampled weights, SWAG's SGD continuation, SGHMC) 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
@@ -20,7 +21,7 @@ from train_zoo.fast.layout import NetLayout
 from train_zoo.methods.common import Params, flatten, unflatten
 from train_zoo.methods.sghmc import LogPosteriorGradient
 
-__all__ = ["fast_log_posterior", "fast_loss_and_grad"]
+__all__ = ["LossGradient", "fast_log_posterior", "fast_loss_and_grad", "fast_loss_gradient"]
 
 
 @lru_cache(maxsize=32)
@@ -80,6 +81,27 @@ def fast_loss_and_grad(layout: NetLayout, theta: np.ndarray, x: np.ndarray, labe
     logits = np.empty((layout.num_classes, x.shape[3]), dtype=np.float32)
     loss = loss_and_grad(x, labels, theta, dims, grad, logits)
     return loss, grad
+
+
+#: ``gradient(params, batch) -> (loss, grads)``: the batch's mean cross-entropy (nats per
+#: example) at ``params`` and its gradient, keyed like ``params``.
+LossGradient = Callable[[Params, tuple], tuple[float, Params]]
+
+
+def fast_loss_gradient(layout: NetLayout, like: Params) -> LossGradient:
+    """The mean cross-entropy's gradient on the numba kernels, for a method that steps its
+    own parameters (EMP and ECMP fold their draw into ``params`` first). Batches are in the
+    kernels' layout (:func:`train_zoo.fast.engine.batches_for`); the returned gradients
+    are views of one buffer, valid until the next call."""
+    grad = np.empty(layout.num_params, dtype=np.float32)
+
+    def evaluate(params: Params, batch: tuple) -> tuple[float, Params]:
+        x, labels = batch
+        loss, _ = fast_loss_and_grad(layout, flatten(params).detach().numpy(), x, labels,
+                                     grad=grad)
+        return loss, unflatten(torch.from_numpy(grad), like)
+
+    return evaluate
 
 
 def fast_log_posterior(layout: NetLayout, like: Params, num_data: int,

@@ -59,6 +59,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -78,6 +79,9 @@ from train_zoo.methods.base import (
     generator_for,
 )
 from train_zoo.methods.common import Params, state_dict_of
+
+if TYPE_CHECKING:
+    from train_zoo.fast.gradients import LossGradient
 
 __all__ = [
     "ECMP",
@@ -487,8 +491,10 @@ class EmpStepper:
     """
 
     def __init__(self, model: nn.Module, state: EmpState, generator: torch.Generator, *,
-                 weight_decay: float = WEIGHT_DECAY, lr: float = ADAM_LR) -> None:
+                 weight_decay: float = WEIGHT_DECAY, lr: float = ADAM_LR,
+                 gradient: LossGradient | None = None) -> None:
         self.model = model
+        self.gradient = gradient
         self.generator = generator
         self.weight_decay = check_number(_what("weight_decay"), weight_decay, 0)
         self._state = EmpState(
@@ -508,15 +514,38 @@ class EmpStepper:
             group["lr"] = lr
         self.model.train()
         indices = draw(self._state, self._state.variant, self.generator)
-        value = loss(self.model, self._state, batch, indices, self.weight_decay,
-                     buffers=self._state.buffers)
         self.optimizer.zero_grad(set_to_none=True)
-        value.backward()
+        if self.gradient is None:
+            value = loss(self.model, self._state, batch, indices, self.weight_decay,
+                         buffers=self._state.buffers)
+            value.backward()
+            result = float(value.detach())
+        else:
+            result = self._engine_gradients(batch, indices)
         self.optimizer.step()
         self.steps += 1
-        result = float(value.detach())
         self.stopped = not math.isfinite(result)
         return result
+
+    @torch.no_grad()
+    def _engine_gradients(self, batch: tuple, indices: Mapping[str, Tensor]) -> float:
+        """:func:`loss`'s gradients with the engine's cross-entropy gradient at the folded
+        draw: each element's gradient goes to the component it was drawn from (as
+        autograd through :func:`fold` sends it), and the L2 term's ``2 lambda p`` to every
+        shared parameter and component. Returns the loss."""
+        cross_entropy, grads = self.gradient(fold(self._state, indices), batch)
+        factor = self.weight_decay / len(batch[1])
+        for name, value in self._state.shared.items():
+            value.grad = grads[name].to(value.dtype) + 2 * factor * value
+        for name, stack in self._state.components.items():
+            drawn = torch.zeros_like(stack)
+            index = indices[name].to(stack.device)
+            if index.dim() == 0:
+                drawn[index] = grads[name].to(stack.dtype)
+            else:  # ECMP: one component per element, so each element is written once
+                drawn.scatter_(0, index.unsqueeze(0), grads[name].to(stack.dtype).unsqueeze(0))
+            stack.grad = drawn + 2 * factor * stack
+        return float(cross_entropy) + factor * float(penalty(self._state))
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The parameters in ``named_parameters`` layout; a patched parameter shows the
@@ -606,7 +635,6 @@ class EnsembleModelPatching(Method):
 
     options = tuple(_option(name) for name in OPTION_HELP if name != "variant")
     trains_base = False
-    uses_fast_kernels = False
 
     def __init__(self, variant: str) -> None:
         self.name = check_choice("variant", variant, VARIANTS)
@@ -620,16 +648,20 @@ class EnsembleModelPatching(Method):
         options = EmpOptions(**spec.method_options, variant=self.name)
         model = run.engine.initial_model()
         start = init_model(model, generator_for(seeds.init), options)
+        # The engine's cross-entropy gradient where its kernels cover the network (the
+        # method's own draw, scatter, L2 and Adam either way); torch autograd otherwise.
+        gradient = run.engine.loss_gradient(model)
         stepper = EmpStepper(model, start, generator_for(seeds.noise),
-                             weight_decay=options.weight_decay, lr=options.lr)
-        # No kernel of the fast engine trains EMP: torch batches whatever the engine.
-        result = fit(stepper, run.engine.batches(model, seeds.data, torch_only=True),
+                             weight_decay=options.weight_decay, lr=options.lr,
+                             gradient=gradient)
+        result = fit(stepper, run.engine.batches(model, seeds.data,
+                                                 torch_only=gradient is None),
                      lambda epoch: options.lr, spec.recipe.epochs, index=run.index,
                      phase=self.name, callbacks=run.callbacks)
         state = stepper.state()
         record = {"method": self.name, "variant": state.variant,
                   "components": state.num_components, "patched": sorted(state.components)}
-        return Posterior(EmpPosterior(model, state), result.steps, "torch", record)
+        return Posterior(EmpPosterior(model, state), result.steps, run.engine.name, record)
 
     def sample(self, state: EmpPosterior, generator: torch.Generator, count: int
                ) -> list[dict[str, Tensor]]:
