@@ -49,7 +49,7 @@ from train_zoo.fast import (
     supports,
     train_fast,
 )
-from train_zoo.fast.kernels import loss_and_grad, sgd_update
+from train_zoo.fast.kernels import loss_and_grad, prepare_batch, sgd_update
 from train_zoo.torch_engine import initial_model, train_torch
 
 GRAD_RTOL = 1e-5  # of each tensor's largest |entry|; see the module docstring
@@ -496,3 +496,24 @@ def test_other_image_sizes_and_bad_labels(digits):
                        small.mean, small.std)
     with pytest.raises((IndexError, RuntimeError)):
         train_fast(spec, 0, TrainingData(bad, bad))
+
+
+@pytest.mark.parametrize(("count", "padding", "size"), [(200, 4, 28), (70, 2, 24), (5, 0, 28),
+                                                        (130, 6, 28)])
+def test_prepare_batch_equals_numpy_pad_crop_flip(count, padding, size):
+    """Blocks of 64 and their remainders, crops reaching past every edge, both flips."""
+    rng = np.random.default_rng(count)
+    images = rng.integers(0, 256, (count, 2, 28, 28), dtype=np.uint8)
+    span = 2 * padding + 28 - size + 1
+    tops = rng.integers(0, span, count).astype(np.int64)
+    lefts = rng.integers(0, span, count).astype(np.int64)
+    flips = rng.random(count) < 0.5
+    lut = rng.random((2, 256)).astype(np.float32)
+    out = np.empty((2, size, size, count), np.float32)
+    prepare_batch(images, tops, lefts, flips, padding, lut, out)
+    padded = np.pad(images, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
+    for b in range(count):
+        crop = padded[b, :, tops[b]:tops[b] + size, lefts[b]:lefts[b] + size]
+        crop = crop[:, :, ::-1] if flips[b] else crop
+        for c in range(2):
+            assert np.array_equal(out[c, :, :, b], lut[c][crop[c]]), (b, c)
