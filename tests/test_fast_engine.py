@@ -517,3 +517,25 @@ def test_prepare_batch_equals_numpy_pad_crop_flip(count, padding, size):
         crop = crop[:, :, ::-1] if flips[b] else crop
         for c in range(2):
             assert np.array_equal(out[c, :, :, b], lut[c][crop[c]]), (b, c)
+
+
+@pytest.mark.parametrize("count", [129, 300, 1000])
+def test_a_large_batch_in_chunks_gives_the_batch_mean(count, monkeypatch):
+    """fast_loss_and_grad cuts batches over KERNEL_CHUNK into chunks: the weighted chunk
+    means equal one kernel call over the whole batch (a remainder chunk included), up to
+    float32 rounding."""
+    from train_zoo.fast import gradients
+
+    assert count > gradients.KERNEL_CHUNK
+    torch.manual_seed(count)
+    model = build("optunet")
+    layout = describe_model(model, (1, 28, 28))
+    images = torch.randn(count, 1, 28, 28).permute(1, 2, 3, 0).numpy()
+    labels = torch.randint(10, (count,)).numpy()
+    theta = layout.flatten(model.state_dict())
+    chunked, gradient = gradients.fast_loss_and_grad(layout, theta, images, labels)
+    gradient = gradient.copy()
+    monkeypatch.setattr(gradients, "KERNEL_CHUNK", count)
+    whole, expected = gradients.fast_loss_and_grad(layout, theta, images, labels)
+    assert chunked == pytest.approx(whole, rel=1e-6)
+    np.testing.assert_allclose(gradient, expected, rtol=0, atol=1e-6 * np.abs(expected).max())

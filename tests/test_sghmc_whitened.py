@@ -148,3 +148,71 @@ def test_the_preconditioner_options_are_recorded_only_where_they_shape_the_weigh
     whitened = options(preconditioner="auto")                # OptuNet: 392 parameters
     assert (whitened["preconditioner"], whitened["batch_size"]) == ("laplace", 512)
     assert whitened["whitened_lr"] == pytest.approx(1e-4)
+
+
+# ------------------------------------------------------------ the adapted mass matrix
+def _draws(covariance: torch.Tensor, count: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    normal = torch.randn(count, DIM, generator=generator, dtype=torch.float64)
+    return MEAN + normal @ torch.linalg.cholesky(covariance).T
+
+
+def test_an_adapted_metric_whitens_what_the_chains_spread_over():
+    """Chains spread 30 and 10 times wider than the Laplace metric says along two
+    directions, as wide along the third: the adapted metric is their covariance, and in it
+    they are white. The kinetic temperature divides the spread out."""
+    widen = torch.diag(torch.tensor([30.0, 1.0, 10.0], dtype=torch.float64))
+    lower = WHITENING.cholesky
+    wide = torch.linalg.solve_triangular(lower.T, torch.linalg.solve_triangular(
+        lower.T, widen, upper=True).T, upper=True)          # L^-T widen L^-1
+    for temperature in (1.0, 2.5):
+        chains = [_draws(temperature * wide, 20_000, seed) for seed in range(3)]
+        adapted, variances = sghmc.adapted_whitening(WHITENING, chains, temperature)
+        assert variances.tolist() == pytest.approx([1.0, 10.0, 30.0], rel=0.05)
+        z = adapted.whiten(torch.cat(chains)) / math.sqrt(temperature)
+        assert torch.allclose(torch.cov(z.T), torch.eye(DIM, dtype=torch.float64), atol=0.05)
+
+
+def test_an_adapted_metric_never_narrows_the_laplace_one():
+    """Chains narrower than the Laplace approximation (as a short warm-up looks along its
+    slowest directions) leave the metric at the Laplace precision there."""
+    chains = [_draws(0.1 * COVARIANCE, 5_000, seed) for seed in range(2)]
+    adapted, variances = sghmc.adapted_whitening(WHITENING, chains)
+    assert (variances < 0.2).all()
+    assert torch.allclose(adapted.cholesky, WHITENING.cholesky.double(), rtol=1e-9, atol=1e-9)
+
+
+def test_adapted_whitening_refuses_what_it_cannot_estimate():
+    from posteriorzoo.errors import PosteriorZooError
+
+    for chains in ([], [torch.zeros(1, DIM)], [torch.zeros(5, DIM + 1)]):
+        with pytest.raises(PosteriorZooError, match="at least 2 states"):
+            sghmc.adapted_whitening(WHITENING, chains)
+    with pytest.raises(PosteriorZooError):
+        sghmc.adapted_whitening(WHITENING, [torch.zeros(5, DIM)], temperature=0.0)
+
+
+def test_an_adapted_chain_trains_records_its_warm_up_and_starts_where_it_ended():
+    """A digits mode with two adapted chains on the fast engine: the warm-up is recorded,
+    counted in the steps, and the option is recorded only for this preconditioner."""
+    from train_zoo import make_spec, train_checkpoints
+
+    spec = make_spec("optunet-mnist", dataset="digits", base_seed=5,
+                     recipe_overrides={"epochs": 1}, method="sghmc", modes=1,
+                     samples_per_mode=4,
+                     method_options={"burn_in": 100, "thin": 20, "chains": 2,
+                                     "preconditioner": "adapted", "adapt_steps": 600})
+    assert spec.method_options["adapt_steps"] == 600
+    results = train_checkpoints(spec, [0], engine="auto")
+    record = results[0].record
+    adaptation = record["adaptation"]
+    assert record["preconditioner"] == "adapted" and adaptation["steps"] == 600
+    assert adaptation["kept_per_chain"] == 3 and len(adaptation["kinetic_temperatures"]) == 2
+    assert adaptation["widened_directions"] >= 1
+    assert [chain["steps"] for chain in record["chains"]] == [140, 140]
+    base = results[0].steps - 2 * 600 - 2 * 140
+    assert base > 0
+    laplace = make_spec("optunet-mnist", dataset="digits", method="sghmc", modes=1,
+                        samples_per_mode=4, base_seed=0,
+                        method_options={"preconditioner": "laplace"}).method_options
+    assert "adapt_steps" not in laplace

@@ -24,6 +24,10 @@ from train_zoo.methods.sghmc import LogPosteriorGradient
 __all__ = ["LossGradient", "fast_log_posterior", "fast_loss_and_grad", "fast_loss_gradient"]
 
 
+#: Examples per kernel call in :func:`fast_loss_and_grad` (the fastest per example here).
+KERNEL_CHUNK = 128
+
+
 @lru_cache(maxsize=32)
 def _dims(layout: NetLayout) -> tuple[np.ndarray, int]:
     """The kernels' ``dims`` vector (read-only) and the parameter count, computed once."""
@@ -78,8 +82,27 @@ def fast_loss_and_grad(layout: NetLayout, theta: np.ndarray, x: np.ndarray, labe
         grad = np.empty_like(theta)
     elif grad.shape != theta.shape or grad.dtype != np.float32 or not grad.flags.c_contiguous:
         raise ValueError("grad must be a C-contiguous float32 array shaped like theta")
-    logits = np.empty((layout.num_classes, x.shape[3]), dtype=np.float32)
-    loss = loss_and_grad(x, labels, theta, dims, grad, logits)
+    count = x.shape[3]
+    if count <= KERNEL_CHUNK:
+        logits = np.empty((layout.num_classes, count), dtype=np.float32)
+        return loss_and_grad(x, labels, theta, dims, grad, logits), grad
+    # A large batch in chunks: past a few hundred examples the kernels' activations leave
+    # the cache (7.3 us per example at 2,048 against 4.0 at 128). The batch mean is the
+    # chunks' means weighted by their sizes, summed in float64.
+    logits = np.empty((layout.num_classes, KERNEL_CHUNK), dtype=np.float32)
+    part = np.empty_like(grad)
+    total = np.zeros(size, dtype=np.float64)
+    loss = 0.0
+    for start in range(0, count, KERNEL_CHUNK):
+        stop = min(start + KERNEL_CHUNK, count)
+        chunk = np.ascontiguousarray(x[..., start:stop])
+        weight = (stop - start) / count
+        if stop - start != logits.shape[1]:
+            logits = np.empty((layout.num_classes, stop - start), dtype=np.float32)
+        loss += weight * loss_and_grad(chunk, np.ascontiguousarray(labels[start:stop]), theta,
+                                       dims, part, logits)
+        total += weight * part
+    grad[:] = total
     return loss, grad
 
 
