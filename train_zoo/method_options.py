@@ -47,7 +47,9 @@ its reason at the constants of the method's module (re-exported here):
     the running estimate's weight of the past), ``preconditioner`` (``"none"``; ``"auto"``:
     ``"laplace"`` up to :data:`AUTO_FULL_LAPLACE_PARAMETERS` parameters, else ``"none"``;
     ``"laplace"`` runs each chain with a constant mass matrix, the base network's full
-    Laplace precision, from its own draw of that Laplace approximation), ``whitened_lr``
+    Laplace precision, from its own draw of that Laplace approximation; ``"adapted"``
+    first runs each chain ``adapt_steps`` (40,000) steps in that metric, widens it where
+    the chains spread wider and samples from where each warm-up ended), ``whitened_lr``
     (1e-4, the preconditioned chain's step) and ``batch_size`` (512 with a
     preconditioner, else the recipe's). See :data:`SGHMC_LR` and
     :data:`SGHMC_WHITENED_LR`.
