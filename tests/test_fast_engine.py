@@ -499,9 +499,11 @@ def test_other_image_sizes_and_bad_labels(digits):
 
 
 @pytest.mark.parametrize(("count", "padding", "size"), [(200, 4, 28), (70, 2, 24), (5, 0, 28),
-                                                        (130, 6, 28)])
+                                                        (130, 6, 28), (600, 4, 28),
+                                                        (530, 3, 26)])
 def test_prepare_batch_equals_numpy_pad_crop_flip(count, padding, size):
-    """Blocks of 64 and their remainders, crops reaching past every edge, both flips."""
+    """Both paths (one example at a time, and the tile of large batches with its
+    remainder), crops reaching past every edge, both flips."""
     rng = np.random.default_rng(count)
     images = rng.integers(0, 256, (count, 2, 28, 28), dtype=np.uint8)
     span = 2 * padding + 28 - size + 1
