@@ -87,7 +87,7 @@ def fast_loss_and_grad(layout: NetLayout, theta: np.ndarray, x: np.ndarray, labe
         logits = np.empty((layout.num_classes, count), dtype=np.float32)
         return loss_and_grad(x, labels, theta, dims, grad, logits), grad
     # A large batch in chunks: past a few hundred examples the kernels' activations leave
-    # the cache (7.3 us per example at 2,048 against 4.0 at 128). The batch mean is the
+    # the cache (4.1 us per example at 2,048 against 2.9 at 128, idle). The batch mean is the
     # chunks' means weighted by their sizes, summed in float64.
     logits = np.empty((layout.num_classes, KERNEL_CHUNK), dtype=np.float32)
     part = np.empty_like(grad)
