@@ -39,6 +39,7 @@ from train_zoo.fast.engine import FastNet, batches_for, layout_for
 from train_zoo.fast.engine import evaluate as fast_evaluate
 from train_zoo.fast.engine import train_base as fast_train_base
 from train_zoo.fast.gradients import LossGradient, fast_log_posterior, fast_loss_gradient
+from train_zoo.fast.rank1 import Rank1Network, rank1_network
 from train_zoo.methods.base import ModeRun, generator_for
 from train_zoo.methods.bbb import METHOD as BBB
 from train_zoo.methods.bbb import BBBRun, BBBStepper, BBBTrainingRun
@@ -135,6 +136,15 @@ class ModeEngine:
             return None
         return fast_loss_gradient(layout, {name: value.detach()
                                            for name, value in model.named_parameters()})
+
+    def rank1_network(self, model: nn.Module, layers: dict) -> Rank1Network | None:
+        """Rank-1's network part on the kernels where they cover ``model`` with rank-1
+        ``layers`` (module name -> module; batches from :meth:`batches`), else None (torch
+        autograd, and :meth:`batches` with ``torch_only``)."""
+        layout = self._layout(model)
+        network = None if layout is None else rank1_network(layout, list(layers))
+        self.name = "fast" if network is not None else "torch"
+        return network
 
     def log_posterior(self, model: nn.Module, params: dict, buffers: dict, num_data: int,
                       prior_precision: float) -> LogPosteriorGradient:

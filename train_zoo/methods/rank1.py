@@ -82,6 +82,7 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -107,6 +108,9 @@ from train_zoo.methods.base import (
     generator_for,
 )
 from train_zoo.methods.common import Params, state_dict_of
+
+if TYPE_CHECKING:
+    from train_zoo.fast.rank1 import Rank1Network
 
 __all__ = [
     "COMPONENT_KL",
@@ -700,7 +704,8 @@ def _loss(group: dict[str, Params], model: nn.Module, buffers: Mapping[str, Tens
 def loss_and_grad(state: Rank1State, model: nn.Module, buffers: Mapping[str, Tensor],
                   batch: tuple[Tensor, Tensor], generator: torch.Generator | None,
                   num_data: int, total_steps: int, *,
-                  noise: tuple[Params, Params] | None = None
+                  noise: tuple[Params, Params] | None = None,
+                  network: Rank1Network | None = None
                   ) -> tuple[Rank1Terms, dict[str, Params]]:
     """The loss on ``batch`` (tiled ``K`` times), its terms and its gradients.
 
@@ -720,6 +725,11 @@ def loss_and_grad(state: Rank1State, model: nn.Module, buffers: Mapping[str, Ten
         Updates of the whole training (the annealing's length, :func:`kl_scale`).
     noise : (eps_r, eps_s), optional
         The draws' ``eps`` for the ``K B`` tiled examples, instead of drawing.
+    network : Rank1Network, optional
+        The engine's kernel for the network part (:func:`train_zoo.fast.rank1.rank1_network`;
+        ``batch`` then in the kernels' layout, numpy ``(C, H, W, B)`` and ``(B,)``): the
+        same terms and gradients up to float32 rounding, without autograd through the
+        network.
 
     Returns
     -------
@@ -733,11 +743,64 @@ def loss_and_grad(state: Rank1State, model: nn.Module, buffers: Mapping[str, Ten
     if noise is None:
         if generator is None:
             raise ValueError("loss_and_grad needs a generator (or the noise itself)")
-        noise = draw_noise(state, opts.components * batch[0].shape[0], generator)
+        noise = draw_noise(state, opts.components * len(batch[1]), generator)
+    if network is not None:
+        return _loss_and_grad_on(network, state, batch, noise, num_data, scale)
     grads, (loss, (nll, kl, l2_term)) = grad_and_value(_loss, has_aux=True)(
         {part: dict(values) for part, values in state.trainable().items()}, model, buffers,
         batch, noise, opts, num_data, scale)
     return Rank1Terms(loss.detach(), nll, kl, scale, l2_term), grads
+
+
+def _loss_and_grad_on(network: Rank1Network, state: Rank1State, batch: tuple,
+                      noise: tuple[Params, Params], num_data: int, scale: float
+                      ) -> tuple[Rank1Terms, dict[str, Params]]:
+    """:func:`loss_and_grad` with the network's cross-entropy and its gradients from an
+    engine's kernel. The factors, the KL and the L2 term stay torch's: the kernel's
+    gradients of each example's ``r``, ``s`` and bias enter through the surrogate
+    ``sum(r * dL/dr) + ...``, whose gradient with respect to the locations, scales and
+    biases is the chain rule's."""
+    opts = state.options
+    images, labels = batch
+    count = opts.components
+    tiled = np.tile(images, (1, 1, 1, count))           # component-major, as _tile
+    which = torch.arange(count).repeat_interleave(len(labels))
+    group = {part: {name: value.detach().requires_grad_(True) for name, value in values.items()}
+             for part, values in state.trainable().items()}
+    clip = float(opts.clip)
+    r = _factors(group["r_loc"], group["r_rho"], noise[0], which, clip)
+    s = _factors(group["s_loc"], group["s_rho"], noise[1], which, clip)
+    head = _key(state.layers[-1], "bias")
+    bias = group["biases"][head][which]
+    shared = {**group["weights"], head: torch.zeros_like(group["biases"][head][0])}
+    theta = torch.cat([value.detach().reshape(-1) for value in shared.values()]).numpy()
+    result = network(theta, {name: value.detach().numpy() for name, value in r.items()},
+                     {name: value.detach().numpy() for name, value in s.items()},
+                     bias.detach().numpy(), tiled, np.tile(labels, count))
+    kl = _kl(group, opts)
+    l2_term = float(opts.l2) * _squares(group)
+    surrogate = scale * kl / num_data + l2_term + (bias * torch.from_numpy(result.bias)).sum()
+    for factors, gradients in ((r, result.r), (s, result.s)):
+        for name, value in factors.items():
+            surrogate = surrogate + (value * torch.from_numpy(gradients[name])).sum()
+    leaves = [(part, name, value) for part, values in group.items()
+              for name, value in values.items()]
+    found = torch.autograd.grad(surrogate, [value for _, _, value in leaves],
+                                allow_unused=True)
+    grads: dict[str, Params] = {part: {} for part in group}
+    for (part, name, value), gradient in zip(leaves, found, strict=True):
+        grads[part][name] = torch.zeros_like(value) if gradient is None else gradient
+    start = 0
+    for name, value in shared.items():
+        size = value.numel()
+        if name in grads["weights"]:
+            kernel = torch.from_numpy(result.weights[start:start + size]).reshape(value.shape)
+            grads["weights"][name] = grads["weights"][name] + kernel
+        start += size
+    nll = torch.tensor(result.loss, dtype=torch.float32)
+    kl, l2_term = kl.detach(), l2_term.detach()
+    loss = nll + scale * kl / num_data + l2_term
+    return Rank1Terms(loss, nll, kl, scale, l2_term), grads
 
 
 def _sgd(value: Tensor, grad: Tensor, buf: Tensor | None, lr: float, momentum: float,
@@ -936,9 +999,11 @@ class Rank1Stepper:
     BatchNorm statistics it trains; ``stopped`` once the loss is not finite.
     """
 
-    def __init__(self, state: Rank1State, model: nn.Module, run: Rank1Run) -> None:
+    def __init__(self, state: Rank1State, model: nn.Module, run: Rank1Run,
+                 network: Rank1Network | None = None) -> None:
         self.state = state
         self.model = model
+        self.network = network
         self.buffers = {name: value.detach().clone() for name, value in model.named_buffers()}
         self.run = run
         self.stopped = False
@@ -948,7 +1013,7 @@ class Rank1Stepper:
         self.model.train()
         terms, grads = loss_and_grad(self.state, self.model, self.buffers, batch,
                                      self.run.generator, self.run.num_data,
-                                     self.run.total_steps)
+                                     self.run.total_steps, network=self.network)
         self.state = update(self.state, grads, lr, momentum=self.run.momentum,
                             nesterov=self.run.nesterov)
         self.log.add(terms)
@@ -1037,7 +1102,6 @@ class Rank1(Method):
                "every layer, one folded draw a sample")
     options = tuple(_option(name) for name in OPTION_HELP)
     trains_base = False
-    uses_fast_kernels = False
 
     def fit(self, run: ModeRun) -> Posterior:
         from train_zoo.loop import fit
@@ -1049,22 +1113,24 @@ class Rank1(Method):
         model = run.engine.initial_model()
         params = {name: value.detach() for name, value in model.named_parameters()}
         start = init(model, params, components, generator_for(seeds.init), **options)
-        batches = run.engine.batches(model, seeds.data, torch_only=True)
+        # The engine's kernel for the network part where it covers the network and the
+        # rank-1 layers (all of OptuNet's); torch autograd otherwise.
+        network = run.engine.rank1_network(model, rank1_layers(model, start.options.layers))
+        batches = run.engine.batches(model, seeds.data, torch_only=network is None)
         per_epoch = math.ceil(run.num_data / recipe.batch_size)
         # SGD with the reference's Nesterov momentum 0.9 (Rank1Run's defaults), not the
         # recipe's: plain SGD (OptuNet's recipe) never moves the -1 locations (digits, 10
         # epochs: the KL stays at 11,000 nats and the accuracy at chance).
         stepper = Rank1Stepper(start, model, Rank1Run(generator_for(seeds.noise), run.num_data,
-                                                      per_epoch * recipe.epochs))
-        # No kernel of the fast engine trains Rank-1: torch batches whatever the engine.
+                                                      per_epoch * recipe.epochs), network)
         result = fit(stepper, batches, recipe.learning_rate, recipe.epochs, index=run.index,
                      phase="rank-1", callbacks=[*run.callbacks, stepper.log])
         state = stepper.rank1_state()
         record = {"method": "rank-1", "components": state.components,
                   "layers": state.layers, "scales": scale_record(start, state),
                   "loss": stepper.log.record()}
-        return Posterior(Rank1Posterior(model, state, stepper.buffers), result.steps, "torch",
-                         record)
+        return Posterior(Rank1Posterior(model, state, stepper.buffers), result.steps,
+                         run.engine.name, record)
 
     def sample(self, state: Rank1Posterior, generator: torch.Generator, count: int
                ) -> list[dict[str, Tensor]]:
