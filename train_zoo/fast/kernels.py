@@ -181,6 +181,35 @@ def _patch_sums(scale: np.ndarray, origin: np.ndarray, x: np.ndarray, offset: in
 
 
 @njit(cache=True, fastmath=False)
+def _cross_entropy(logits: np.ndarray, labels: np.ndarray, dl: np.ndarray) -> np.float32:
+    """The batch's mean cross-entropy (float32, a max-shifted log-softmax per example) from
+    ``logits`` ``(classes, B)``; ``dl`` receives d loss / d logits (softmax / B, minus 1 / B
+    at the label)."""
+    ncls, nb = logits.shape
+    inv = np.float32(1.0) / np.float32(nb)
+    loss64 = 0.0
+    for b in range(nb):
+        m = logits[0, b]
+        for j in range(1, ncls):
+            if logits[j, b] > m:
+                m = logits[j, b]
+        s = np.float32(0.0)
+        for j in range(ncls):
+            e = np.exp(logits[j, b] - m)
+            dl[j, b] = e
+            s += e
+        lse = np.log(s)
+        t = labels[b]
+        if t < 0 or t >= ncls:
+            raise IndexError("a label is outside 0 .. num_classes - 1")
+        loss64 -= np.float64(logits[t, b] - m - lse)
+        for j in range(ncls):
+            dl[j, b] = dl[j, b] / s * inv  # softmax / B
+        dl[t, b] -= inv
+    return np.float32(loss64 / nb)
+
+
+@njit(cache=True, fastmath=False)
 def loss_and_grad(x: np.ndarray, labels: np.ndarray, theta: np.ndarray, dims: np.ndarray,
                   grad: np.ndarray, logits: np.ndarray) -> float:
     """Mean cross-entropy of a batch and its gradient with respect to ``theta``.
@@ -355,28 +384,8 @@ def loss_and_grad(x: np.ndarray, labels: np.ndarray, theta: np.ndarray, dims: np
                 logits[j, b] = ha[j, b]
 
     # ---- cross-entropy (mean over the batch) and d loss / d logits
-    inv = np.float32(1.0) / np.float32(nb)
     dl = np.empty((ncls, nb), np.float32)
-    loss64 = 0.0
-    for b in range(nb):
-        m = logits[0, b]
-        for j in range(1, ncls):
-            if logits[j, b] > m:
-                m = logits[j, b]
-        s = np.float32(0.0)
-        for j in range(ncls):
-            e = np.exp(logits[j, b] - m)
-            dl[j, b] = e
-            s += e
-        lse = np.log(s)
-        t = labels[b]
-        if t < 0 or t >= ncls:
-            raise IndexError("a label is outside 0 .. num_classes - 1")
-        loss64 -= np.float64(logits[t, b] - m - lse)
-        for j in range(ncls):
-            dl[j, b] = dl[j, b] / s * inv  # softmax / B
-        dl[t, b] -= inv
-    loss = np.float32(loss64 / nb)
+    loss = _cross_entropy(logits, labels, dl)
 
     # ---- head backward
     dfeat = np.empty((c2, nb), np.float32)

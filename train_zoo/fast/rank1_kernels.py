@@ -20,7 +20,15 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from train_zoo.fast.kernels import _fold_sum, _lane_sum, _patch_sums, _relu, _taps, _zero
+from train_zoo.fast.kernels import (
+    _cross_entropy,
+    _fold_sum,
+    _lane_sum,
+    _patch_sums,
+    _relu,
+    _taps,
+    _zero,
+)
 
 __all__ = ["rank1_loss_and_grad"]
 
@@ -203,28 +211,8 @@ def rank1_loss_and_grad(x: np.ndarray, labels: np.ndarray, theta: np.ndarray,
             logits[j, b] = hu[j, b] * r3[j, b] + ba[j] + bias[j, b]
 
     # ---- cross-entropy (mean over the batch) and d loss / d logits
-    inv = np.float32(1.0) / np.float32(nb)
     dl = np.empty((ncls, nb), np.float32)
-    loss64 = 0.0
-    for b in range(nb):
-        m = logits[0, b]
-        for j in range(1, ncls):
-            if logits[j, b] > m:
-                m = logits[j, b]
-        s = np.float32(0.0)
-        for j in range(ncls):
-            e = np.exp(logits[j, b] - m)
-            dl[j, b] = e
-            s += e
-        lse = np.log(s)
-        t = labels[b]
-        if t < 0 or t >= ncls:
-            raise IndexError("a label is outside 0 .. num_classes - 1")
-        loss64 -= np.float64(logits[t, b] - m - lse)
-        for j in range(ncls):
-            dl[j, b] = dl[j, b] / s * inv
-        dl[t, b] -= inv
-    loss = np.float32(loss64 / nb)
+    loss = _cross_entropy(logits, labels, dl)
 
     # ---- head backward
     dhu = np.empty((ncls, nb), np.float32)
