@@ -181,6 +181,92 @@ def _patch_sums(scale: np.ndarray, origin: np.ndarray, x: np.ndarray, offset: in
 
 
 @njit(cache=True, fastmath=False)
+def _conv1_taps(wc1: np.ndarray, c: int, h: int, w: int, nb: int, tap_offsets: np.ndarray,
+                tap_weights: np.ndarray) -> None:
+    """Output channel ``c``'s taps of conv1 in (in-channel, row, col) order: each tap's
+    offset in x relative to its row, and its weight."""
+    tap = 0
+    for ci in range(wc1.shape[1]):
+        for ki in range(wc1.shape[2]):
+            for kj in range(wc1.shape[3]):
+                tap_offsets[tap] = ((ci * h + ki) * w + kj) * nb
+                tap_weights[tap] = wc1[c, ci, ki, kj]
+                tap += 1
+
+
+@njit(cache=True, fastmath=False)
+def _conv1_band(band: np.ndarray, xf: np.ndarray, first: int, top: int, h: int, w: int,
+                nb: int, rl1: int, tap_offsets: np.ndarray, tap_weights: np.ndarray,
+                row_offsets: np.ndarray) -> None:
+    """The conv1 outputs of the band's rows ``top, top + 1, ...`` for one output channel
+    (its group's first input channel ``first``), each summed over its taps in order."""
+    for i in range(band.size // rl1):
+        row = band[i * rl1:(i + 1) * rl1]
+        _zero(row)
+        base = ((first * h + top + i) * w) * nb
+        for tap in range(tap_offsets.size):
+            row_offsets[tap] = base + tap_offsets[tap]
+        _taps(row, xf, row_offsets, tap_weights)
+
+
+@njit(cache=True, fastmath=False)
+def _conv2_channel(out: np.ndarray, p1: np.ndarray, wc2: np.ndarray, oc: int, first: int,
+                   ph: int, pw: int, nb: int, tap_weights: np.ndarray,
+                   row_offsets: np.ndarray) -> None:
+    """Output channel ``oc`` of conv2 over the pooled maps ``p1`` (its group's first input
+    channel ``first``) into ``out`` ``(h2 * w2 * nb,)``, each output summed over its taps
+    in (in-channel, row, col) order."""
+    cpg2, k2h, k2w = wc2.shape[1], wc2.shape[2], wc2.shape[3]
+    h2, w2 = ph - k2h + 1, pw - k2w + 1
+    rl2 = w2 * nb
+    tap = 0
+    for ci in range(cpg2):
+        for ki in range(k2h):
+            for kj in range(k2w):
+                tap_weights[tap] = wc2[oc, ci, ki, kj]
+                tap += 1
+    for y in range(h2):
+        row = out[y * rl2:(y + 1) * rl2]
+        _zero(row)
+        tap = 0
+        for ci in range(cpg2):
+            for ki in range(k2h):
+                for kj in range(k2w):
+                    row_offsets[tap] = (((first + ci) * ph + y + ki) * pw + kj) * nb
+                    tap += 1
+        _taps(row, p1, row_offsets, tap_weights)
+
+
+@njit(cache=True, fastmath=False)
+def _conv2_backward(da2: np.ndarray, p1: np.ndarray, wc2: np.ndarray, gc2: np.ndarray,
+                    dp1: np.ndarray, groups: int, ph: int, pw: int, nb: int,
+                    scratch: np.ndarray) -> None:
+    """conv2's backward pass from ``da2`` (d loss / d its outputs): its weight gradient
+    added to ``gc2`` (float64) and its input gradient to ``dp1``."""
+    c2, cpg2, k2h, k2w = wc2.shape
+    opg2 = c2 // groups
+    h2, w2 = ph - k2h + 1, pw - k2w + 1
+    rl2 = w2 * nb
+    lanes2 = np.empty(rl2, np.float32)
+    for oc in range(c2):
+        first = (oc // opg2) * cpg2
+        for ci in range(cpg2):
+            for ki in range(k2h):
+                for kj in range(k2w):
+                    wv = wc2[oc, ci, ki, kj]
+                    _zero(lanes2)
+                    for y in range(h2):
+                        d = da2[(oc * h2 + y) * rl2:(oc * h2 + y + 1) * rl2]
+                        off = (((first + ci) * ph + y + ki) * pw + kj) * nb
+                        pv = p1[off:off + rl2]
+                        dv = dp1[off:off + rl2]
+                        for t in range(rl2):
+                            lanes2[t] += d[t] * pv[t]
+                            dv[t] += d[t] * wv
+                    gc2[oc, ci, ki, kj] += _fold_sum(lanes2, nb, scratch)
+
+
+@njit(cache=True, fastmath=False)
 def _cross_entropy(logits: np.ndarray, labels: np.ndarray, dl: np.ndarray) -> np.float32:
     """The batch's mean cross-entropy (float32, a max-shifted log-softmax per example) from
     ``logits`` ``(classes, B)``; ``dl`` receives d loss / d logits (softmax / B, minus 1 / B
@@ -292,21 +378,10 @@ def loss_and_grad(x: np.ndarray, labels: np.ndarray, theta: np.ndarray, dims: np
     row_offsets = np.empty(taps1, np.int64)
     for c in range(c1):
         first = (c // opg1) * cpg1
-        tap = 0
-        for ci in range(cpg1):
-            for ki in range(k1h):
-                for kj in range(k1w):
-                    tap_offsets[tap] = ((ci * h + ki) * w + kj) * nb
-                    tap_weights[tap] = wc1[c, ci, ki, kj]
-                    tap += 1
+        _conv1_taps(wc1, c, h, w, nb, tap_offsets, tap_weights)
         for py in range(ph):
-            for i in range(pkh):
-                row = band[i * rl1:(i + 1) * rl1]
-                _zero(row)
-                base = ((first * h + py * psh + i) * w) * nb
-                for tap in range(taps1):
-                    row_offsets[tap] = base + tap_offsets[tap]
-                _taps(row, xf, row_offsets, tap_weights)
+            _conv1_band(band, xf, first, py * psh, h, w, nb, rl1, tap_offsets, tap_weights,
+                        row_offsets)
             for px in range(pw):
                 o = ((c * ph + py) * pw + px) * nb
                 best = p1[o:o + nb]
@@ -334,22 +409,8 @@ def loss_and_grad(x: np.ndarray, labels: np.ndarray, theta: np.ndarray, dims: np
     row_offsets2 = np.empty(taps2, np.int64)
     for oc in range(c2):
         first = (oc // opg2) * cpg2
-        tap = 0
-        for ci in range(cpg2):
-            for ki in range(k2h):
-                for kj in range(k2w):
-                    tap_weights2[tap] = wc2[oc, ci, ki, kj]
-                    tap += 1
-        for y in range(h2):
-            row = a2[(oc * h2 + y) * rl2:(oc * h2 + y + 1) * rl2]
-            _zero(row)
-            tap = 0
-            for ci in range(cpg2):
-                for ki in range(k2h):
-                    for kj in range(k2w):
-                        row_offsets2[tap] = (((first + ci) * ph + y + ki) * pw + kj) * nb
-                        tap += 1
-            _taps(row, p1, row_offsets2, tap_weights2)
+        _conv2_channel(a2[oc * h2 * rl2:(oc + 1) * h2 * rl2], p1, wc2, oc, first, ph, pw, nb,
+                       tap_weights2, row_offsets2)
         total = feat[oc]
         _zero(total)
         for q in range(h2 * w2):
@@ -429,23 +490,7 @@ def loss_and_grad(x: np.ndarray, labels: np.ndarray, theta: np.ndarray, dims: np
             for b in range(nb):
                 out[b] = acc[b] if vals[b] > 0 else np.float32(0.0)
     dp1 = np.zeros(c1 * ph * pw * nb, np.float32)
-    lanes2 = np.empty(rl2, np.float32)
-    for oc in range(c2):
-        first = (oc // opg2) * cpg2
-        for ci in range(cpg2):
-            for ki in range(k2h):
-                for kj in range(k2w):
-                    wv = wc2[oc, ci, ki, kj]
-                    _zero(lanes2)
-                    for y in range(h2):
-                        d = da2[(oc * h2 + y) * rl2:(oc * h2 + y + 1) * rl2]
-                        off = (((first + ci) * ph + y + ki) * pw + kj) * nb
-                        pv = p1[off:off + rl2]
-                        dv = dp1[off:off + rl2]
-                        for t in range(rl2):
-                            lanes2[t] += d[t] * pv[t]
-                            dv[t] += d[t] * wv
-                    gc2[oc, ci, ki, kj] += _fold_sum(lanes2, nb, scratch)
+    _conv2_backward(da2, p1, wc2, gc2, dp1, g2, ph, pw, nb, scratch)
 
     # ---- max-pool backward, ReLU and conv1 weights. A window's gradient goes to its
     # recorded maximum only, so each example adds one input patch per window, scaled by
@@ -526,21 +571,10 @@ def evaluate_batch(x: np.ndarray, labels: np.ndarray, theta: np.ndarray, dims: n
     row_offsets = np.empty(taps1, np.int64)
     for c in range(c1):
         first = (c // opg1) * cpg1
-        tap = 0
-        for ci in range(cpg1):
-            for ki in range(k1h):
-                for kj in range(k1w):
-                    tap_offsets[tap] = ((ci * h + ki) * w + kj) * nb
-                    tap_weights[tap] = wc1[c, ci, ki, kj]
-                    tap += 1
+        _conv1_taps(wc1, c, h, w, nb, tap_offsets, tap_weights)
         for py in range(ph):
-            for i in range(pkh):
-                row = band[i * rl1:(i + 1) * rl1]
-                _zero(row)
-                base = ((first * h + py * psh + i) * w) * nb
-                for tap in range(taps1):
-                    row_offsets[tap] = base + tap_offsets[tap]
-                _taps(row, xf, row_offsets, tap_weights)
+            _conv1_band(band, xf, first, py * psh, h, w, nb, rl1, tap_offsets, tap_weights,
+                        row_offsets)
             for px in range(pw):
                 o = ((c * ph + py) * pw + px) * nb
                 best = p1[o:o + nb]
@@ -563,22 +597,7 @@ def evaluate_batch(x: np.ndarray, labels: np.ndarray, theta: np.ndarray, dims: n
     row_offsets2 = np.empty(taps2, np.int64)
     for oc in range(c2):
         first = (oc // opg2) * cpg2
-        tap = 0
-        for ci in range(cpg2):
-            for ki in range(k2h):
-                for kj in range(k2w):
-                    tap_weights2[tap] = wc2[oc, ci, ki, kj]
-                    tap += 1
-        for y in range(h2):
-            row = a2[y * rl2:(y + 1) * rl2]
-            _zero(row)
-            tap = 0
-            for ci in range(cpg2):
-                for ki in range(k2h):
-                    for kj in range(k2w):
-                        row_offsets2[tap] = (((first + ci) * ph + y + ki) * pw + kj) * nb
-                        tap += 1
-            _taps(row, p1, row_offsets2, tap_weights2)
+        _conv2_channel(a2, p1, wc2, oc, first, ph, pw, nb, tap_weights2, row_offsets2)
         total = feat[oc]
         _zero(total)
         for q in range(h2 * w2):

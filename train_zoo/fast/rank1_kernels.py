@@ -21,12 +21,14 @@ import numpy as np
 from numba import njit
 
 from train_zoo.fast.kernels import (
+    _conv1_band,
+    _conv1_taps,
+    _conv2_backward,
+    _conv2_channel,
     _cross_entropy,
-    _fold_sum,
     _lane_sum,
     _patch_sums,
     _relu,
-    _taps,
     _zero,
 )
 
@@ -125,20 +127,10 @@ def rank1_loss_and_grad(x: np.ndarray, labels: np.ndarray, theta: np.ndarray,
         first = c // opg1
         for b in range(nb):
             scale[b] = r1[c, b] * s1[first, b]
-        tap = 0
-        for ki in range(k1h):
-            for kj in range(k1w):
-                tap_offsets[tap] = (ki * w + kj) * nb
-                tap_weights[tap] = wc1[c, 0, ki, kj]
-                tap += 1
+        _conv1_taps(wc1, c, h, w, nb, tap_offsets, tap_weights)
         for py in range(ph):
-            for i in range(pkh):
-                row = band[i * rl1:(i + 1) * rl1]
-                _zero(row)
-                base = ((first * h + py * psh + i) * w) * nb
-                for tap in range(taps1):
-                    row_offsets[tap] = base + tap_offsets[tap]
-                _taps(row, xf, row_offsets, tap_weights)
+            _conv1_band(band, xf, first, py * psh, h, w, nb, rl1, tap_offsets, tap_weights,
+                        row_offsets)
             for px in range(pw):
                 o = ((c * ph + py) * pw + px) * nb
                 best = p1[o:o + nb]
@@ -171,20 +163,8 @@ def rank1_loss_and_grad(x: np.ndarray, labels: np.ndarray, theta: np.ndarray,
         first = oc // opg2
         for b in range(nb):
             scale[b] = r2[oc, b] * s2[first, b]
-        tap = 0
-        for ki in range(k2h):
-            for kj in range(k2w):
-                tap_weights2[tap] = wc2[oc, 0, ki, kj]
-                tap += 1
-        for y in range(h2):
-            row = a2[(oc * h2 + y) * rl2:(oc * h2 + y + 1) * rl2]
-            _zero(row)
-            tap = 0
-            for ki in range(k2h):
-                for kj in range(k2w):
-                    row_offsets2[tap] = ((first * ph + y + ki) * pw + kj) * nb
-                    tap += 1
-            _taps(row, p1, row_offsets2, tap_weights2)
+        _conv2_channel(a2[oc * h2 * rl2:(oc + 1) * h2 * rl2], p1, wc2, oc, first, ph, pw, nb,
+                       tap_weights2, row_offsets2)
         total = feat[oc]
         _zero(total)
         for q in range(h2 * w2):
@@ -254,22 +234,7 @@ def rank1_loss_and_grad(x: np.ndarray, labels: np.ndarray, theta: np.ndarray,
                 gs2[first, b] += d * vals[b] * r2[oc, b]
                 out[b] = d * scale[b]
     dp1 = np.zeros(c1 * ph * pw * nb, np.float32)
-    lanes2 = np.empty(rl2, np.float32)
-    for oc in range(c2):
-        first = oc // opg2
-        for ki in range(k2h):
-            for kj in range(k2w):
-                wv = wc2[oc, 0, ki, kj]
-                _zero(lanes2)
-                for y in range(h2):
-                    d = da2[(oc * h2 + y) * rl2:(oc * h2 + y + 1) * rl2]
-                    off = ((first * ph + y + ki) * pw + kj) * nb
-                    pv = p1[off:off + rl2]
-                    dv = dp1[off:off + rl2]
-                    for t in range(rl2):
-                        lanes2[t] += d[t] * pv[t]
-                        dv[t] += d[t] * wv
-                gc2[oc, 0, ki, kj] += _fold_sum(lanes2, nb, scratch)
+    _conv2_backward(da2, p1, wc2, gc2, dp1, g2, ph, pw, nb, scratch)
 
     # ---- max-pool, ReLU and the scales backward, conv1 weights: each window's gradient
     # goes to its recorded maximum; d loss / d U1 = d loss / d A1 * r1 s1 there.
