@@ -512,7 +512,8 @@ class EmpStepper:
     def step(self, batch: tuple[Tensor, Tensor], lr: float) -> float:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.model.train()
+        if self.gradient is None:  # the kernels' path does not run the module
+            self.model.train()
         indices = draw(self._state, self._state.variant, self.generator)
         self.optimizer.zero_grad(set_to_none=True)
         if self.gradient is None:
