@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from posteriorzoo._numba import announce_compilation
 from train_zoo.fast.kernels import (
     _conv1_band,
     _conv1_taps,
@@ -31,6 +32,8 @@ from train_zoo.fast.kernels import (
     _relu,
     _zero,
 )
+
+announce_compilation()
 
 __all__ = ["rank1_loss_and_grad"]
 
