@@ -267,6 +267,21 @@ def _conv2_backward(da2: np.ndarray, p1: np.ndarray, wc2: np.ndarray, gc2: np.nd
 
 
 @njit(cache=True, fastmath=False)
+def _conv1_weight_gradient(scale: np.ndarray, origin: np.ndarray, xf: np.ndarray,
+                           gc1: np.ndarray, c: int, h: int, w: int, nb: int,
+                           nwin: int) -> None:
+    """Output channel ``c``'s conv1 weight gradient (added to ``gc1``, float64): each pool
+    window's recorded input patch (``origin``) scaled by the window's gradient
+    (``scale``), summed by :func:`_patch_sums` four columns at a time."""
+    k1w = gc1.shape[3]
+    for ci in range(gc1.shape[1]):
+        for ki in range(gc1.shape[2]):
+            for kj in range(0, k1w, 4):
+                _patch_sums(scale, origin, xf, ((ci * h + ki) * w + kj) * nb, nb, nwin,
+                            gc1[c, ci, ki, kj:min(kj + 4, k1w)])
+
+
+@njit(cache=True, fastmath=False)
 def _cross_entropy(logits: np.ndarray, labels: np.ndarray, dl: np.ndarray) -> np.float32:
     """The batch's mean cross-entropy (float32, a max-shifted log-softmax per example) from
     ``logits`` ``(classes, B)``; ``dl`` receives d loss / d logits (softmax / B, minus 1 / B
@@ -508,11 +523,7 @@ def loss_and_grad(x: np.ndarray, labels: np.ndarray, theta: np.ndarray, dims: np
                 for b in range(nb):
                     scale[q * nb + b] = dp1[o + b] if p1[o + b] > 0 else np.float32(0.0)
                     origin[q * nb + b] = corner + arg[o + b] + b
-        for ci in range(cpg1):
-            for ki in range(k1h):
-                for kj in range(0, k1w, 4):
-                    _patch_sums(scale, origin, xf, ((ci * h + ki) * w + kj) * nb, nb, nwin,
-                                gc1[c, ci, ki, kj:min(kj + 4, k1w)])
+        _conv1_weight_gradient(scale, origin, xf, gc1, c, h, w, nb, nwin)
 
     for i in range(theta.size):
         grad[i] = np.float32(g64[i])

@@ -24,11 +24,11 @@ from posteriorzoo._numba import announce_compilation
 from train_zoo.fast.kernels import (
     _conv1_band,
     _conv1_taps,
+    _conv1_weight_gradient,
     _conv2_backward,
     _conv2_channel,
     _cross_entropy,
     _lane_sum,
-    _patch_sums,
     _relu,
     _zero,
 )
@@ -257,10 +257,7 @@ def rank1_loss_and_grad(x: np.ndarray, labels: np.ndarray, theta: np.ndarray,
                     gs1[first, b] += d * ubest[o + b] * r1[c, b]
                     patch_scale[q * nb + b] = d * (r1[c, b] * s1[first, b])
                     origin[q * nb + b] = corner + arg[o + b] + b
-        for ki in range(k1h):
-            for kj in range(0, k1w, 4):
-                _patch_sums(patch_scale, origin, xf, (ki * w + kj) * nb, nb,
-                            nwin, gc1[c, 0, ki, kj:min(kj + 4, k1w)])
+        _conv1_weight_gradient(patch_scale, origin, xf, gc1, c, h, w, nb, nwin)
 
     for i in range(theta.size):
         grad[i] = np.float32(g64[i])
