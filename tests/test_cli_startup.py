@@ -65,6 +65,33 @@ def test_first_numba_compilation_is_announced_once(tmp_path):
     assert MESSAGE not in again.stderr                # loaded from the cache: silent
 
 
+def test_other_libraries_compilations_are_not_announced(tmp_path):
+    """A library that jit-compiles in every process (ArviZ does, uncached) must not make
+    the first-use message appear on every run; our own kernel after it still does."""
+    (tmp_path / "otherlib.py").write_text("from numba import njit\n"
+                                          "@njit\n"
+                                          "def square(x):\n"
+                                          "    return x * x\n")
+    code = ("from posteriorzoo._numba import announce_compilation\n"
+            "announce_compilation()\n"
+            "import sys\n"
+            "import otherlib\n"
+            "otherlib.square(3)\n"
+            "print('between', file=sys.stderr, flush=True)\n"
+            "from numba import njit\n"
+            "@njit\n"
+            "def ours(x):\n"
+            "    return x + 1\n"
+            "ours(1)\n")
+    script = tmp_path / "run.py"
+    script.write_text(code)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300, check=True)
+    before, after = done.stderr.split("between")
+    assert MESSAGE not in before
+    assert after.count(MESSAGE) == 1
+
+
 def test_every_module_with_kernels_announces():
     """Every module that defines numba kernels registers the announcement at import."""
     root = Path(__file__).resolve().parent.parent

@@ -118,3 +118,34 @@ def test_evaluate_gives_every_table_1_metric_of_the_predictive(three_models, tmp
     assert evaluate(path, n_pairs=99).pairs.shape == (3, 2)     # all 3 pairs of 3 members
     with pytest.raises(InvalidOptionError, match="ood_score"):
         evaluate(path, ood_score="entropy")
+
+
+def test_reusing_images_reads_each_split_once_and_changes_nothing(three_models, monkeypatch):
+    """Inside ``reusing_images`` the report's evaluations read each split once; every
+    number is the same as without it, and a caller that changes its images does not
+    change the next call's."""
+    from posteriorzoo.collection import evaluation
+
+    _, path = three_models
+    plain = evaluate(path, ood_dataset="digits", split="test", n_images=200)
+    reads = []
+    original = evaluation.load_dataset
+    monkeypatch.setattr(evaluation, "load_dataset",
+                        lambda *args, **kwargs: reads.append(args) or original(*args, **kwargs))
+
+    def spoiling(zoo, images):
+        probabilities = member_probabilities(zoo, images)
+        images.fill_(float("nan"))               # a careless predict: must not leak
+        return probabilities
+
+    with evaluation.reusing_images():
+        first = evaluate(path, ood_dataset="digits", split="test", n_images=200,
+                         predict=spoiling)
+        second = evaluate(path, ood_dataset="digits", split="test", n_images=200)
+    assert len(reads) == 2                       # once as ID, once as OOD: not again
+    for result in (first, second):
+        np.testing.assert_array_equal(result.member_accuracy, plain.member_accuracy)
+        assert (result.ensemble_nll, result.idmi, result.oodmi, result.aupr) == (
+            plain.ensemble_nll, plain.idmi, plain.oodmi, plain.aupr)
+    evaluate(path, n_images=200)
+    assert len(reads) == 3                       # outside the block: read again

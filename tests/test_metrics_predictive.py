@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from scipy.special import entr
 from sklearn.metrics import average_precision_score, brier_score_loss, roc_curve
 
 from posteriorzoo.errors import InvalidOptionError
@@ -24,7 +25,6 @@ from posteriorzoo.metrics import (
     pairwise_mutual_information,
     posterior_predictive,
 )
-from posteriorzoo.metrics import information as information_module
 
 LOG2 = math.log(2)
 
@@ -196,14 +196,33 @@ def test_pairwise_mi_is_symmetric_and_takes_chosen_pairs():
     assert same[0] == values[2]
 
 
-def test_pairwise_mi_chunks_give_the_same_values(monkeypatch):
+def _numpy_entropy(probabilities):
+    return entr(np.asarray(probabilities, dtype=np.float64)).sum(axis=-1)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, ">f8", np.int64])
+def test_kernels_match_the_numpy_formulas(dtype):
+    """The one-pass numba kernels against the formulas written with NumPy and scipy's
+    entr (float32 and float64, a big-endian and an integer array, exact zeros, a view)."""
     rng = np.random.default_rng(7)
-    members = _dirichlet(rng, (6, 20), 3)
-    whole, _ = pairwise_mutual_information(members)
-    # 20 samples x 3 classes = 60 values a pair: 100 elements is one pair per chunk
-    monkeypatch.setattr(information_module, "_CHUNK_ELEMENTS", 100)
-    chunked, _ = pairwise_mutual_information(members)
-    np.testing.assert_array_equal(whole, chunked)
+    members = _dirichlet(rng, (7, 300), 5)
+    members[0, :3] = [1.0, 0.0, 0.0, 0.0, 0.0]            # 0 log 0 = 0
+    if np.dtype(dtype).kind == "i":
+        members = np.eye(5)[rng.integers(0, 5, size=(7, 300))]
+    members = members.astype(dtype)
+    view = members[:, ::2]                                   # not contiguous
+    for array in (members, view):
+        mean = array.mean(axis=0, dtype=np.float64)
+        expected = sum(_numpy_entropy(member) for member in array) / len(array)
+        reference = np.maximum(_numpy_entropy(mean) - expected, 0.0)
+        np.testing.assert_allclose(mutual_information(array), reference, rtol=1e-12,
+                                   atol=1e-15)
+        values, pairs = pairwise_mutual_information(array)
+        for (i, j), value in zip(pairs, values, strict=True):
+            mixture = 0.5 * (array[i].astype(np.float64) + array[j])
+            pair = (_numpy_entropy(mixture)
+                    - 0.5 * (_numpy_entropy(array[i]) + _numpy_entropy(array[j]))).mean()
+            assert value == pytest.approx(max(pair, 0.0), rel=1e-12, abs=1e-15)
 
 
 # --- OOD scores, AUPR, FPR95 ----------------------------------------------------------------

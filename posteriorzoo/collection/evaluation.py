@@ -6,8 +6,9 @@ this module runs the collection's checkpoints on a dataset split to get them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,17 +28,17 @@ from posteriorzoo.metrics import (
     draw_pairs,
     expected_calibration_error,
     fpr_at_95_recall,
-    mean_mutual_information,
     negative_log_likelihood,
-    ood_scores,
     pairwise_mutual_information,
-    posterior_predictive,
 )
+from posteriorzoo.metrics.information import ensemble_summary
+from posteriorzoo.metrics.ood import scores_of
 from posteriorzoo.options import check_choice, check_integer
 from posteriorzoo.provenance import record
 from posteriorzoo.results import CollectionResult, csv_text
 
-__all__ = ["EvaluateResult", "evaluate", "member_probabilities", "normalized_images"]
+__all__ = ["EvaluateResult", "evaluate", "member_probabilities", "normalized_images",
+           "reusing_images"]
 
 
 def normalized_images(dataset: ArrayDataset) -> torch.Tensor:
@@ -168,6 +169,43 @@ class EvaluateResult(CollectionResult):
         return tables
 
 
+#: While :func:`reusing_images` is active: the labels and normalised images of each split
+#: :func:`evaluate` has read, by (dataset, split, data_dir, n_images, normalisation).
+_reused: dict[tuple, tuple[np.ndarray, torch.Tensor, tuple]] | None = None
+
+
+@contextlib.contextmanager
+def reusing_images() -> Iterator[None]:
+    """Within the block, :func:`evaluate` reads and normalises each dataset split once
+    (the report evaluates every collection on the same images); each call still gets
+    its own copy of the images. Outside it every call reads the files again."""
+    global _reused
+    outer = _reused
+    _reused = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _reused = outer
+
+
+def _split_images(name: str, split: str, data_dir: str | None, n_images: int | None,
+                  stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+                  ) -> tuple[np.ndarray, torch.Tensor, tuple]:
+    """``(labels, images, (mean, std))`` of the first ``n_images`` of a split, the images
+    normalised with ``stats`` (default: the dataset's own mean and std, returned)."""
+    key = (name, split, data_dir, n_images, stats)
+    if _reused is not None and key in _reused:
+        labels, images, used = _reused[key]
+        return labels, images.clone(), used
+    data = load_dataset(name, split, data_dir=data_dir)
+    used = stats or (tuple(data.mean), tuple(data.std))
+    images = Normalize(*used)(torch.from_numpy(data.images[:n_images]))
+    labels = data.labels[:n_images]
+    if _reused is not None:
+        _reused[key] = (labels, images.clone(), used)
+    return labels, images, used
+
+
 @public
 def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
              ood_dataset: str | None = None, ood_score: str = "max-probability",
@@ -225,39 +263,43 @@ def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
         check_integer("n_images", n_images, 1)
     with opened(source, verify=verify) as zoo:
         name = dataset or zoo.dataset
-        data = load_dataset(name, split, data_dir=data_dir)
-        normalize = Normalize(data.mean, data.std)
+        labels, images, stats = _split_images(name, split, data_dir, n_images)
         predict = predict or functools.partial(member_probabilities, batch_size=batch_size)
-        members = predict(zoo, normalize(torch.from_numpy(data.images[:n_images])))
+        members = predict(zoo, images)
         ood = None
         if ood_dataset is not None:
-            ood_data = load_dataset(ood_dataset, split, data_dir=data_dir)
-            if ood_data.images.shape[1:] != data.images.shape[1:]:
+            # normalised as the in-distribution images (the collection was trained on them)
+            _, ood_images, _ = _split_images(ood_dataset, split, data_dir, n_images, stats)
+            if ood_images.shape[1:] != images.shape[1:]:
                 raise InvalidOptionError(
-                    f"the OOD images of {ood_dataset} have shape {ood_data.images.shape[1:]}, "
-                    f"the collection's {name} images {data.images.shape[1:]}")
-            ood = predict(zoo, normalize(torch.from_numpy(ood_data.images[:n_images])))
+                    f"the OOD images of {ood_dataset} have shape "
+                    f"{tuple(ood_images.shape[1:])}, the collection's {name} images "
+                    f"{tuple(images.shape[1:])}")
+            ood = predict(zoo, ood_images)
         digest = content_digest(zoo)
-    labels = data.labels[:n_images]
-    predictive = posterior_predictive(members)
+    # Each array's predictive and mutual information once (checked once): IDMI, OODMI,
+    # the OOD scores and the ensemble's metrics all derive from them.
+    predictive, information = ensemble_summary("evaluate", members)
     extra: dict[str, Any] = {}
     if ood is not None:
-        id_scores, ood_scored = ood_scores(members, ood_score), ood_scores(ood, ood_score)
+        ood_predictive, ood_information = ensemble_summary("evaluate", ood)
+        id_scores = scores_of(predictive, information, ood_score)
+        ood_scored = scores_of(ood_predictive, ood_information, ood_score)
         extra.update(ood_dataset=ood_dataset, ood_score=ood_score,
-                     oodmi=mean_mutual_information(ood), aupr=aupr(id_scores, ood_scored),
+                     oodmi=float(ood_information.mean()), aupr=aupr(id_scores, ood_scored),
                      fpr95=fpr_at_95_recall(id_scores, ood_scored))
     if n_pairs and len(members) >= 2:
         chosen = draw_pairs(len(members), n_pairs, seed)
         extra["pairwise_id"], extra["pairs"] = pairwise_mutual_information(members, chosen)
         if ood is not None:
             extra["pairwise_ood"] = pairwise_mutual_information(ood, chosen)[0]
-    # the ensemble's first: they check the labels, and posterior_predictive the members
+    # the ensemble's first: they check the labels (ensemble_summary checked the members)
     ensemble_accuracy = accuracy(predictive, labels)
     ensemble_nll = negative_log_likelihood(predictive, labels)
     return EvaluateResult(
         name, split, *_member_metrics(members, labels), ensemble_accuracy, ensemble_nll,
         brier_score(predictive, labels), expected_calibration_error(predictive, labels, bins),
-        mean_mutual_information(members), bins,
+        float(information.mean()), bins,
         {"id": len(labels), "ood": 0 if ood is None else ood.shape[1]}, **extra,
         provenance=record("posteriorzoo evaluate", command=command,
                           inputs={"collection": {"path": str(source_path(source)),

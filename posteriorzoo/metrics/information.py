@@ -22,23 +22,43 @@ from posteriorzoo._api import public
 from posteriorzoo.metrics import _checks
 from posteriorzoo.options import check_integer
 
-#: Largest float64 working array (elements) of :func:`pairwise_mutual_information`: pairs
-#: are processed in chunks of this many ``n * K`` values (32 MiB).
-_CHUNK_ELEMENTS = 1 << 22
-
 
 def _entropy(probabilities: np.ndarray) -> np.ndarray:
     """Shannon entropy in nats over the last axis, with 0 log 0 = 0 (``entr``), as float64."""
     return entr(np.asarray(probabilities, dtype=np.float64)).sum(axis=-1)
 
 
+def _kernel_input(members: np.ndarray) -> np.ndarray:
+    """``members`` as the kernels take it: C-contiguous native float32 or float64 (other
+    real dtypes, e.g. integer 0/1 probabilities, as float64)."""
+    if members.dtype in (np.float32, np.float64) and members.dtype.isnative:
+        return np.ascontiguousarray(members)
+    return np.ascontiguousarray(members, dtype=np.float64)
+
+
+def _ensemble(members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(predictive (n, K), mutual information (n,))`` of checked member probabilities
+    ``(m, n, K)``, float64, in one pass over the members."""
+    from posteriorzoo.metrics._kernels import ensemble_entropies
+
+    predictive, expected = ensemble_entropies(_kernel_input(members))
+    # MI >= 0 by Jensen's inequality; rounding can leave -1e-16 where all members agree.
+    return predictive, np.maximum(_entropy(predictive) - expected, 0.0)
+
+
 def _mutual_information(members: np.ndarray) -> np.ndarray:
     """Per-sample MI (n,) of checked member probabilities (m, n, K), in nats."""
-    mean = members.mean(axis=0, dtype=np.float64)
-    # One member at a time, so that float32 inputs are never copied whole to float64.
-    expected = sum(_entropy(member) for member in members) / members.shape[0]
-    # MI >= 0 by Jensen's inequality; rounding can leave -1e-16 where all members agree.
-    return np.maximum(_entropy(mean) - expected, 0.0)
+    return _ensemble(members)[1]
+
+
+def ensemble_summary(function: str, member_probabilities: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """The predictive ``(n, K)`` and the per-sample mutual information ``(n,)`` of
+    ``(m, n, K)`` member probabilities, checked once (errors name ``function``): what
+    :func:`~posteriorzoo.metrics.posterior_predictive` and :func:`mutual_information`
+    return, for a caller that needs both."""
+    _checks.probabilities(function, "member_probabilities", member_probabilities, ndim=3)
+    return _ensemble(member_probabilities)
 
 
 @public
@@ -187,16 +207,13 @@ def pairwise_mutual_information(member_probabilities: np.ndarray,
     """
     function = "pairwise_mutual_information"
     _checks.probabilities(function, "member_probabilities", member_probabilities, ndim=3)
-    members, samples, classes = member_probabilities.shape
+    members = member_probabilities.shape[0]
     index = _pairs(function, pairs, members)
+    from posteriorzoo.metrics._kernels import pair_mixture_entropies
+
     member_entropy = np.array([_entropy(p).mean() for p in member_probabilities])
-    mixture_entropy = np.empty(index.shape[0])
-    chunk = max(1, _CHUNK_ELEMENTS // (samples * classes))
-    for start in range(0, index.shape[0], chunk):
-        i, j = index[start:start + chunk].T
-        mixture = 0.5 * (member_probabilities[i].astype(np.float64)
-                         + member_probabilities[j])
-        mixture_entropy[start:start + chunk] = _entropy(mixture).mean(axis=1)
+    mixture_entropy = pair_mixture_entropies(_kernel_input(member_probabilities),
+                                             index[:, 0].copy(), index[:, 1].copy())
     values = mixture_entropy - 0.5 * (member_entropy[index[:, 0]] + member_entropy[index[:, 1]])
     # Non-negative per sample (Jensen); rounding can leave -1e-16 for identical members.
     return np.maximum(values, 0.0), index

@@ -18,7 +18,7 @@ from sklearn.metrics import average_precision_score
 
 from posteriorzoo._api import public
 from posteriorzoo.metrics import _checks
-from posteriorzoo.metrics.information import _mutual_information
+from posteriorzoo.metrics.information import ensemble_summary
 
 #: The per-sample OOD scores :func:`ood_scores` computes.
 OOD_SCORES = ("max-probability", "mutual-information")
@@ -47,12 +47,15 @@ def ood_scores(member_probabilities: np.ndarray, score: str = "max-probability"
         The scores; higher means more OOD.
     """
     function = "ood_scores"
-    _checks.probabilities(function, "member_probabilities", member_probabilities, ndim=3)
     _checks.choice(function, "score", score, OOD_SCORES)
-    if score == "mutual-information":
-        return _mutual_information(member_probabilities)
-    predictive = member_probabilities.mean(axis=0, dtype=np.float64)
-    return 1.0 - predictive.max(axis=1)
+    return scores_of(*ensemble_summary(function, member_probabilities), score)
+
+
+def scores_of(predictive: np.ndarray, information: np.ndarray, score: str) -> np.ndarray:
+    """:func:`ood_scores` from an ensemble's predictive ``(n, K)`` and per-sample mutual
+    information ``(n,)`` (:func:`~posteriorzoo.metrics.information.ensemble_summary`),
+    ``score`` checked by the caller."""
+    return information if score == "mutual-information" else 1.0 - predictive.max(axis=1)
 
 
 def _id_and_ood(function: str, id_scores: np.ndarray, ood_scores: np.ndarray
