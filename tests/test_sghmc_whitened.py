@@ -142,11 +142,13 @@ def test_the_preconditioner_options_are_recorded_only_where_they_shape_the_weigh
                          samples_per_mode=4, base_seed=0, method_options=given).method_options
 
     plain = options()
-    assert not {"preconditioner", "whitened_lr", "batch_size"} & set(plain)
+    assert not {"preconditioner", "whitened_lr", "batch_size", "minibatches"} & set(plain)
+    assert options(minibatches="independent")["minibatches"] == "independent"
     assert options(preconditioner="none") == plain          # the same chain, the same record
     assert options(batch_size=128)["batch_size"] == 128     # differs from the recipe's 64
     whitened = options(preconditioner="auto")                # OptuNet: 392 parameters
     assert (whitened["preconditioner"], whitened["batch_size"]) == ("laplace", 512)
+    assert whitened["minibatches"] == "independent"
     assert whitened["whitened_lr"] == pytest.approx(1e-4)
 
 

@@ -108,16 +108,18 @@ class ModeEngine:
             model.load_state_dict(stepper.state_dict())
 
     def batches(self, model: nn.Module, seed: int, batch_size: int | None = None, *,
-                torch_only: bool = False) -> Callable[[int], object]:
+                torch_only: bool = False, replacement: bool = False
+                ) -> Callable[[int], object]:
         """``batches(epoch)``: the augmented training set in seeded order, in the layout
         of the stepper this engine gives ``model`` (torch's with ``torch_only``, for a
-        stepper of the method's own)."""
+        stepper of the method's own); with ``replacement``, independent minibatches
+        (each epoch's examples drawn with replacement)."""
         recipe = self.spec.recipe
         if batch_size is not None and batch_size != recipe.batch_size:
             recipe = dataclasses.replace(recipe, batch_size=batch_size)
         if not torch_only and self._layout(model) is not None:
-            return batches_for(self.data, recipe, seed)
-        return torch_batches(self.data, recipe, seed)
+            return batches_for(self.data, recipe, seed, replacement=replacement)
+        return torch_batches(self.data, recipe, seed, replacement=replacement)
 
     def read_batches(self, seed: int, batch_size: int | None = None) -> object:
         """One pass over the training set, unaugmented, as torch batches."""

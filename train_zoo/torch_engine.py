@@ -54,17 +54,18 @@ def evaluate(model: nn.Module, dataset, batch_size: int = 1000) -> tuple[float, 
     return loss / len(dataset), correct / len(dataset)
 
 
-def torch_batches(data: TrainingData, recipe: Recipe, seed: int, *, augment: bool = True
-                  ) -> Callable[[int], Iterable[Batch]]:
+def torch_batches(data: TrainingData, recipe: Recipe, seed: int, *, augment: bool = True,
+                  replacement: bool = False) -> Callable[[int], Iterable[Batch]]:
     """``batches(epoch)`` for :func:`train_zoo.loop.fit`: the recipe's batches of the
     training split in the order ``seed`` gives, augmented as the recipe says (or only
-    normalised with ``augment=False``)."""
+    normalised with ``augment=False``); with ``replacement``, each epoch's examples drawn
+    independently (:func:`posteriorzoo.data.iterate_batches`)."""
     transform = (train_transform(recipe, data.train) if augment
                  else eval_transform(data.train))
 
     def batches(epoch: int) -> Iterable[Batch]:
         return iterate_batches(data.train, recipe.batch_size, seed=seed, epoch=epoch,
-                               transform=transform)
+                               transform=transform, replacement=replacement)
 
     return batches
 

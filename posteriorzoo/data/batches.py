@@ -56,6 +56,7 @@ def iterate_batches(
     transform: BatchTransform | None = None,
     shuffle: bool = True,
     drop_last: bool = False,
+    replacement: bool = False,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield one epoch of ``(images, labels)`` batches.
 
@@ -78,6 +79,13 @@ def iterate_batches(
         is still seeded by ``(seed, epoch)``).
     drop_last : bool, default False
         Skip a final batch smaller than ``batch_size``.
+    replacement : bool, default False
+        Draw the epoch's ``N`` examples independently and uniformly, with
+        replacement, instead of a permutation: every batch is then an independent
+        draw, which a sampler's estimate of its minibatch noise assumes (SGHMC's
+        ``minibatches = "independent"``). Within a permutation the batches of an
+        epoch add up to the whole dataset, so their noise cancels over the epoch.
+        Needs ``shuffle``.
 
     Yields
     ------
@@ -88,9 +96,14 @@ def iterate_batches(
     """
     if batch_size < 1:
         raise InvalidOptionError(f"batch_size must be positive, not {batch_size}")
+    if replacement and not shuffle:
+        raise InvalidOptionError("replacement draws a random order: it needs shuffle=True")
     order_gen, augment_gen = epoch_generators(seed, epoch)
     n = len(dataset)
-    order = torch.randperm(n, generator=order_gen) if shuffle else torch.arange(n)
+    if replacement:
+        order = torch.randint(n, (n,), generator=order_gen)
+    else:
+        order = torch.randperm(n, generator=order_gen) if shuffle else torch.arange(n)
     order = order.numpy()
     stop = n - n % batch_size if drop_last else n
     for start in range(0, stop, batch_size):

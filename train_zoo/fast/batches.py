@@ -98,9 +98,10 @@ class FastTransform:
 
 
 def fast_batches(dataset: ArrayDataset, batch_size: int, seed: int, epoch: int,
-                 transform: FastTransform) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                 transform: FastTransform, *, replacement: bool = False
+                 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """One epoch of ``iterate_batches(dataset, batch_size, seed=seed, epoch=epoch,
-    transform=...)`` in the kernels' layout.
+    transform=..., replacement=...)`` in the kernels' layout.
 
     Yields
     ------
@@ -108,5 +109,5 @@ def fast_batches(dataset: ArrayDataset, batch_size: int, seed: int, epoch: int,
     labels : int64 array ``(B,)``
     """
     for images, labels in iterate_batches(dataset, batch_size, seed=seed, epoch=epoch,
-                                          transform=transform):
+                                          transform=transform, replacement=replacement):
         yield images.permute(1, 2, 3, 0).numpy(), labels.numpy()

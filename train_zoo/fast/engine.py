@@ -214,15 +214,16 @@ def _evaluation_layout(model: nn.Module, dataset: ArrayDataset) -> NetLayout | N
     return layout
 
 
-def batches_for(data: TrainingData, recipe: Recipe, seed: int, *, augment: bool = True
-                ) -> Callable[[int], Iterable[FastBatch]]:
+def batches_for(data: TrainingData, recipe: Recipe, seed: int, *, augment: bool = True,
+                replacement: bool = False) -> Callable[[int], Iterable[FastBatch]]:
     """:func:`train_zoo.torch_engine.torch_batches` in the kernels' layout."""
     transform = (train_transform(recipe, data.train) if augment
                  else eval_transform(data.train))
     fast_transform = FastTransform(transform, data.train.image_shape)
 
     def batches(epoch: int) -> Iterable[FastBatch]:
-        return fast_batches(data.train, recipe.batch_size, seed, epoch, fast_transform)
+        return fast_batches(data.train, recipe.batch_size, seed, epoch, fast_transform,
+                            replacement=replacement)
 
     return batches
 
