@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
+from posteriorzoo.errors import InvalidOptionError
 from train_zoo.methods import sghmc
 
 DIM = 3
@@ -203,7 +205,8 @@ def test_an_adapted_chain_trains_records_its_warm_up_and_starts_where_it_ended()
                      recipe_overrides={"epochs": 1}, method="sghmc", modes=1,
                      samples_per_mode=4,
                      method_options={"burn_in": 100, "thin": 20, "chains": 2,
-                                     "preconditioner": "adapted", "adapt_steps": 600})
+                                     "preconditioner": "adapted", "adapt_steps": 600,
+                                     "adapt_rounds": 0})
     assert spec.method_options["adapt_steps"] == 600
     results = train_checkpoints(spec, [0], engine="auto")
     record = results[0].record
@@ -218,3 +221,75 @@ def test_an_adapted_chain_trains_records_its_warm_up_and_starts_where_it_ended()
                         samples_per_mode=4, base_seed=0,
                         method_options={"preconditioner": "laplace"}).method_options
     assert "adapt_steps" not in laplace
+
+
+# ------------------------------------------------------------ the noise-equalized metric
+def test_noise_equalized_metric_caps_every_directions_noise_at_the_median():
+    """Gradient noise with known covariance: in the new metric no direction carries more
+    than the reference (the median eigenvalue in the old metric), and the directions with
+    less noise keep the old metric."""
+    size = 6
+    rotation = torch.linalg.qr(torch.randn(size, size, generator=torch.Generator()
+                                           .manual_seed(8), dtype=torch.float64))[0]
+    noise_z = rotation @ torch.diag(torch.tensor([0.0, 0.5, 1.0, 2.0, 40.0, 400.0],
+                                                 dtype=torch.float64)) @ rotation.T
+    metric = sghmc.Whitening(torch.linalg.cholesky(
+        torch.diag(torch.tensor([4.0, 1.0, 9.0, 0.25, 1.0, 2.0], dtype=torch.float64))))
+    # theta-space gradients whose whitened covariance is noise_z: g = L e, e ~ N(0, noise_z)
+    root = torch.linalg.cholesky(noise_z + 1e-12 * torch.eye(size, dtype=torch.float64))
+    draws = torch.randn(200_000, size, generator=torch.Generator().manual_seed(9),
+                        dtype=torch.float64) @ root.T
+    gradients = draws @ metric.cholesky.T
+    equalized, reference = sghmc.noise_equalized_whitening(metric, gradients - gradients.mean(0))
+    # the median of the noisy directions 0.5, 1, 2, 40, 400 (the noiseless one left out)
+    assert reference == pytest.approx(2.0, rel=0.03)
+    whitened = equalized.gradient(gradients)
+    noise = torch.linalg.eigvalsh(torch.cov(whitened.T))
+    assert float(noise.max()) == pytest.approx(reference, rel=0.03)
+    # directions of little noise keep their old metric: u^T P' u = u^T P u for
+    # u = L^-T q, q a whitened eigenvector of noise below the reference
+    precision = metric.cholesky @ metric.cholesky.T
+    new_precision = equalized.cholesky @ equalized.cholesky.T
+    for q in rotation.T[:4]:
+        u = torch.linalg.solve_triangular(metric.cholesky.T, q[:, None], upper=True)[:, 0]
+        assert float(u @ new_precision @ u) == pytest.approx(float(u @ precision @ u),
+                                                             rel=0.03)
+    # the noisiest direction's precision is stretched 400 / 2 times
+    u = torch.linalg.solve_triangular(metric.cholesky.T, rotation.T[5][:, None],
+                                      upper=True)[:, 0]
+    assert float(u @ new_precision @ u) / float(u @ precision @ u) == pytest.approx(
+        400 / 2.0, rel=0.05)
+    with pytest.raises(InvalidOptionError, match="more than 6"):
+        sghmc.noise_equalized_whitening(metric, gradients[:6])
+
+
+def test_cold_rounds_record_their_steps_and_sample_from_one_start():
+    """A digits mode with two chains and two cold rounds after the warm-up: each round
+    is recorded (its step, friction, noise reference, temperatures and losses), the
+    metric is widened after the first only, every chain samples from the lowest-loss
+    chain's end, and the steps add up."""
+    from train_zoo import make_spec, train_checkpoints
+
+    options = {"burn_in": 50, "thin": 20, "chains": 2, "preconditioner": "adapted",
+               "adapt_steps": 400, "adapt_rounds": 2, "adapt_round_steps": 150}
+    spec = make_spec("optunet-mnist", dataset="digits", base_seed=5,
+                     recipe_overrides={"epochs": 1}, method="sghmc", modes=1,
+                     samples_per_mode=4, method_options=options)
+    resolved = spec.method_options
+    assert (resolved["batch_size"], resolved["minibatches"]) == (1024, "independent")
+    results = train_checkpoints(spec, [0], engine="auto")
+    record = results[0].record
+    cold = record["adaptation"]["cold"]
+    assert len(cold["rounds"]) == 2
+    first, last = cold["rounds"]
+    assert "widened_directions" in first and "widened_directions" not in last
+    for item in cold["rounds"]:
+        assert item["steps"] == [150, 150]
+        assert item["lr"] == pytest.approx(item["alpha"] ** 2)
+        assert item["alpha"] == pytest.approx(min(sghmc.STEP_SCALE / item["noise_reference"],
+                                                  sghmc.MAX_STEP))
+        assert all(0 < t < 100 for t in item["kinetic_temperatures"])   # finite: ran
+    assert cold["start_chain"] == int(np.argmin(last["mean_losses"]))
+    assert [chain["steps"] for chain in record["chains"]] == [90, 90]
+    base = results[0].steps - 2 * 400 - 2 * 2 * 150 - 2 * 90
+    assert base > 0
