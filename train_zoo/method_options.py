@@ -48,11 +48,16 @@ its reason at the constants of the method's module (re-exported here):
     ``"laplace"`` up to :data:`AUTO_FULL_LAPLACE_PARAMETERS` parameters, else ``"none"``;
     ``"laplace"`` runs each chain with a constant mass matrix, the base network's full
     Laplace precision, from its own draw of that Laplace approximation; ``"adapted"``
-    first runs each chain ``adapt_steps`` (40,000) steps in that metric, widens it where
-    the chains spread wider and samples from where each warm-up ended), ``whitened_lr``
-    (1e-4, the preconditioned chain's step) and ``batch_size`` (512 with a
-    preconditioner, else the recipe's). See :data:`SGHMC_LR` and
-    :data:`SGHMC_WHITENED_LR`.
+    first runs each chain ``adapt_steps`` (40,000) steps in that metric and widens it where
+    the chains spread wider, then runs ``adapt_rounds`` (3) cold rounds of
+    ``adapt_round_steps`` (29,000) in the noise-equalized metric, widened between rounds,
+    and samples every chain from the end of the last round's lowest-loss chain; with
+    ``adapt_rounds = 0`` each chain samples from where its warm-up ended),
+    ``whitened_lr`` (1e-4, the step of a ``"laplace"`` chain and of an ``"adapted"`` one
+    without cold rounds; the cold rounds derive theirs from the noise), ``batch_size``
+    (1,024 with ``"adapted"``, 512 with ``"laplace"``, else the recipe's) and
+    ``minibatches`` (``"independent"`` with a preconditioner, else ``"epochs"``). See
+    :data:`SGHMC_LR` and :data:`SGHMC_WHITENED_LR`.
 ``bbb``
     ``preset`` (``"paper"``: SGD at the recipe's learning rate, the paper's Table 1, or
     ``"trained-variance"``: Adam for ``rho``, whose ``sigma`` then trains), ``optimizer``,
