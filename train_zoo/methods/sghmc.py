@@ -856,9 +856,10 @@ SGHMC_PRECONDITIONERS = ("auto", "laplace", "adapted", "none")
 #: draws with replacement. Chen et al.'s correction assumes independent minibatch noise;
 #: within an epoch the batches add up to the whole dataset, so their noise cancels over
 #: the epoch. A chain whose momentum lasts longer than an epoch (1 / alpha steps against
-#: N / batch_size) then feels less noise than the estimate subtracts and runs cold: 0.92
-#: against 1.02 measured on OptuNet / Fashion-MNIST (batch 1024, alpha 2e-3, 59 batches
-#: an epoch), and in ``tests/test_sghmc_minibatches.py`` on a Gaussian.
+#: N / batch_size) then feels less noise than the estimate subtracts and runs cold: four
+#: chains at 0.91-0.96 against 1.02 from the same start on OptuNet / Fashion-MNIST (batch
+#: 1024, alpha 2e-3, 59 batches an epoch), and in ``tests/test_sghmc_minibatches.py`` on
+#: a Gaussian.
 SGHMC_MINIBATCHES = ("epochs", "independent")
 #: The warm-up of ``preconditioner = "adapted"``: each chain runs ``adapt_steps`` steps in
 #: the Laplace metric at a cheap, hot setting (step 1e-4, friction 0.05, batches of 256:
