@@ -955,7 +955,9 @@ def _options() -> tuple[MethodOption, ...]:
     return (
         MethodOption("lr", with_context(check_number, 0, strict=True), constant(SGHMC_LR),
                      f"{SGHMC_LR:g}", "step size per example (the chain's is lr / N), > 0"),
-        MethodOption("alpha", _alpha, constant(0.1), "0.1", "friction, in (0, 1]"),
+        MethodOption("alpha", _alpha, constant(0.1), "0.1",
+                     "friction, in (0, 1] (an adapted chain's cold rounds and samples derive "
+                     "theirs from the noise: the mode's record has it)"),
         MethodOption("burn_in", with_context(check_integer, 0, MAX_SGHMC_STEPS),
                      constant(SGHMC_BURN_IN), f"{SGHMC_BURN_IN:,}",
                      "steps discarded at the start of each chain"),
@@ -1002,7 +1004,9 @@ def _options() -> tuple[MethodOption, ...]:
         MethodOption("whitened_lr", with_context(check_number, 0, strict=True, maximum=1),
                      constant(SGHMC_WHITENED_LR), f"{SGHMC_WHITENED_LR:g}",
                      "step size of a preconditioned chain (in whitened coordinates, where "
-                     "the posterior's curvature is about 1), in (0, 1]; lr is unused there",
+                     "the posterior's curvature is about 1), in (0, 1]; lr is unused there "
+                     "(an adapted chain's cold rounds and samples derive theirs from the "
+                     "noise: the mode's record has it)",
                      recorded=_preconditioned),
         MethodOption("batch_size", _batch_size, _batch_size_default,
                      f"{SGHMC_WHITENED_BATCH} with a preconditioner, else the recipe's",
