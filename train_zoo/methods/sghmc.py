@@ -874,7 +874,10 @@ ADAPT_STEPS = 40_000
 #: steps after the warm-up (0.657 at the trained network, 0.63 after the warm-up, 0.59
 #: at the end of the third round); chains started apart in that landscape stay apart
 #: (R-hat 1.27 after three rounds), chains from the common end mix (median ESS 86 of
-#: 100, R-hat 1.033, kinetic temperatures 0.975-0.997).
+#: 100, R-hat 1.033, kinetic temperatures 0.975-0.997), all measured from DE member 0.
+#: From the SGHMC spec's base network (seed 6) three rounds were too few: the best
+#: chain was still descending (losses 0.721 -> 0.700 -> 0.689), and sampling from there
+#: gave ESS 17.6 and R-hat 1.22.
 ADAPT_ROUNDS, ADAPT_ROUND_STEPS, ADAPTED_BATCH = 3, 29_000, 1024
 #: Minibatch gradients (at least, and 5 per parameter) that measure the noise covariance.
 NOISE_BATCHES = 2000
