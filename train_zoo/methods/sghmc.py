@@ -496,10 +496,20 @@ def adapted_whitening(laplace_whitening: Whitening, trajectories: Sequence[torch
     pooled = torch.stack(covariances).mean(0) / temperature
     variances, vectors = torch.linalg.eigh(0.5 * (pooled + pooled.T))
     floored = variances.clamp(min=ADAPT_FLOOR)
-    lower = laplace_whitening.cholesky.double()
-    precision = lower @ (vectors / floored) @ vectors.T @ lower.T
-    cholesky = torch.linalg.cholesky(0.5 * (precision + precision.T))
-    return Whitening(cholesky), variances
+    return _rescaled(laplace_whitening, vectors, 1.0 / floored), variances
+
+
+def _rescaled(whitening: Whitening, vectors: torch.Tensor, scales: torch.Tensor
+              ) -> Whitening:
+    """The metric ``L Q diag(scales) Q^T L^T`` (``Q``: orthonormal ``vectors`` in the
+    whitened coordinates of ``whitening = L``; ``scales > 0`` multiply the precision along
+    them). Its Cholesky factor comes from the QR decomposition ``F^T = Q' R`` of
+    ``F = L Q diag(sqrt(scales))`` (``F F^T = R^T R``), never from ``F F^T`` itself: scales
+    of 10^4 and more on an ill-conditioned Laplace precision would square a condition
+    number past what float64 factorizes."""
+    factor = whitening.cholesky.double() @ (vectors * scales.sqrt())
+    upper = torch.linalg.qr(factor.T, mode="r")[1]
+    return Whitening((upper.T * torch.sign(torch.diagonal(upper))).contiguous())
 
 
 #: The noise a step may carry: ``noise_equalized_whitening`` caps every direction's noise
@@ -560,15 +570,7 @@ def noise_equalized_whitening(whitening: Whitening, gradients: torch.Tensor,
     reference = float(torch.quantile(noisy, quantile)) if len(noisy) else 0.0
     if not reference > 0:
         raise InvalidOptionError("noise_equalized_whitening: the gradients carry no noise")
-    stretch = (noise / reference).clamp(min=1.0)
-    # The new precision is F F^T with F = L Q diag(sqrt(stretch)). Its Cholesky factor
-    # comes from the QR decomposition F^T = Q' R (F F^T = R^T R), never from F F^T itself:
-    # stretches of 10^4 and more on an ill-conditioned Laplace precision would square a
-    # condition number past what float64 factorizes.
-    factor = whitening.cholesky.double() @ (vectors * stretch.sqrt())
-    upper = torch.linalg.qr(factor.T, mode="r")[1]
-    lower = upper.T * torch.sign(torch.diagonal(upper))   # a positive diagonal
-    return Whitening(lower.contiguous()), reference
+    return _rescaled(whitening, vectors, (noise / reference).clamp(min=1.0)), reference
 
 
 @dataclass(frozen=True)
@@ -1145,12 +1147,14 @@ class Sghmc(Method):
                 opts.get("adapt_steps", ADAPT_STEPS), noise_decay, independent)
             steps += adapt_steps
             if opts.get("adapt_rounds", 0):
+                # a cold chain's running estimate spans about 1,000 steps
+                noise_decay = ADAPTED_NOISE_DECAY if noise_decay is not None else None
                 cold = self._cold_rounds(run, model, params, gradient, whitening, starts,
-                                         generators, opts, batch_size, independent)
+                                         generators, opts, batch_size, independent,
+                                         noise_decay)
                 whitening, starts, eta, alpha, record = cold
                 adaptation["cold"] = record
                 steps += sum(sum(r["steps"]) for r in record["rounds"])
-                noise_decay = noise_decay and ADAPTED_NOISE_DECAY
                 running = True
         samples, records = [], []
         for chain in range(chains):
@@ -1266,7 +1270,8 @@ class Sghmc(Method):
     def _cold_rounds(self, run: ModeRun, model: nn.Module, params: Params,
                      gradient: LogPosteriorGradient, base: Whitening,
                      starts: list[Params], generators: Sequence[torch.Generator],
-                     opts: Mapping[str, object], batch_size: int, independent: bool
+                     opts: Mapping[str, object], batch_size: int, independent: bool,
+                     noise_decay: float | None
                      ) -> tuple[Whitening, list[Params], float, float, dict[str, object]]:
         """The cold rounds after the warm-up. Returns the sampling metric, every chain's
         start (the lowest-loss chain's end), the sampling ``lr`` and ``alpha``, and the
@@ -1274,7 +1279,6 @@ class Sghmc(Method):
         rounds, round_steps = opts["adapt_rounds"], opts["adapt_round_steps"]
         thin = max(1, round_steps // ROUND_DRAWS)
         keep = set(range(thin, round_steps + 1, thin))
-        noise_decay = ADAPTED_NOISE_DECAY if opts["noise_correction"] else None
         steps_per_epoch = math.ceil(run.num_data / batch_size)
         seed = run.seeds.method
         records, losses, ends = [], [], list(starts)
