@@ -269,9 +269,11 @@ def test_cold_rounds_record_their_steps_and_sample_from_one_start():
     metric is widened after the first only, every chain samples from the lowest-loss
     chain's end, and the steps add up."""
     from train_zoo import make_spec, train_checkpoints
+    from train_zoo.data import load_training_data
 
     options = {"burn_in": 50, "thin": 20, "chains": 2, "preconditioner": "adapted",
-               "adapt_steps": 400, "adapt_rounds": 2, "adapt_round_steps": 150}
+               "adapt_steps": 400, "adapt_rounds": 2, "adapt_round_steps": 150,
+               "settle_steps": 449}
     spec = make_spec("optunet-mnist", dataset="digits", base_seed=5,
                      recipe_overrides={"epochs": 1}, method="sghmc", modes=1,
                      samples_per_mode=4, method_options=options)
@@ -290,6 +292,64 @@ def test_cold_rounds_record_their_steps_and_sample_from_one_start():
                                                   sghmc.MAX_STEP))
         assert all(0 < t < 100 for t in item["kinetic_temperatures"])   # finite: ran
     assert cold["start_chain"] == int(np.argmin(last["mean_losses"]))
+    # the best chain settles: two segments fit in 449 steps, and from the trained digits
+    # network after one epoch its loss falls faster than the tolerance
+    settling = cold["settling"]
+    assert settling["steps"] == 300 and len(settling["mean_losses"]) == 2
+    assert not settling["settled"]
+    assert settling["mean_losses"][1] < settling["mean_losses"][0] < min(last["mean_losses"])
+    size = sum(value.size for value in results[0].state.values())   # no buffers
+    num_data = len(load_training_data("digits").train)
+    assert settling["tolerance"] == pytest.approx(math.sqrt(size / 2) / num_data)
     assert [chain["steps"] for chain in record["chains"]] == [90, 90]
-    base = results[0].steps - 2 * 400 - 2 * 2 * 150 - 2 * 90
+    base = results[0].steps - 2 * 400 - 2 * 2 * 150 - 300 - 2 * 90
     assert base > 0
+
+
+def test_settling_stops_when_the_loss_stops_falling(monkeypatch):
+    """The settling continues segment after segment while the mean loss falls by at
+    least the tolerance, stops at the first smaller fall (or a rise), and never passes
+    settle_steps; each segment re-equalizes the metric at its start."""
+    method = sghmc.Sghmc()
+    size, num_data = 8, 1000
+    tolerance = sghmc.settled_loss_drop(size, num_data)
+    assert tolerance == pytest.approx(math.sqrt(4) / 1000)
+    run = type("Run", (), {"num_data": num_data,
+                           "seeds": type("Seeds", (), {"method": 3})()})()
+    start = {"w": torch.zeros(size)}
+
+    def settle(losses, limit, segment=10):
+        script, equalized_at = iter(losses), []
+
+        def equalized(run, model, gradient, base, points, batch_size, seed):
+            equalized_at.append(float(points[0]["w"][0]))
+            return None, 1e-4, 1e-2, 1.0
+
+        def cold_chain(run, model, gradient, metric, lr, alpha, start, generator, steps,
+                       *rest):
+            stepper = type("Stepper", (), {})()
+            stepper.loss_sum = next(script) * steps / 2
+            stepper.record = lambda: {"recorded_steps": steps / 2,
+                                      "kinetic_temperature": 1.0}
+            stepper.params = {"w": start["w"] + 1}
+            return stepper, [], steps
+
+        monkeypatch.setattr(method, "_equalized", equalized)
+        monkeypatch.setattr(method, "_cold_chain", cold_chain)
+        options = {"settle_steps": limit, "adapt_round_steps": segment}
+        end, record = method._settle(run, None, None, None, start, 1.0, None, options,
+                                     64, True, None)
+        assert equalized_at == list(range(len(record["mean_losses"])))
+        assert float(end["w"][0]) == len(record["mean_losses"])
+        return record
+
+    falling = [0.9, 0.8, 0.8 - tolerance / 2, 0.1]
+    record = settle(falling, 1000)
+    assert record["mean_losses"] == falling[:3] and record["settled"]
+    assert record["steps"] == 30 and record["tolerance"] == tolerance
+    record = settle([0.9, 0.95], 1000)          # a rise counts as settled
+    assert record["mean_losses"] == [0.9, 0.95] and record["settled"]
+    record = settle(falling, 29)                 # the limit: two whole segments
+    assert record["mean_losses"] == falling[:2] and not record["settled"]
+    assert settle(falling, 9) == {"mean_losses": [], "kinetic_temperatures": [], "steps": 0,
+                                  "tolerance": tolerance, "settled": False}

@@ -51,7 +51,8 @@ its reason at the constants of the method's module (re-exported here):
     first runs each chain ``adapt_steps`` (40,000) steps in that metric and widens it where
     the chains spread wider, then runs ``adapt_rounds`` (3) cold rounds of
     ``adapt_round_steps`` (29,000) in the noise-equalized metric, widened between rounds,
-    and samples every chain from the end of the last round's lowest-loss chain; with
+    lets the last round's lowest-loss chain continue until its loss stops falling (at
+    most ``settle_steps``, 290,000) and samples every chain from where it settled; with
     ``adapt_rounds = 0`` each chain samples from where its warm-up ended),
     ``whitened_lr`` (1e-4, the step of a ``"laplace"`` chain and of an ``"adapted"`` one
     without cold rounds; the cold rounds derive theirs from the noise), ``batch_size``
