@@ -13,7 +13,7 @@ Side by side in one run:
    Markdown, CSV, JSON, every figure as PNG and PDF). ``--no-figures`` as the command's.
 
 2. **The predictions** alone, on the same checkpoints and images: the report's engine
-   (``analysis.report.predictions``: numba kernels, the networks as the SIMD axis)
+   (``posteriorzoo.collection._optunet_kernels``: numba kernels, the networks as the SIMD axis)
    against plain batched torch (``torch.func.vmap`` of ``functional_call`` over the
    stacked checkpoints, 2 threads, chunks of ``--torch-models`` networks). torch runs on
    the first ``--torch-models`` checkpoints of each collection and ``--torch-images``
@@ -145,7 +145,7 @@ def torch_probabilities(layers: dict[str, np.ndarray], images: torch.Tensor,
 def bench_predictions(methods: list[Path], images: torch.Tensor, torch_models: int,
                       torch_images: int) -> dict[str, Any]:
     """Kernels vs batched torch on a subset (both), and the kernels on everything."""
-    from analysis.report.predictions import SHAPES, kernel_probabilities
+    from posteriorzoo.collection._optunet_kernels import SHAPES, kernel_probabilities
     from posteriorzoo.zoo import open_zoo
 
     every: dict[str, list[np.ndarray]] = {key: [] for key in SHAPES}
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p = predictions
     print(f"\n2. predictions, {p['subset_checkpoints']} checkpoints x {p['subset_images']} "
           "images (the first of each collection)")
-    print(f"   kernels (analysis.report.predictions) {p['kernels_subset_s']:8.3f} s  "
+    print(f"   kernels (member_probabilities, auto) {p['kernels_subset_s']:8.3f} s  "
           f"{p['kernels_model_images_per_s']:12,.0f} model-images/s")
     print(f"   batched torch (vmap, functional_call) {p['torch_subset_s']:8.3f} s  "
           f"{p['torch_model_images_per_s']:12,.0f} model-images/s")

@@ -34,9 +34,11 @@ def test_member_probabilities_match_each_model(three_models):
     test = load_dataset("digits", "test")
     images = normalized_images(test)[:100]
     with open_zoo(path) as zoo:
-        probabilities = member_probabilities(zoo, images, batch_size=33)
+        probabilities = member_probabilities(zoo, images, batch_size=33, engine="torch")
         subset = member_probabilities(zoo, images, indices=[2], batch_size=33)
-    assert probabilities.shape == (3, 100, 10)
+        kernels = member_probabilities(zoo, images)       # engine "auto": OptuNet kernels
+    assert probabilities.shape == kernels.shape == (3, 100, 10)
+    assert np.abs(kernels - probabilities).max() < 2e-6
     with torch.no_grad():
         for member, model in zip(probabilities, models, strict=True):
             expected = torch.softmax(model(images), dim=1).numpy()

@@ -1,9 +1,9 @@
 """The report's faster paths give the numbers of the slower ones.
 
-- The numba prediction kernels (``analysis.report.predictions``) against the torch path
-  (``posteriorzoo.collection.evaluation.member_probabilities``): probabilities within
-  float32 rounding, for several blocks of networks, other class counts and padding, and the
-  torch path itself wherever the kernels do not apply.
+- The numba prediction kernels (``posteriorzoo.collection._optunet_kernels``, what
+  ``member_probabilities``' engine "auto" uses for OptuNets) against its torch engine:
+  probabilities within float32 rounding, for several blocks of networks, other class
+  counts and padding, and the torch path itself wherever the kernels do not apply.
 - The noise floor, which gathers each split's distances from the target's, against
   ``compare_arrays`` on the split's arrays: bit for bit.
 - A whole report with the kernels against the same report with the torch path: Table 1,
@@ -22,9 +22,10 @@ import torch
 from zoo_helpers import checkpoint
 
 from analysis.report import build_report
-from analysis.report import predictions as kernels
 from analysis.report.tables import table1_rows, table2_rows
-from posteriorzoo.collection.evaluation import member_probabilities as torch_path
+from posteriorzoo.collection import _optunet_kernels as kernels
+from posteriorzoo.collection.evaluation import member_probabilities
+from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.mmd import compare_arrays
 from posteriorzoo.mmd.noise import noise_floor
 from posteriorzoo.zoo import create_zoo, open_zoo
@@ -56,6 +57,14 @@ def _write(path: Path, states: list, architecture: str, method: str, num_classes
     return path
 
 
+def ours_path(zoo, images: torch.Tensor) -> np.ndarray:
+    return member_probabilities(zoo, images)            # engine "auto"
+
+
+def torch_path(zoo, images: torch.Tensor) -> np.ndarray:
+    return member_probabilities(zoo, images, engine="torch")
+
+
 def _images(count: int, seed: int = 0, size: int = 28) -> torch.Tensor:
     """Normalised-looking images: (count, 1, size, size), values of a few units."""
     generator = torch.Generator().manual_seed(seed)
@@ -69,7 +78,7 @@ def test_kernels_give_the_torch_paths_probabilities(tmp_path, networks, classes)
     images = _images(37)
     with open_zoo(path) as zoo:
         assert kernels.supports(zoo.architecture, zoo.shapes, tuple(images.shape[1:]))
-        ours = kernels.member_probabilities(zoo, images)
+        ours = ours_path(zoo, images)
         theirs = torch_path(zoo, images)
     assert ours.shape == theirs.shape == (networks, 37, classes) and ours.dtype == np.float32
     assert np.abs(ours - theirs).max() < 2e-6
@@ -78,6 +87,19 @@ def test_kernels_give_the_torch_paths_probabilities(tmp_path, networks, classes)
     top2 = np.sort(theirs, axis=2)[..., -2:]
     clear = top2[..., 1] - top2[..., 0] > 1e-5
     assert (ours.argmax(2) == theirs.argmax(2))[clear].all()
+
+
+def test_the_engine_option_is_checked_and_a_subset_goes_to_the_torch_path(tmp_path):
+    path = _random_collection(tmp_path / "zoo.h5", 4, 10)
+    images = _images(6)
+    with open_zoo(path) as zoo:
+        with pytest.raises(InvalidOptionError, match="engine"):
+            member_probabilities(zoo, images, engine="fast")
+        everything = ours_path(zoo, images)
+        subset = member_probabilities(zoo, images, indices=[1, 3])
+        assert np.array_equal(subset, torch_path(zoo, images)[[1, 3]])
+        assert not np.array_equal(everything, torch_path(zoo, images))   # the kernels ran
+    assert np.abs(subset - everything[[1, 3]]).max() < 2e-6
 
 
 def test_exponential_is_accurate_over_the_softmax_range():
@@ -99,17 +121,17 @@ def test_what_the_kernels_do_not_cover_goes_to_the_torch_path(tmp_path):
     other = _collection(tmp_path / "v1.h5", range(3), architecture="optunet-v1")
     with open_zoo(other) as zoo:
         assert not kernels.supports(zoo.architecture, zoo.shapes, tuple(images.shape[1:]))
-        assert np.array_equal(kernels.member_probabilities(zoo, images),
+        assert np.array_equal(ours_path(zoo, images),
                               torch_path(zoo, images))
     path = _collection(tmp_path / "zoo.h5", range(3))
     larger = _images(4, size=32)          # OptuNet takes them; the kernels are for 28x28
     with open_zoo(path) as zoo:
-        assert np.array_equal(kernels.member_probabilities(zoo, larger),
+        assert np.array_equal(ours_path(zoo, larger),
                               torch_path(zoo, larger))
     # weights so large that the logits overflow: the torch path's outputs, NaN included
     huge = _collection(tmp_path / "huge.h5", range(2), scale=1e15)
     with open_zoo(huge) as zoo:
-        ours, theirs = kernels.member_probabilities(zoo, images), torch_path(zoo, images)
+        ours, theirs = ours_path(zoo, images), torch_path(zoo, images)
     assert not np.isfinite(theirs).all()
     assert np.array_equal(ours, theirs, equal_nan=True)
 
@@ -125,7 +147,7 @@ def test_a_diverged_checkpoint_fails_as_on_the_torch_path(tmp_path):
         zoo.append(broken, diverged=True)
     images = _images(5)
     with open_zoo(path) as zoo:
-        ours, theirs = kernels.member_probabilities(zoo, images), torch_path(zoo, images)
+        ours, theirs = ours_path(zoo, images), torch_path(zoo, images)
     assert np.isnan(ours[1]).all() and np.array_equal(ours, theirs, equal_nan=True)
 
 

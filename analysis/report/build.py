@@ -245,19 +245,18 @@ def build_report(target: str | os.PathLike,
         Recorded in the provenance.
     predict : callable, optional
         ``predict(zoo, images)``: the members' softmax outputs (``evaluate``'s
-        ``predict``). Default: :func:`analysis.report.predictions.member_probabilities`
-        (numba kernels for OptuNets, the torch path otherwise);
-        :func:`posteriorzoo.collection.evaluation.member_probabilities` gives the torch
-        path for every collection.
+        ``predict``). Default:
+        :func:`posteriorzoo.collection.evaluation.member_probabilities` (numba kernels
+        for OptuNets, the torch path otherwise); with ``engine="torch"`` it gives the
+        torch path for every collection.
     timings : dict, optional
         Filled with the seconds each stage took: ``load``, ``canonicalize``, ``mmd``,
         ``noise floor``, ``predictions``, ``metrics``, ``diagnostics``, ``figures``
         (``benchmarks/bench_report.py``).
     """
-    from analysis.report.predictions import member_probabilities
     from posteriorzoo.collection import compare, diagnose, evaluate
     from posteriorzoo.collection.comparison import parameter_keys
-    from posteriorzoo.collection.evaluation import reusing_images
+    from posteriorzoo.collection.evaluation import member_probabilities, reusing_images
     from posteriorzoo.metrics import OOD_SCORES
     from posteriorzoo.provenance import describe_input, record
     from posteriorzoo.zoo import open_zoo

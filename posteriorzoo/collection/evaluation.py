@@ -37,8 +37,8 @@ from posteriorzoo.options import check_choice, check_integer
 from posteriorzoo.provenance import record
 from posteriorzoo.results import CollectionResult, csv_text
 
-__all__ = ["EvaluateResult", "evaluate", "member_probabilities", "normalized_images",
-           "reusing_images"]
+__all__ = ["PREDICTION_ENGINES", "EvaluateResult", "evaluate", "member_probabilities",
+           "normalized_images", "reusing_images"]
 
 
 def normalized_images(dataset: ArrayDataset) -> torch.Tensor:
@@ -48,10 +48,17 @@ def normalized_images(dataset: ArrayDataset) -> torch.Tensor:
     return Normalize(dataset.mean, dataset.std)(torch.from_numpy(dataset.images))
 
 
+#: How :func:`member_probabilities` computes: ``"auto"`` by numba kernels for OptuNets
+#: (all checkpoints of a collection at once, the networks as the SIMD axis; 49x batched
+#: torch on two cores, ``benchmarks/bench_report.py``), else one torch module per
+#: checkpoint; ``"torch"`` always the latter.
+PREDICTION_ENGINES = ("auto", "torch")
+
+
 @torch.no_grad()
 def member_probabilities(source: Source, images: torch.Tensor,
                          indices: Sequence[int] | None = None, batch_size: int = 2000,
-                         verify: bool = True) -> np.ndarray:
+                         verify: bool = True, engine: str = "auto") -> np.ndarray:
     """Softmax outputs of each checkpoint, in eval mode.
 
     Parameters
@@ -66,6 +73,11 @@ def member_probabilities(source: Source, images: torch.Tensor,
         Images per forward pass.
     verify : bool
         Check each checkpoint's digests as it is read (for a path).
+    engine : {"auto", "torch"}
+        ``"auto"``: every checkpoint of an OptuNet collection (``indices`` None) at once
+        by numba kernels (:mod:`posteriorzoo.collection._optunet_kernels`; the same
+        probabilities to about 1e-6), anything else by torch; ``"torch"``: one torch
+        module per checkpoint, ``batch_size`` images at a time.
 
     Returns
     -------
@@ -73,7 +85,14 @@ def member_probabilities(source: Source, images: torch.Tensor,
         ``(n_checkpoints, n, num_classes)`` float32 probabilities.
     """
     check_integer("batch_size", batch_size, 1)
+    check_choice("engine", engine, PREDICTION_ENGINES)
     with opened(source, verify=verify) as zoo:
+        if engine == "auto" and indices is None:
+            from posteriorzoo.collection import _optunet_kernels
+
+            fast = _optunet_kernels.probabilities(zoo, images)
+            if fast is not None:
+                return fast
         model, _ = model_of(zoo)
         indices = range(len(zoo)) if indices is None else indices
         outputs = []
@@ -251,9 +270,8 @@ def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
         Recorded in the provenance.
     predict : callable, optional
         ``predict(zoo, images)``: the members' softmax outputs ``(N, n, K)`` on normalised
-        images, in place of :func:`member_probabilities` (the default; ``batch_size``
-        is its). The report passes a faster engine for OptuNets
-        (``analysis.report.predictions.member_probabilities``).
+        images, in place of :func:`member_probabilities` (the default, engine
+        ``"auto"``; ``batch_size`` is its).
     """
     check_choice("ood_score", ood_score, OOD_SCORES)
     check_integer("bins", bins, 1)

@@ -1,21 +1,22 @@
 """The members' predictions of OptuNet collections, many networks at once (numba).
 
-The report needs every method checkpoint's softmax outputs on every in- and
-out-of-distribution image: for the shipped zoo 1,200 OptuNets on 11,797 images, about
-640 GFLOP. :func:`posteriorzoo.collection.evaluation.member_probabilities` runs one
-``torch.nn.Module`` per checkpoint, whose tiny convolutions (2 and 10 channels) leave
-the CPU mostly idle: minutes. :func:`member_probabilities` here computes the same numbers
-with the *networks* as the innermost (SIMD) axis: the weights of a block of :data:`B`
-checkpoints lie side by side, and each pixel is read once per block and multiplied into
-all of them. On two cores: seconds (``benchmarks/bench_report.py`` measures both).
+:func:`posteriorzoo.collection.evaluation.member_probabilities` (engine ``"auto"``) uses
+these kernels for OptuNets: ``evaluate``, ``diagnose`` and the report. The report needs
+every method checkpoint's softmax outputs on every in- and out-of-distribution image: for
+the shipped zoo 1,500 OptuNets on 10,450 images, about 705 GFLOP. The torch path runs one
+``torch.nn.Module`` per checkpoint, whose tiny convolutions (2 and 10 channels) leave the
+CPU mostly idle: minutes. :func:`kernel_probabilities` computes the same numbers with the
+*networks* as the innermost (SIMD) axis: the weights of a block of :data:`B` checkpoints
+lie side by side, and each pixel is read once per block and multiplied into all of them.
+On two cores: seconds (``benchmarks/bench_report.py`` measures both).
 
 Only the rounding differs from the torch path (float32 sums in another order, fused
 multiply-adds, an exponential of its own): probabilities agree to about 1e-6, and the
 report's tables are the same to their printed precision
 (``tests/test_report_speed_equivalence.py``). Anything else -- another architecture or
 image size, non-finite weights, weights large enough to overflow -- goes to the torch
-path, so the results and the errors stay those of
-:func:`posteriorzoo.collection.evaluation.member_probabilities`.
+path (:func:`probabilities` returns None), so the results and the errors stay the torch
+path's.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from posteriorzoo._numba import announce_compilation
 
 announce_compilation()
 
-__all__ = ["B", "member_probabilities", "supports"]
+__all__ = ["B", "kernel_probabilities", "probabilities", "supports"]
 
 #: Checkpoints per block: a compile-time constant, so that every weight and activation of
 #: a block lies at a constant offset from its array's start (the vectoriser then checks
@@ -317,9 +318,10 @@ def kernel_probabilities(layers: dict[str, np.ndarray], images: np.ndarray) -> n
     return out
 
 
-def member_probabilities(zoo: object, images: torch.Tensor) -> np.ndarray:
-    """:func:`posteriorzoo.collection.evaluation.member_probabilities` of every checkpoint
-    of an open collection, by the kernels when :func:`supports` says they apply.
+def probabilities(zoo: object, images: torch.Tensor) -> np.ndarray | None:
+    """Softmax outputs of every checkpoint of an open collection by the kernels, or None
+    where they do not apply (:func:`supports`, or weights that are not finite or large
+    enough for an activation to overflow: the torch path then says what goes wrong).
 
     Parameters
     ----------
@@ -330,20 +332,16 @@ def member_probabilities(zoo: object, images: torch.Tensor) -> np.ndarray:
 
     Returns
     -------
-    numpy.ndarray
-        ``(N, n, K)`` float32 probabilities. Collections the kernels do not cover, and
-        weights that are not finite or large enough for an activation to overflow, go
-        through the torch path, whose results and errors are the reference.
+    numpy.ndarray or None
+        ``(N, n, K)`` float32 probabilities.
     """
-    from posteriorzoo.collection.evaluation import member_probabilities as torch_path
-
     shapes = {key: tuple(shape) for key, shape in zoo.shapes.items()}
     if not supports(zoo.architecture, shapes, tuple(images.shape[1:])):
-        return torch_path(zoo, images)
+        return None
     layers = {key: zoo.layer(key) for key in SHAPES}
     pixels = images.numpy()
-    if not _cannot_overflow(layers, pixels):   # the torch path says what goes wrong
-        return torch_path(zoo, images)
+    if not _cannot_overflow(layers, pixels):
+        return None
     return kernel_probabilities(layers, pixels)
 
 
