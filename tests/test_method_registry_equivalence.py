@@ -2,7 +2,8 @@
 checkpoints the trainer before it made, to the bit.
 
 - Each shipped spec's first two modes retrained give the shipped checkpoints
-  (``posteriorzoo/reference``) exactly (slow: minutes per spec on Fashion-MNIST).
+  (``posteriorzoo/reference``) exactly (slow: minutes per spec on Fashion-MNIST, about
+  85 for the SGHMC spec's adapted chains).
 - Every method on a tiny digits spec, on the torch and the auto engine, gives the
   digests, steps, engines and training records of the code at the branch point of the
   registry (:data:`BRANCH_POINT`, extracted from git), SGHMC included.

@@ -134,7 +134,8 @@ def test_a_shipped_checkpoint_is_reproduced_by_the_trainer():
 @pytest.mark.parametrize("name", ["mc-dropout", "bbb", "swag", "laplace", "sghmc"])
 def test_a_shipped_method_collection_is_reproduced_by_the_trainer(name):
     """Mode 0 of each single-mode collection, retrained by today's trainer from its spec,
-    gives the stored samples (minutes per method: run with ``-m slow``)."""
+    gives the stored samples (minutes per method, about 85 for SGHMC's adapted chains:
+    run with ``-m slow``)."""
     spec = load_spec(ROOT / SPECS[name])
     with open_reference(name) as zoo:
         rows = np.flatnonzero(zoo.metadata["mode_id"] == 0)

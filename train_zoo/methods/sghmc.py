@@ -877,9 +877,10 @@ ADAPT_STEPS = 40_000
 #: at the end of the third round); chains started apart in that landscape stay apart
 #: (R-hat 1.27 after three rounds), chains from the common end mix (median ESS 86 of
 #: 100, R-hat 1.033, kinetic temperatures 0.975-0.997), all measured from DE member 0.
-#: From the SGHMC spec's base network (seed 6) three rounds were too few: the best
-#: chain was still descending (losses 0.721 -> 0.700 -> 0.689), and sampling from there
-#: gave ESS 17.6 and R-hat 1.22.
+#: From the SGHMC spec's base network (seed 6) the best chain was still descending after
+#: three rounds (losses 0.721 -> 0.700 -> 0.689), and sampling from there gave ESS 17.6
+#: and R-hat 1.22; settling it first (:data:`SETTLE_STEPS`: five segments, to 0.678)
+#: gave ESS 64, R-hat 1.045 and kinetic temperatures 0.999-1.022 (the shipped file).
 ADAPT_ROUNDS, ADAPT_ROUND_STEPS, ADAPTED_BATCH = 3, 29_000, 1024
 #: The settling that follows the rounds (``settle_steps``, at most): the lowest-loss chain
 #: continues in segments of ``adapt_round_steps``, in the metric re-equalized at each
