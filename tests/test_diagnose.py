@@ -27,8 +27,9 @@ def test_the_help_states_the_thresholds_of_the_core():
 
 def test_shipped_sghmc_chains_are_read_as_four_chains_with_their_temperatures():
     """The shipped SGHMC collection: 4 chains of 25 draws from one base network (adapted
-    mass matrix, cold rounds, settled start), corrected for minibatch noise. diagnose's statistics are those of the weights split chain-major
-    (computed here directly), and its temperatures are the recorded ones."""
+    mass matrix, cold rounds, settled start), corrected for minibatch noise. diagnose's
+    statistics are those of the weights split chain-major (computed here directly), and
+    its temperatures are the recorded ones."""
     import numpy as np
 
     from posteriorzoo.diagnostics import chain_statistics
