@@ -113,6 +113,33 @@ def test_dry_run_json_extrapolates_the_measured_steps(swag_spec, tmp_path, capsy
     assert "estimate" in estimate["note"]
 
 
+def test_dry_run_times_an_adapted_sghmc_without_running_its_warm_up(tmp_path, capsys,
+                                                                    monkeypatch):
+    """An adapted SGHMC's first steps are its warm-up's (phase ``sghmc-adapt``): the dry
+    run times a few of them and stops, and counts every phase's steps (the settling at
+    its limit)."""
+    from posteriorzoo.cli import train_command
+    from train_zoo.methods import sghmc
+
+    steps = []
+    original = sghmc.WhitenedSghmcStepper.step
+    monkeypatch.setattr(sghmc.WhitenedSghmcStepper, "step",
+                        lambda self, *args: steps.append(1) or original(self, *args))
+    options = ('\n[method_options]\nchains = 2\npreconditioner = "adapted"\n'
+               'adapt_steps = 3000\nadapt_rounds = 1\nadapt_round_steps = 100\n'
+               'settle_steps = 250\nburn_in = 10\nthin = 5\n')
+    spec = tmp_path / "sghmc.toml"
+    spec.write_text(SWAG_SPEC.replace('"swag"', '"sghmc"').replace("samples_per_mode = 3",
+                                                                   "samples_per_mode = 4")
+                    + options)
+    code, stdout, err = run(capsys, "train", spec, "--dry-run", "--json")
+    assert code == 0, err
+    part = {p["phase"]: p for p in json.loads(stdout)["estimate"]["parts"]}["sghmc"]
+    assert 1 <= part["timed_steps"] <= train_command.TIMED_STEPS
+    assert len(steps) <= train_command.WARM_UP_STEPS + train_command.TIMED_STEPS + 1
+    assert part["steps"] == 2 * (250 + 2 * (3000 + 100 + 20))   # modes x (settle + chains)
+
+
 def test_dry_run_without_an_estimate_needs_no_data(tmp_path, capsys):
     spec = tmp_path / "laplace.toml"
     spec.write_text('recipe = "optunet-mnist"\ndataset = "tinyimagenet"\nmethod = "laplace"\n'

@@ -293,7 +293,10 @@ class _TimingDoneError(Exception):
 
 
 class _StepTimer:
-    """Times the steps of one training phase, then ends the run (:class:`_TimingDoneError`)."""
+    """Times the steps of one training phase, then ends the run (:class:`_TimingDoneError`).
+    A method's sub-phases (``sghmc-adapt``, ``sghmc-round-1``, ...) count as its phase:
+    the first of them is timed, not run to its end (an adapted SGHMC's warm-up alone is
+    160,000 steps)."""
 
     def __init__(self, phase: str) -> None:
         self.phase = phase
@@ -301,7 +304,7 @@ class _StepTimer:
         self.times: list[float] = []
 
     def on_step_end(self, info: Any, weights: Any) -> None:
-        if info.phase != self.phase:
+        if info.phase != self.phase and not info.phase.startswith(f"{self.phase}-"):
             if self.times:  # the phase ended before enough steps: nothing more to time
                 raise _TimingDoneError
             return
