@@ -1183,7 +1183,7 @@ class Sghmc(Method):
             if opts.get("adapt_rounds", 0):
                 # a cold chain's running estimate spans about 1,000 steps
                 noise_decay = ADAPTED_NOISE_DECAY if noise_decay is not None else None
-                cold = self._cold_rounds(run, model, params, gradient, whitening, starts,
+                cold = self._cold_rounds(run, model, gradient, whitening, starts,
                                          generators, opts, batch_size, independent,
                                          noise_decay)
                 whitening, starts, eta, alpha, record = cold
@@ -1322,7 +1322,7 @@ class Sghmc(Method):
                                     f"adapt_round_steps or adapt_steps")
         return stepper, collector.kept, result.steps
 
-    def _cold_rounds(self, run: ModeRun, model: nn.Module, params: Params,
+    def _cold_rounds(self, run: ModeRun, model: nn.Module,
                      gradient: LogPosteriorGradient, base: Whitening,
                      starts: list[Params], generators: Sequence[torch.Generator],
                      opts: Mapping[str, object], batch_size: int, independent: bool,
@@ -1344,8 +1344,7 @@ class Sghmc(Method):
                 stepper, kept, taken = self._cold_chain(
                     run, model, gradient, metric, lr, alpha, ends[chain], generator,
                     round_steps, batch_size, round_seed(seed, number, chain), independent,
-                    noise_decay,
-                    f"sghmc-round-{number + 1}", keep)
+                    noise_decay, f"sghmc-round-{number + 1}", keep)
                 trajectories.append(torch.stack([flatten(state).double() for state in kept]))
                 temperatures.append(stepper.record()["kinetic_temperature"])
                 losses.append(stepper.loss_sum / stepper.record()["recorded_steps"])
@@ -1392,8 +1391,7 @@ class Sghmc(Method):
             stepper, _, taken = self._cold_chain(
                 run, model, gradient, metric, lr, alpha, start, generator, segment,
                 batch_size, settle_seed(run.seeds.method, number, True), independent,
-                noise_decay,
-                f"sghmc-settle-{number + 1}", set())
+                noise_decay, f"sghmc-settle-{number + 1}", set())
             mean = stepper.loss_sum / stepper.record()["recorded_steps"]
             settled = loss - mean < tolerance
             loss, start, steps = mean, _copy(stepper.params), steps + taken
