@@ -10,6 +10,7 @@ exactly, with and without correlated gradient noise (corrected by the dense esti
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ import torch
 from posteriorzoo.errors import InvalidOptionError
 from train_zoo.methods import sghmc
 
+ROOT = Path(__file__).resolve().parent.parent
 DIM = 3
 ROTATION = torch.linalg.qr(torch.tensor([[1.0, 0.3, -0.2], [0.5, 1.0, 0.4], [-0.1, 0.7, 1.0]],
                                         dtype=torch.float64))[0]
@@ -143,15 +145,73 @@ def test_the_preconditioner_options_are_recorded_only_where_they_shape_the_weigh
         return make_spec("optunet-mnist", dataset="digits", method="sghmc", modes=1,
                          samples_per_mode=4, base_seed=0, method_options=given).method_options
 
-    plain = options()
+    plain = options(preconditioner="none")
     assert not {"preconditioner", "whitened_lr", "batch_size", "minibatches"} & set(plain)
-    assert options(minibatches="independent")["minibatches"] == "independent"
-    assert options(preconditioner="none") == plain          # the same chain, the same record
-    assert options(batch_size=128)["batch_size"] == 128     # differs from the recipe's 64
-    whitened = options(preconditioner="auto")                # OptuNet: 392 parameters
+    assert (plain["chains"], plain["burn_in"], plain["thin"]) == (1, 20_000, 4_000)
+    assert options(preconditioner="none", minibatches="independent")["minibatches"] == \
+        "independent"
+    assert options(preconditioner="none", batch_size=128)["batch_size"] == 128  # not 64
+    whitened = options(preconditioner="laplace")
     assert (whitened["preconditioner"], whitened["batch_size"]) == ("laplace", 512)
     assert whitened["minibatches"] == "independent"
     assert whitened["whitened_lr"] == pytest.approx(1e-4)
+    assert options() == options(preconditioner="auto") == options(preconditioner="adapted")
+
+
+def _sghmc_spec(samples_per_mode: int = 100, **fields):
+    from train_zoo.spec import make_spec
+
+    return make_spec("optunet-mnist", dataset="fashion-mnist", method="sghmc", modes=1,
+                     samples_per_mode=samples_per_mode, base_seed=6, **fields)
+
+
+def test_the_defaults_on_optunet_are_the_shipped_collection_that_mixes():
+    """With no option given, OptuNet's SGHMC is the shipped collection's sampler, whose
+    diagnostics pass (``test_diagnose``: ESS 64 of 100, R-hat 1.045, temperatures within
+    3% of 1): the adapted preconditioner with 4 chains, burn-in 4,000 and thin 1,000,
+    said to come from the model and the preconditioner."""
+    from posteriorzoo.reference import reference_path
+    from posteriorzoo.zoo import open_zoo
+    from train_zoo.spec import load_spec
+
+    default = _sghmc_spec()
+    with open_zoo(reference_path("sghmc")) as zoo:
+        shipped = zoo.recipe["method_options"]
+    assert default.method_options == shipped
+    assert (shipped["preconditioner"], shipped["chains"], shipped["burn_in"],
+            shipped["thin"]) == ("adapted", 4, 4_000, 1_000)
+    assert default.recipe_hash == load_spec(ROOT / "specs" /
+                                            "optunet-fashion-mnist-sghmc.toml").recipe_hash
+    sources = default.sources["method_options"]
+    assert sources["preconditioner"] == "derived from the model (392 parameters <= 5,000)"
+    assert {sources[name] for name in ("chains", "burn_in", "thin")} == {
+        "default of an adapted chain"}
+    assert default.derived == ()
+
+
+def test_the_default_chain_count_divides_the_samples_and_says_so():
+    for per_mode, chains in ((100, 4), (10, 2), (9, 3), (7, 1)):
+        spec = _sghmc_spec(per_mode)
+        assert spec.method_options["chains"] == chains
+        assert bool(spec.derived) == (chains != 4)
+        if chains != 4:
+            assert spec.derived == (f"sghmc: chains {chains} (derived from samples_per_mode="
+                                    f"{per_mode}, not a multiple of 4; default 4)",)
+    assert _sghmc_spec(10, method_options={"chains": 5}).method_options["chains"] == 5
+
+
+def test_a_model_too_large_for_a_dense_metric_defaults_to_the_plain_chain():
+    from train_zoo.spec import make_spec
+
+    spec = make_spec("optunet-mnist", dataset="digits", method="sghmc", modes=1,
+                     samples_per_mode=4, architecture="mlp",
+                     model_options={"widths": [64, 100, 10]})
+    assert "preconditioner" not in spec.method_options       # recorded as before: none
+    assert (spec.method_options["chains"], spec.method_options["burn_in"],
+            spec.method_options["thin"]) == (1, 20_000, 4_000)
+    assert spec.derived == ("sghmc: preconditioner none (the model's 7,510 parameters are "
+                            "too many for a dense mass matrix; a plain chain at lr 0.0002 "
+                            "mixes slowly: check it with posteriorzoo diagnose)",)
 
 
 # ------------------------------------------------------------ the adapted mass matrix

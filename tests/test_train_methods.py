@@ -34,7 +34,7 @@ from train_zoo.torch_engine import train_base as torch_train_base
 TRAIN = [sys.executable, "-m", "posteriorzoo", "train"]
 METHOD_OPTIONS = {
     "swag": {"epochs": 3, "iterates": 3, "ramp_epochs": 1},
-    "sghmc": {"burn_in": 10, "thin": 4},
+    "sghmc": {"burn_in": 10, "thin": 4, "preconditioner": "none"},
 }
 METHODS = ["de", "mc-dropout", "swag", "laplace", "sghmc", "bbb"]
 
@@ -177,7 +177,7 @@ def test_a_run_killed_between_modes_resumes_to_the_same_samples(tmp_path):
     spec.write_text('recipe = "optunet-mnist"\ndataset = "digits"\nmethod = "sghmc"\n'
                     "modes = 2\nsamples_per_mode = 3\nbase_seed = 2\n"
                     "[recipe_overrides]\nepochs = 1\n"
-                    "[method_options]\nburn_in = 10\nthin = 4\n")
+                    "[method_options]\nburn_in = 10\nthin = 4\npreconditioner = \"none\"\n")
     flags = ["--backend", "serial", "--no-progress"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("POSTERIORZOO_KILL_AT", None)

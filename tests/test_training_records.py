@@ -343,6 +343,7 @@ chains = 2
 noise_correction = true
 burn_in = 20
 thin = 5
+preconditioner = "none"
 """
 
 

@@ -37,28 +37,31 @@ its reason at the constants of the method's module (re-exported here):
     (``"marglik"``, ``"training"`` for N x weight decay, or a number in
     :data:`PRIOR_PRECISION_RANGE`).
 ``sghmc``
-    ``lr`` (2e-4, per example: the step size on the full-data log posterior is
-    ``lr / N``), ``alpha`` (friction 0.1, in (0, 1]), ``burn_in`` (10,000 steps) and
-    ``thin`` (2,000 steps), each at most :data:`MAX_SGHMC_STEPS`, ``prior_precision``
-    (``"training"`` for N x weight decay, or a number in :data:`PRIOR_PRECISION_RANGE`),
-    ``chains`` (1: independent chains per mode from its base network, each keeping
-    ``samples_per_mode / chains`` samples), ``noise_correction`` (true: subtract Chen et
-    al.'s ``beta_hat`` estimated from the minibatch gradients) and ``noise_decay`` (0.99,
-    the running estimate's weight of the past), ``preconditioner`` (``"none"``; ``"auto"``:
-    ``"laplace"`` up to :data:`AUTO_FULL_LAPLACE_PARAMETERS` parameters, else ``"none"``;
-    ``"laplace"`` runs each chain with a constant mass matrix, the base network's full
-    Laplace precision, from its own draw of that Laplace approximation; ``"adapted"``
-    first runs each chain ``adapt_steps`` (40,000) steps in that metric and widens it where
-    the chains spread wider, then runs ``adapt_rounds`` (3) cold rounds of
-    ``adapt_round_steps`` (29,000) in the noise-equalized metric, widened between rounds,
-    lets the last round's lowest-loss chain continue until its loss stops falling (at
-    most ``settle_steps``, 290,000) and samples every chain from where it settled; with
-    ``adapt_rounds = 0`` each chain samples from where its warm-up ended),
-    ``whitened_lr`` (1e-4, the step of a ``"laplace"`` chain and of an ``"adapted"`` one
-    without cold rounds; the cold rounds derive theirs from the noise), ``batch_size``
-    (1,024 with ``"adapted"``, 512 with ``"laplace"``, else the recipe's) and
-    ``minibatches`` (``"independent"`` with a preconditioner, else ``"epochs"``). See
-    :data:`SGHMC_LR` and :data:`SGHMC_WHITENED_LR`.
+    ``preconditioner`` (``"auto"``: ``"adapted"`` up to :data:`AUTO_FULL_LAPLACE_PARAMETERS`
+    parameters, as OptuNet, else ``"none"``; ``"laplace"`` runs each chain with a
+    constant mass matrix, the base network's full Laplace precision, from its own draw of
+    that Laplace approximation; ``"adapted"`` first runs each chain ``adapt_steps``
+    (40,000) steps in that metric and widens it where the chains spread wider, then runs
+    ``adapt_rounds`` (3) cold rounds of ``adapt_round_steps`` (29,000) in the
+    noise-equalized metric, widened between rounds, lets the last round's lowest-loss
+    chain continue until its loss stops falling (at most ``settle_steps``, 290,000) and
+    samples every chain from where it settled; with ``adapt_rounds = 0`` each chain
+    samples from where its warm-up ended), ``lr`` (2e-4, per example: the step size of a
+    ``"none"`` chain on the full-data log posterior is ``lr / N``), ``alpha`` (friction
+    0.1, in (0, 1]), ``burn_in`` and ``thin`` (4,000 and 1,000 for an adapted chain, the
+    setting measured to mix on OptuNet; else 20,000 and 4,000), each at most
+    :data:`MAX_SGHMC_STEPS`, ``prior_precision`` (``"training"`` for N x weight decay, or
+    a number in :data:`PRIOR_PRECISION_RANGE`), ``chains`` (independent chains per mode
+    from its base network, each keeping ``samples_per_mode / chains`` samples: 4 for an
+    adapted chain, or the largest count below it that divides ``samples_per_mode``; else
+    1), ``noise_correction`` (true: subtract Chen et al.'s ``beta_hat`` estimated from the
+    minibatch gradients) and ``noise_decay`` (0.99, the running estimate's weight of the
+    past), ``whitened_lr`` (1e-4, the step of a ``"laplace"`` chain and of an
+    ``"adapted"`` one without cold rounds; the cold rounds derive theirs from the noise),
+    ``batch_size`` (1,024 with ``"adapted"``, 512 with ``"laplace"``, else the recipe's)
+    and ``minibatches`` (``"independent"`` with a preconditioner, else ``"epochs"``). A
+    collection made before ``"auto"`` was the default records no ``preconditioner``: it
+    was ``"none"``. See :data:`SGHMC_LR` and :data:`SGHMC_WHITENED_LR`.
 ``bbb``
     ``preset`` (``"paper"``: SGD at the recipe's learning rate, the paper's Table 1, or
     ``"trained-variance"``: Adam for ``rho``, whose ``sigma`` then trains), ``optimizer``,
@@ -139,7 +142,8 @@ def option_table(method: str) -> tuple[MethodOption, ...]:
 
 def explain_method_options(method: str, options: Mapping[str, Any], architecture: str,
                            recipe: Recipe, *, model_options: Mapping[str, Any] | None = None,
-                           num_classes: int | None = None) -> ResolvedOptions:
+                           num_classes: int | None = None,
+                           samples_per_mode: int | None = None) -> ResolvedOptions:
     """Every option of ``method`` for this model and recipe, with where each came from.
 
     Raises
@@ -155,13 +159,15 @@ def explain_method_options(method: str, options: Mapping[str, Any], architecture
     if unknown:
         raise UnknownNameError(f"unknown {method} option(s) {unknown}; options: "
                                f"{', '.join(names) or 'none'}")
-    context = Context(method, architecture, recipe, dict(model_options or {}), num_classes)
+    context = Context(method, architecture, recipe, dict(model_options or {}), num_classes,
+                      samples_per_mode=samples_per_mode)
     return declared.explain(options, context)
 
 
 def resolve_method_options(method: str, options: Mapping[str, Any], architecture: str,
                            recipe: Recipe, *, model_options: Mapping[str, Any] | None = None,
-                           num_classes: int | None = None) -> dict[str, Any]:
+                           num_classes: int | None = None,
+                           samples_per_mode: int | None = None) -> dict[str, Any]:
     """Every option of ``method`` for this architecture and recipe, defaults filled in
     (:func:`explain_method_options`'s ``values``).
 
@@ -173,7 +179,8 @@ def resolve_method_options(method: str, options: Mapping[str, Any], architecture
         A value of the wrong type or out of range (one line naming the option).
     """
     return explain_method_options(method, options, architecture, recipe,
-                                  model_options=model_options, num_classes=num_classes).values
+                                  model_options=model_options, num_classes=num_classes,
+                                  samples_per_mode=samples_per_mode).values
 
 
 def describe_options(method: str | None = None) -> list[dict[str, str]]:

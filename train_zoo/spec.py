@@ -163,7 +163,8 @@ class ZooSpec:
         method_options = check_table(_field("method_options"), self.method_options)
         explained = explain_method_options(
             self.method, method_options, self.architecture, self.recipe,
-            model_options=self.model_options, num_classes=self.num_classes)
+            model_options=self.model_options, num_classes=self.num_classes,
+            samples_per_mode=self.samples_per_mode)
         object.__setattr__(self, "method_options", explained.values)
         object.__setattr__(self, "sources", {"method_options": explained.sources})
         object.__setattr__(self, "derived", explained.notes)

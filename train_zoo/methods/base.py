@@ -32,8 +32,8 @@ StateDict = dict[str, Any]
 @dataclass(frozen=True)
 class Context:
     """What a default or a check may depend on: the spec's architecture, model options,
-    output count and recipe, and the options of the method resolved before this one (in
-    table order)."""
+    output count, recipe and samples per mode, and the options of the method resolved
+    before this one (in table order)."""
 
     method: str
     architecture: str
@@ -41,6 +41,7 @@ class Context:
     model_options: Mapping[str, Any] = field(default_factory=dict)
     num_classes: int | None = None
     resolved: dict[str, Any] = field(default_factory=dict)
+    samples_per_mode: int | None = None
 
     def parameter_count(self) -> int:
         """Trainable parameters of the spec's model (built on the meta device)."""
