@@ -18,6 +18,8 @@ collection files and writes CSV, JSON and a Markdown table like Table 2.
 
 Modules: :mod:`~posteriorzoo.mmd.distances` (numba distance kernels, blocked over
 features), :mod:`~posteriorzoo.mmd.kernels` (kernel sums and matrices),
+:mod:`~posteriorzoo.mmd.pair_sums` (the kernel sums of one fixed set of pairs for any
+bandwidth, from one pass: the target's pairs, shared by every method and noise split),
 :mod:`~posteriorzoo.mmd.statistics` (bandwidths, :func:`kernel_mmds`),
 :mod:`~posteriorzoo.mmd.aggregated` (:func:`mmdagg`), :mod:`~posteriorzoo.mmd.sources`
 (layers of arrays, read in blocks), :mod:`~posteriorzoo.mmd.comparison` (layer-by-layer
@@ -39,6 +41,7 @@ from posteriorzoo.mmd.distances import (
     stream_pooled_distances,
 )
 from posteriorzoo.mmd.noise import NoiseFloor, noise_floor
+from posteriorzoo.mmd.pair_sums import KernelPairSums, PairSums
 from posteriorzoo.mmd.statistics import (
     KernelMMDs,
     bandwidth_collection,
@@ -52,10 +55,12 @@ __all__ = [
     "Comparison",
     "Distances",
     "KernelMMDs",
+    "KernelPairSums",
     "LayerResult",
     "MMDAggResult",
     "MethodSummary",
     "NoiseFloor",
+    "PairSums",
     "SharedTargetDistances",
     "bandwidth_collection",
     "bandwidths_from_distances",

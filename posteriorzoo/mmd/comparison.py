@@ -28,6 +28,7 @@ from posteriorzoo._faults import fault_point
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 from posteriorzoo.mmd.aggregated import MMDAggResult, check_test_options, mmdagg_from_distances
 from posteriorzoo.mmd.distances import SharedTargetDistances
+from posteriorzoo.mmd.pair_sums import KernelPairSums
 from posteriorzoo.mmd.sources import (
     DEFAULT_BLOCK_BYTES,
     ArraySource,
@@ -40,6 +41,7 @@ from posteriorzoo.mmd.sources import (
 )
 from posteriorzoo.mmd.statistics import (
     KernelMMDs,
+    bandwidths_from_distances,
     check_number_bandwidths,
     kernel_mmds_from_distances,
     kernel_names,
@@ -253,9 +255,16 @@ def compare_sources(target, methods: Sequence, layers: Sequence[Layer], *,
         streams = [layer_blocks(source, layer, features) for source in (target, *methods)]
         for blocks in zip(*streams, strict=True):
             shared.update(blocks[0], blocks[1:], check_finite=False)
+        pooled = [shared.pooled(k) for k in range(len(methods))]
+        # The target's own pairs are summed for every method's bandwidths: one table of
+        # them (PairSums) for the smallest bandwidth any method's cross distances choose.
+        chosen = [bandwidths_from_distances(d, number_bandwidths) for d in pooled]
+        target_pairs = KernelPairSums(*pooled[0].xx, *(min(c[family][0] for c in chosen)
+                                                       for family in range(2)))
         for k, method in enumerate(methods):
-            distances = shared.pooled(k)
-            mmd = kernel_mmds_from_distances(distances, number_bandwidths)
+            distances = pooled[k]
+            mmd = kernel_mmds_from_distances(distances, number_bandwidths,
+                                             x_pairs=target_pairs)
             outcome = (mmdagg_from_distances(distances, number_bandwidths=number_bandwidths,
                                              **test) if test else None)
             results.append(LayerResult(method.name, symmetries, layer.name, layer.keys,

@@ -76,6 +76,24 @@ def exp_nonpositive(t):  # pragma: no cover - compiled
     return out
 
 
+@numba.njit(parallel=True, cache=True)
+def exp_sums(t, rates):  # pragma: no cover - compiled
+    """``out[r] = sum_p exp(-rates[r] * t[p])`` for t >= 0, rates > 0, with the vectorised
+    exp; float64 ``(len(rates),)``."""
+    count = t.shape[0]
+    out = np.zeros(rates.shape[0])
+    for r in prange(rates.shape[0]):
+        scaled = np.empty(count)
+        values = np.empty(count)
+        bits = np.empty(count, dtype=np.int64)
+        factor = -rates[r]
+        for j in range(uint64(count)):
+            scaled[j] = t[j] * factor
+        _exp_nonpositive(scaled, values, bits, count)
+        out[r] = _segment_sum(values, 0, count)
+    return out
+
+
 @numba.njit(cache=True, fastmath={"reassoc", "nsz"})
 def _segment_sum(values, start, stop):  # pragma: no cover - compiled
     """Sum of values[start:stop]; reassociation lets it vectorise (the order is fixed by
@@ -95,7 +113,8 @@ def _scale_into(scaled, offset, row, start, count, factor):  # pragma: no cover 
 
 
 @numba.njit(parallel=True, cache=True)
-def kernel_sums(xx1, xx2, xy1, xy2, yy1, yy2, inv_l1, inv_l2sq, tasks):  # pragma: no cover
+def kernel_sums(xx1, xx2, xy1, xy2, yy1, yy2, inv_l1, inv_l2sq, tasks,
+                with_xx=True):  # pragma: no cover
     """Sums of every kernel over the blocks of the pooled sample Z = [X; Y].
 
     Parameters
@@ -113,6 +132,9 @@ def kernel_sums(xx1, xx2, xy1, xy2, yy1, yy2, inv_l1, inv_l2sq, tasks):  # pragm
     tasks : int
         Parallel tasks (the result does not depend on it: each row's sums are stored and
         added up in row order at the end).
+    with_xx : bool
+        False: skip the X-X pairs (their sum is 0; ``xx1``, ``xx2`` are not read), for X's
+        pairs summed by :class:`~posteriorzoo.mmd.pair_sums.PairSums`.
 
     Returns
     -------
@@ -139,7 +161,7 @@ def kernel_sums(xx1, xx2, xy1, xy2, yy1, yy2, inv_l1, inv_l2sq, tasks):  # pragm
                 i = p if side == 0 else m - 1 - p
                 if side == 1 and i == p:
                     continue
-                after = m - i - 1
+                after = m - i - 1 if with_xx else 0
                 first = packed_offset(i, m)
                 for kernel in range(count):
                     if kernel < count1:

@@ -37,9 +37,10 @@ from typing import Literal
 import numpy as np
 
 from posteriorzoo._api import public
-from posteriorzoo.errors import InvalidOptionError, SampleSizeError
+from posteriorzoo.errors import InvalidOptionError, SampleSizeError, ShapeMismatchError
 from posteriorzoo.mmd.distances import DEFAULT_BLOCK_FEATURES, Distances, pooled_distances
 from posteriorzoo.mmd.kernels import default_tasks, kernel_sums
+from posteriorzoo.mmd.pair_sums import KernelPairSums
 
 #: Rows of X and of Y whose cross distances set the bandwidths (MMDAgg's ``max_samples``).
 BANDWIDTH_ROWS = 500
@@ -160,7 +161,9 @@ def check_number_bandwidths(number_bandwidths: int) -> None:
 
 @public
 def kernel_mmds_from_distances(distances: Distances, number_bandwidths: int = 10,
-                               statistic: Statistic = "complete") -> KernelMMDs:
+                               statistic: Statistic = "complete", *,
+                               x_pairs: KernelPairSums | None = None,
+                               z_pairs: KernelPairSums | None = None) -> KernelMMDs:
     """The collection's MMD^2 statistics from precomputed pooled distances.
 
     Parameters
@@ -171,6 +174,14 @@ def kernel_mmds_from_distances(distances: Distances, number_bandwidths: int = 10
         Bandwidths per kernel family (MMDAgg's default 10: 20 kernels).
     statistic : {"complete", "paired"}
         See the module notes.
+    x_pairs : KernelPairSums, optional
+        The kernel sums over X's pairs for any bandwidth (a target compared with many
+        samples): ``distances.xx`` is then not read.
+    z_pairs : KernelPairSums, optional
+        The kernel sums over all pairs of Z = [X; Y] (a split of one sample, as the
+        noise floor's): X's sum is that less the X-Y and Y-Y sums, and ``distances.xx``
+        is not read. Either gives the statistics of the direct sums to rounding (about
+        1e-15 of the kernel sums; :mod:`posteriorzoo.mmd.pair_sums`).
 
     Returns
     -------
@@ -182,9 +193,21 @@ def kernel_mmds_from_distances(distances: Distances, number_bandwidths: int = 10
         raise SampleSizeError(
             f"got {m} and {n} samples; the unbiased MMD needs at least 2 per sample")
     _check_statistic(statistic, m, n)
+    if x_pairs is not None and z_pairs is not None:
+        raise InvalidOptionError("give x_pairs or z_pairs, not both")
+    pairs = x_pairs if x_pairs is not None else z_pairs
+    expected = (m + n) * (m + n - 1) // 2 if z_pairs is not None else m * (m - 1) // 2
+    if pairs is not None and pairs.count != expected:
+        raise ShapeMismatchError(f"the precomputed pair sums cover {pairs.count} pairs, "
+                                 f"not the {expected} of {'Z' if z_pairs else 'X'}")
     bw_l1, bw_l2 = bandwidths_from_distances(distances, number_bandwidths)
-    totals = kernel_sums(*distances.xx, *distances.xy, *distances.yy, 1.0 / bw_l1,
-                         1.0 / bw_l2 ** 2, default_tasks(m + n))
+    inv_l1, inv_l2sq = 1.0 / bw_l1, 1.0 / bw_l2 ** 2
+    totals = kernel_sums(*distances.xx, *distances.xy, *distances.yy, inv_l1, inv_l2sq,
+                         default_tasks(m + n), pairs is None)
+    if x_pairs is not None:
+        totals[0] = x_pairs.sums(inv_l1, inv_l2sq)
+    elif z_pairs is not None:
+        totals[0] = z_pairs.sums(inv_l1, inv_l2sq) - totals[1] - totals[2]
     xx, xy, yy, diagonal = 2 * totals[0], totals[1], 2 * totals[2], totals[3]
     if statistic == "complete":
         values = xx / (m * (m - 1)) + yy / (n * (n - 1)) - 2 * xy / (m * n)
