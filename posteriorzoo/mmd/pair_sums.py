@@ -29,8 +29,11 @@ import math
 import numba
 import numpy as np
 
+from posteriorzoo._numba import announce_compilation
 from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.mmd.kernels import exp_sums
+
+announce_compilation()
 
 #: Taylor terms per bin.
 TERMS = 15
