@@ -38,6 +38,7 @@ from posteriorzoo.mmd.distances import Distances, pooled_distances
 from posteriorzoo.mmd.pair_sums import KernelPairSums
 from posteriorzoo.mmd.sources import group_layers, select_layers
 from posteriorzoo.mmd.statistics import (
+    BANDWIDTH_ROWS,
     bandwidths_from_distances,
     check_number_bandwidths,
     kernel_mmds_from_distances,
@@ -139,30 +140,35 @@ def noise_floor(target: Mapping[str, np.ndarray], *, symmetries: str, held_out: 
 
     # Every split's X and Y together hold all of the target's pairs: their kernel sums for
     # any bandwidth come from one table per layer (KernelPairSums), made for the smallest
-    # bandwidth any split's rule chooses, so a layer's splits are gathered first (a flat
-    # take: numpy's two-axis fancy indexing is ten times slower here) and then scored;
-    # each sums its X-Y and Y-Y pairs itself.
+    # bandwidth any split's rule chooses (read first from the splits' first rows, as the
+    # rule reads them); each split then sums its X-Y and Y-Y pairs itself, gathered one
+    # split at a time so memory stays that of one split (a flat take: numpy's two-axis
+    # fancy indexing is ten times slower here).
     upper = np.triu_indices(count, 1)
     empty = (np.empty(0), np.empty(0))
-    crossing = [(first[:, None] * count + second).ravel() for first, second in draws]
-    inside = [_packed_pairs(second, count) for _, second in draws]   # Y's pairs, packed
+
+    def distances(l1: np.ndarray, l2sq: np.ndarray, first: np.ndarray, second: np.ndarray,
+                  within_y: bool = True) -> Distances:
+        where = (first[:, None] * count + second).ravel()
+        pairs = _packed_pairs(second, count) if within_y else np.empty(0, dtype=np.int64)
+        return Distances(xx=empty, yy=(l1.take(pairs), l2sq.take(pairs)),
+                         xy=tuple(matrix.take(where).reshape(len(first), len(second))
+                                  for matrix in (l1, l2sq)), m=len(first), n=len(second))
+
     by_layer = []
     for layer in chosen:
         l1, l2sq = (matrix.ravel() for matrix in full[layer.name])
-        gathered = [Distances(xx=empty, m=len(first), n=len(second),
-                              xy=(l1.take(where).reshape(len(first), len(second)),
-                                  l2sq.take(where).reshape(len(first), len(second))),
-                              yy=(l1.take(pairs), l2sq.take(pairs)))
-                    for (first, second), where, pairs in zip(draws, crossing, inside,
-                                                             strict=True)]
-        widths = [bandwidths_from_distances(d, number_bandwidths) for d in gathered]
-        smallest = [min(width[family][0] for width in widths) for family in range(2)]
-        every_pair = KernelPairSums(l1.reshape(count, count)[upper],
-                                    l2sq.reshape(count, count)[upper], *smallest)
+        widths = [bandwidths_from_distances(distances(l1, l2sq, first[:BANDWIDTH_ROWS],
+                                                      second[:BANDWIDTH_ROWS], False),
+                                            number_bandwidths) for first, second in draws]
+        every_pair = KernelPairSums(
+            l1.reshape(count, count)[upper], l2sq.reshape(count, count)[upper],
+            *(min(width[family][0] for width in widths) for family in range(2)))
         by_layer.append([LayerResult("draw", symmetries, layer.name, layer.keys, layer.size,
-                                     kernel_mmds_from_distances(d, number_bandwidths,
-                                                                z_pairs=every_pair))
-                         for d in gathered])
+                                     kernel_mmds_from_distances(
+                                         distances(l1, l2sq, first, second),
+                                         number_bandwidths, z_pairs=every_pair))
+                         for first, second in draws])
     scored = [Comparison([results[k] for results in by_layer], ["draw"],
                          kernel_names(number_bandwidths)) for k in range(len(draws))]
 

@@ -17,10 +17,10 @@ floor.
 where ``|rate * w / 2| <= 1/2``, so :data:`TERMS` = 15 terms leave a relative error below
 ``e^(1/2) (1/2)^15 / 15! < 4e-17`` in every bin (all terms of F are positive, so the total
 keeps that relative error, plus the rounding of the sums, which are compensated: within
-1e-15 of ``math.fsum``, tested). A rate costs one exp and :data:`TERMS` multiply-adds per bin, and the bins past which the rest
-cannot reach 1e-17 of the total are skipped. Where there would be fewer than
-:data:`DIRECT_PAIRS_PER_BIN` pairs per bin (a rate far above the spread of the distances)
-the pairs are summed directly.
+1e-15 of ``math.fsum``, tested). A rate costs one exp and :data:`TERMS` multiply-adds per
+bin, and the bins past which the rest cannot reach 1e-17 of the total are skipped. Where
+there would be fewer than :data:`DIRECT_PAIRS_PER_BIN` pairs per bin (a rate far above
+the spread of the distances) the pairs are summed directly.
 """
 
 from __future__ import annotations
