@@ -86,9 +86,7 @@ def exp_sums(t, rates):  # pragma: no cover - compiled
         scaled = np.empty(count)
         values = np.empty(count)
         bits = np.empty(count, dtype=np.int64)
-        factor = -rates[r]
-        for j in range(uint64(count)):
-            scaled[j] = t[j] * factor
+        _scale_into(scaled, 0, t, 0, count, -rates[r])
         _exp_nonpositive(scaled, values, bits, count)
         out[r] = _segment_sum(values, 0, count)
     return out

@@ -199,7 +199,7 @@ def kernel_mmds_from_distances(distances: Distances, number_bandwidths: int = 10
     expected = (m + n) * (m + n - 1) // 2 if z_pairs is not None else m * (m - 1) // 2
     if pairs is not None and pairs.count != expected:
         raise ShapeMismatchError(f"the precomputed pair sums cover {pairs.count} pairs, "
-                                 f"not the {expected} of {'Z' if z_pairs else 'X'}")
+                                 f"not the {expected} of {'Z' if z_pairs is not None else 'X'}")
     bw_l1, bw_l2 = bandwidths_from_distances(distances, number_bandwidths)
     inv_l1, inv_l2sq = 1.0 / bw_l1, 1.0 / bw_l2 ** 2
     totals = kernel_sums(*distances.xx, *distances.xy, *distances.yy, inv_l1, inv_l2sq,
