@@ -49,7 +49,7 @@ from train_zoo.fast import (
     supports,
     train_fast,
 )
-from train_zoo.fast.kernels import loss_and_grad, prepare_batch, sgd_update
+from train_zoo.fast.kernels import loss_and_grad, prepare_batch, prepare_rows, sgd_update
 from train_zoo.torch_engine import initial_model, train_torch
 
 GRAD_RTOL = 1e-5  # of each tensor's largest |entry|; see the module docstring
@@ -281,6 +281,80 @@ def test_epoch_of_batches_identical_to_iterate_batches(digits):
         assert x.flags.c_contiguous and x.dtype == np.float32
         assert np.array_equal(x, _inner(images))
         assert np.array_equal(labels, reference_labels.numpy())
+
+
+@pytest.mark.parametrize("crop, flip, replacement",
+                         [(4, False, False), (0, False, False), (4, False, True),
+                          (2, True, False)])
+def test_every_epoch_path_equals_iterate_batches(digits, crop, flip, replacement):
+    """The fused epoch (rows read in place; without a flip, the epoch's crop offsets in one
+    draw) gives iterate_batches' batches bit for bit, the last short batch included."""
+    recipe = _spec(crop_padding=crop, horizontal_flip=flip, batch_size=64).recipe
+    transform = train_transform(recipe, digits.train)
+    fast = FastTransform(transform, digits.train.image_shape)
+    one_draw = fast.epoch_offsets(10, digits.train.image_shape, torch.Generator())
+    assert (one_draw is None) == flip
+    for epoch in (0, 3):
+        expected = list(iterate_batches(digits.train, 64, seed=5, epoch=epoch,
+                                        transform=transform, replacement=replacement))
+        got = list(fast_batches(digits.train, 64, 5, epoch, fast, replacement=replacement))
+        assert len(got) == len(expected) == 22   # 1347 = 21 x 64 + 3
+        for (x, labels), (images, reference_labels) in zip(got, expected, strict=True):
+            assert x.flags.c_contiguous and x.dtype == np.float32
+            assert np.array_equal(x, _inner(images))
+            assert np.array_equal(labels, reference_labels.numpy())
+
+
+def test_a_crop_range_that_differs_by_axis_draws_batch_by_batch(digits):
+    transform = Compose([RandomCrop((26, 28), padding=2),
+                         Normalize(digits.train.mean, digits.train.std)])
+    fast = FastTransform(transform, digits.train.image_shape)
+    assert fast.fused
+    assert fast.epoch_offsets(10, digits.train.image_shape, torch.Generator()) is None
+    expected = list(iterate_batches(digits.train, 500, seed=1, epoch=0, transform=transform))
+    got = list(fast_batches(digits.train, 500, 1, 0, fast))
+    for (x, _), (images, _) in zip(got, expected, strict=True):
+        assert np.array_equal(x, _inner(images))
+
+
+def test_the_whole_kernel_patch_sums_are_the_row_by_row_sums_bit_for_bit():
+    """conv1's weight gradient for a 4 x 4 kernel (sixteen running sums at once) against the
+    general path (four columns of one row at a time): the same float32 runs, so equal."""
+    from train_zoo.fast.kernels import _patch_sums, _patch_sums_4x4
+
+    rng = np.random.default_rng(9)
+    nb, h, w, nwin = 48, 28, 28, 64
+    x = rng.standard_normal(2 * h * w * nb).astype(np.float32)
+    scale = (rng.standard_normal(nwin * nb) * 1e-3).astype(np.float32)
+    scale[rng.random(nwin * nb) < 0.3] = 0.0
+    origin = np.empty(nwin * nb, np.int64)
+    for q in range(nwin):
+        corner = ((3 * (q // 8)) * w + 3 * (q % 8)) * nb
+        shift = (rng.integers(0, 3, nb) * w + rng.integers(0, 3, nb)) * nb
+        origin[q * nb:(q + 1) * nb] = corner + shift + np.arange(nb)
+    for ci in range(2):
+        whole = np.full((4, 4), 0.25)
+        _patch_sums_4x4(scale, origin, x, ci * h * w * nb, w * nb, nb, nwin, whole)
+        rows = np.full((4, 4), 0.25)
+        for ki in range(4):
+            _patch_sums(scale, origin, x, (ci * h + ki) * w * nb, nb, nwin, rows[ki])
+        assert np.array_equal(whole, rows)
+
+
+def test_prepare_rows_reads_the_rows_in_place_and_refuses_one_outside():
+    rng = np.random.default_rng(4)
+    images = rng.integers(0, 256, (300, 2, 28, 28), dtype=np.uint8)
+    rows = rng.integers(0, 300, 70).astype(np.int64)
+    tops, lefts = rng.integers(0, 9, 70), rng.integers(0, 9, 70)
+    flips = rng.random(70) < 0.5
+    lut = rng.random((2, 256)).astype(np.float32)
+    got, expected = (np.empty((2, 28, 28, 70), np.float32) for _ in range(2))
+    prepare_rows(images, rows, tops, lefts, flips, 4, lut, got)
+    prepare_batch(images[rows], tops, lefts, flips, 4, lut, expected)
+    assert np.array_equal(got, expected)
+    rows[5] = 300
+    with pytest.raises(IndexError):
+        prepare_rows(images, rows, tops, lefts, flips, 4, lut, got)
 
 
 def test_unrecognised_pipeline_falls_back_to_torch_transforms(digits):

@@ -12,7 +12,7 @@ Modules: :mod:`~posteriorzoo.data.idx` (IDX files), :mod:`~posteriorzoo.data.sou
 :mod:`~posteriorzoo.data.transforms` and :mod:`~posteriorzoo.data.batches`.
 """
 
-from posteriorzoo.data.batches import epoch_generators, iterate_batches
+from posteriorzoo.data.batches import epoch_generators, epoch_order, iterate_batches
 from posteriorzoo.data.datasets import ArrayDataset, channel_stats, load_dataset
 from posteriorzoo.data.download import (
     cache_root,
@@ -45,6 +45,7 @@ __all__ = [
     "dataset_source",
     "download_file",
     "epoch_generators",
+    "epoch_order",
     "file_sha256",
     "iterate_batches",
     "load_dataset",

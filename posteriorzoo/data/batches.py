@@ -19,7 +19,7 @@ from posteriorzoo._api import public
 from posteriorzoo.data.datasets import ArrayDataset
 from posteriorzoo.errors import InvalidOptionError
 
-__all__ = ["epoch_generators", "iterate_batches"]
+__all__ = ["epoch_generators", "epoch_order", "iterate_batches"]
 
 BatchTransform = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 
@@ -45,6 +45,38 @@ def epoch_generators(seed: int, epoch: int) -> tuple[torch.Generator, torch.Gene
     order.manual_seed(int(words[0]))
     augment.manual_seed(int(words[1]))
     return order, augment
+
+
+@public
+def epoch_order(n_examples: int, seed: int, epoch: int, *, shuffle: bool = True,
+                replacement: bool = False) -> tuple[np.ndarray, torch.Generator]:
+    """The order in which :func:`iterate_batches` visits the examples in ``epoch``, and
+    the generator its batches' augmentation then draws from, batch after batch.
+
+    Parameters
+    ----------
+    n_examples : int
+        The dataset's length.
+    seed, epoch : int
+        Non-negative.
+    shuffle, replacement : bool
+        As in :func:`iterate_batches`.
+
+    Returns
+    -------
+    order : int64 array ``(n_examples,)``
+        Indices into the dataset; batch k is ``order[k * batch_size:(k + 1) * batch_size]``.
+    augment : torch.Generator
+    """
+    if replacement and not shuffle:
+        raise InvalidOptionError("replacement draws a random order: it needs shuffle=True")
+    order_gen, augment_gen = epoch_generators(seed, epoch)
+    n = int(n_examples)
+    if replacement:
+        order = torch.randint(n, (n,), generator=order_gen)
+    else:
+        order = torch.randperm(n, generator=order_gen) if shuffle else torch.arange(n)
+    return order.numpy(), augment_gen
 
 
 @public
@@ -96,15 +128,9 @@ def iterate_batches(
     """
     if batch_size < 1:
         raise InvalidOptionError(f"batch_size must be positive, not {batch_size}")
-    if replacement and not shuffle:
-        raise InvalidOptionError("replacement draws a random order: it needs shuffle=True")
-    order_gen, augment_gen = epoch_generators(seed, epoch)
-    n = len(dataset)
-    if replacement:
-        order = torch.randint(n, (n,), generator=order_gen)
-    else:
-        order = torch.randperm(n, generator=order_gen) if shuffle else torch.arange(n)
-    order = order.numpy()
+    order, augment_gen = epoch_order(len(dataset), seed, epoch, shuffle=shuffle,
+                                     replacement=replacement)
+    n = len(order)
     stop = n - n % batch_size if drop_last else n
     for start in range(0, stop, batch_size):
         idx = order[start:start + batch_size]

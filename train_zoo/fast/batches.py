@@ -8,10 +8,19 @@ crops, mirrors and normalises in one numba pass through a lookup table computed 
 ``Normalize`` transform itself. The result is bit-identical to the torch transforms (tested),
 delivered batch-innermost ``(C, H, W, B)`` as the kernels want it. Any pipeline it does not
 recognise runs through the torch transforms unchanged, only transposed.
+
+:func:`fast_batches` reads each batch straight from the dataset's array in that pass (the
+order from :func:`posteriorzoo.data.epoch_order`, as ``iterate_batches`` has it): no batch
+is gathered, wrapped in tensors or converted on the way, which took a quarter of a step.
+Without a flip and with a square crop range, an epoch's crop offsets come from one
+``torch.randint`` (:meth:`FastTransform.epoch_offsets`): torch draws them one after another
+from the generator, so the epoch's draw is the batches' draws laid end to end, as a check
+of that property confirms once per process before it is relied on.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import numpy as np
@@ -23,9 +32,11 @@ from posteriorzoo.data import (
     Normalize,
     RandomCrop,
     RandomHorizontalFlip,
+    epoch_order,
     iterate_batches,
 )
-from train_zoo.fast.kernels import prepare_batch
+from posteriorzoo.errors import InvalidOptionError
+from train_zoo.fast.kernels import prepare_rows
 
 __all__ = ["FastTransform", "fast_batches", "normalize_table"]
 
@@ -81,9 +92,19 @@ class FastTransform:
             out = out.float() / 255.0 if out.dtype == torch.uint8 else out.float()
             inner = np.ascontiguousarray(out.numpy().transpose(1, 2, 3, 0))
             return torch.from_numpy(inner).permute(3, 0, 1, 2)
-        count = images.shape[0]
+        array = images.numpy()
+        out = self.prepare(array, np.arange(len(array)), generator)
+        return torch.from_numpy(out).permute(3, 0, 1, 2)
+
+    def prepare(self, images: np.ndarray, rows: np.ndarray, generator: torch.Generator
+                ) -> np.ndarray:
+        """The fused pipeline on ``images[rows]``: float32 ``(C, h, w, len(rows))``,
+        C-contiguous. ``images`` uint8 ``(N, C, H, W)``, ``rows`` int64; the random draws
+        are those of the torch transforms on that batch. Only when :attr:`fused`."""
+        count = len(rows)
+        shape = (count, *images.shape[1:])
         if self.crop is not None:
-            tops, lefts = self.crop.sample(images.shape, generator)
+            tops, lefts = self.crop.sample(shape, generator)
             tops, lefts, padding = tops.numpy(), lefts.numpy(), self.crop.padding
         else:
             tops = lefts = np.zeros(count, dtype=np.int64)
@@ -93,8 +114,40 @@ class FastTransform:
         else:
             flips = np.zeros(count, dtype=np.bool_)
         out = np.empty((images.shape[1], *self.out_size, count), dtype=np.float32)
-        prepare_batch(images.numpy(), tops, lefts, flips, padding, self.table, out)
-        return torch.from_numpy(out).permute(3, 0, 1, 2)
+        prepare_rows(images, rows, tops, lefts, flips, padding, self.table, out)
+        return out
+
+    def epoch_offsets(self, n_examples: int, image_shape: tuple[int, int, int],
+                      generator: torch.Generator) -> np.ndarray | None:
+        """An epoch's crop offsets in one draw, or None where that draw would differ from
+        the batches' own (a flip interleaves its draws with the offsets; a crop range
+        that differs between rows and columns cannot share one draw).
+
+        Returns int64 ``(2 * n_examples,)``: the batch of rows ``start .. start + B``
+        has its tops at ``[2 * start, 2 * start + B)`` and its lefts right after, as
+        :meth:`RandomCrop.sample` draws them batch by batch.
+        """
+        if not self.fused or self.flip is not None:
+            return None
+        if self.crop is None:
+            return np.zeros(2 * n_examples, dtype=np.int64)
+        _, height, width = image_shape
+        spans = {height + 2 * self.crop.padding - self.crop.size[0] + 1,
+                 width + 2 * self.crop.padding - self.crop.size[1] + 1}
+        if len(spans) != 1 or min(spans) < 1 or not _randint_draws_concatenate():
+            return None
+        return torch.randint(0, spans.pop(), (2 * n_examples,), generator=generator).numpy()
+
+
+@functools.cache
+def _randint_draws_concatenate() -> bool:
+    """Whether torch draws ``randint`` values one after another from a generator, so that
+    one draw of ``m + n`` values equals a draw of ``m`` then one of ``n``."""
+    whole, parts = torch.Generator().manual_seed(2024), torch.Generator().manual_seed(2024)
+    lengths = (64, 64, 32, 1, 47)
+    together = torch.randint(0, 9, (sum(lengths),), generator=whole)
+    apart = torch.cat([torch.randint(0, 9, (n,), generator=parts) for n in lengths])
+    return torch.equal(together, apart)
 
 
 def fast_batches(dataset: ArrayDataset, batch_size: int, seed: int, epoch: int,
@@ -108,6 +161,30 @@ def fast_batches(dataset: ArrayDataset, batch_size: int, seed: int, epoch: int,
     x : float32 array ``(C, h, w, B)``, C-contiguous
     labels : int64 array ``(B,)``
     """
-    for images, labels in iterate_batches(dataset, batch_size, seed=seed, epoch=epoch,
-                                          transform=transform, replacement=replacement):
-        yield images.permute(1, 2, 3, 0).numpy(), labels.numpy()
+    if not transform.fused:
+        for images, labels in iterate_batches(dataset, batch_size, seed=seed, epoch=epoch,
+                                              transform=transform, replacement=replacement):
+            yield images.permute(1, 2, 3, 0).numpy(), labels.numpy()
+        return
+    if batch_size < 1:
+        raise InvalidOptionError(f"batch_size must be positive, not {batch_size}")
+    order, augment = epoch_order(len(dataset), seed, epoch, replacement=replacement)
+    images = np.ascontiguousarray(dataset.images)
+    labels = dataset.labels
+    offsets = transform.epoch_offsets(len(order), dataset.image_shape, augment)
+    if offsets is None:
+        for start in range(0, len(order), batch_size):
+            rows = order[start:start + batch_size]
+            yield transform.prepare(images, rows, augment), labels[rows]
+        return
+    padding = transform.crop.padding if transform.crop is not None else 0
+    channels = images.shape[1]
+    no_flips = np.zeros(batch_size, dtype=np.bool_)
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        count = len(rows)
+        tops = offsets[2 * start:2 * start + count]
+        lefts = offsets[2 * start + count:2 * start + 2 * count]
+        out = np.empty((channels, *transform.out_size, count), dtype=np.float32)
+        prepare_rows(images, rows, tops, lefts, no_flips[:count], padding, transform.table, out)
+        yield out, labels[rows]
