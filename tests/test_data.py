@@ -407,6 +407,32 @@ def test_fashion_mnist_from_debian(monkeypatch):
 
 
 @needs_fashion
+def test_a_file_checked_by_its_content_is_read_from_the_bytes_checked(monkeypatch, tmp_path):
+    """Debian's gzip headers differ from the published files, so they pass by their
+    content's digest: that content is kept and parsed, not decompressed a second time;
+    it is given out once, and not at all for a file changed since its check."""
+    for name in ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
+        (tmp_path / name).write_bytes((FASHION_DIR / name).read_bytes())
+    monkeypatch.setattr(download_module, "_VERIFIED", set())
+    monkeypatch.setattr(download_module, "_VERIFIED_CONTENT", {})
+    labels = tmp_path / "t10k-labels-idx1-ubyte.gz"
+    dataset_files("fashion-mnist", "test", data_dir=tmp_path, download=False)
+    assert download_module.verified_content(labels) == gzip.decompress(labels.read_bytes())
+    assert download_module.verified_content(labels) is None
+    monkeypatch.setattr(download_module, "_VERIFIED", set())
+    dataset_files("fashion-mnist", "test", data_dir=tmp_path, download=False)
+    os.utime(labels, ns=(1, 1))   # "changed" since the check
+    assert download_module.verified_content(labels) is None
+    assert list(download_module._VERIFIED_CONTENT) == [  # the other one, still unread
+        str((tmp_path / "t10k-images-idx3-ubyte.gz").resolve())]
+    monkeypatch.setattr(download_module, "_VERIFIED", set())
+    loaded = load_dataset("fashion-mnist", "test", data_dir=tmp_path, download=False)
+    assert download_module._VERIFIED_CONTENT == {}    # both taken by the reader
+    assert np.array_equal(loaded.images[:, 0], read_idx(tmp_path / "t10k-images-idx3-ubyte.gz"))
+    assert np.array_equal(loaded.labels, read_idx(labels))
+
+
+@needs_fashion
 def test_fashion_mnist_official_files_download(http_root, tmp_path):
     # Re-inserting the original name and timestamp into Debian's gzip headers gives
     # byte for byte the official files: served locally, they pass the published digests.

@@ -165,10 +165,11 @@ def _identity(path: Path) -> tuple[str, int, int, int]:
     return str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino
 
 
-def _content_sha256(path: Path, limit: int | None) -> str | None:
+def _content_sha256(path: Path, limit: int | None, keep: list[bytes] | None = None
+                    ) -> str | None:
     """SHA-256 of ``path``'s content, gunzipped if it is gzip, as a stream; None when the
     content exceeds ``limit`` bytes (it cannot be the published content) or the gzip
-    stream is corrupt."""
+    stream is corrupt. ``keep`` receives the content's blocks, if given."""
     digest, total = hashlib.sha256(), 0
     try:
         with open(path, "rb") as raw:
@@ -178,9 +179,31 @@ def _content_sha256(path: Path, limit: int | None) -> str | None:
                 if limit is not None and total > limit:
                     return None
                 digest.update(block)
+                if keep is not None:
+                    keep.append(block)
     except (OSError, EOFError, zlib.error):
         return None
     return digest.hexdigest()
+
+
+#: Gzipped files checked by their content's digest keep that content here, by identity,
+#: until :func:`verified_content` takes it: the reader then parses the very bytes that
+#: were checked, and the file is decompressed once, not twice (0.3 s of every start of a
+#: process that trains on Fashion-MNIST). At most this many are kept, the oldest dropped.
+_VERIFIED_CONTENT: dict[str, tuple[tuple[str, int, int, int], bytes]] = {}
+_KEEP_CONTENTS = 4
+
+
+def verified_content(path: Path) -> bytes | None:
+    """The decompressed content of gzipped ``path`` as its verification read and checked
+    it, if that was the last thing done with it (the file is unchanged since), else None.
+    Each content is given out once."""
+    try:
+        key = _identity(Path(path))
+    except OSError:
+        return None
+    identity, content = _VERIFIED_CONTENT.pop(key[0], (None, None))
+    return content if identity == key else None
 
 
 def _verify_local(path: Path, spec: DownloadFile) -> None:
@@ -199,8 +222,13 @@ def _verify_local(path: Path, spec: DownloadFile) -> None:
         _VERIFIED.add(key)
         return
     if spec.content_sha256 is not None:
-        if _content_sha256(path, spec.content_size) == spec.content_sha256:
+        blocks: list[bytes] | None = [] if _is_gzip(path) else None
+        if _content_sha256(path, spec.content_size, blocks) == spec.content_sha256:
             _VERIFIED.add(key)
+            if blocks is not None:
+                while len(_VERIFIED_CONTENT) >= _KEEP_CONTENTS:
+                    del _VERIFIED_CONTENT[next(iter(_VERIFIED_CONTENT))]
+                _VERIFIED_CONTENT[key[0]] = key, b"".join(blocks)
             return
     elif path.name != spec.filename and not _is_gzip(path):
         # A decompressed alias (e.g. train-images-idx3-ubyte): only a content digest

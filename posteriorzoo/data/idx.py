@@ -16,6 +16,7 @@ header declares, so a small file of compressed zeros cannot inflate in memory.
 from __future__ import annotations
 
 import gzip as gzip_module
+import io
 import math
 import os
 import struct
@@ -126,6 +127,14 @@ def read_idx(path: str | os.PathLike[str], max_bytes: int | None = None) -> np.n
     """
     path = Path(path)
     bound = MAX_IDX_BYTES if max_bytes is None else int(max_bytes)
+    return read_idx_file(path, bound)
+
+
+def read_idx_file(path: Path, bound: int, content: bytes | None = None) -> np.ndarray:
+    """:func:`read_idx` of ``path``, or of ``content`` (its decompressed bytes, already
+    read and checked) when given."""
+    if content is not None:
+        return _read_values(path, io.BytesIO(content), bound)
     with open(path, "rb") as raw:
         compressed = raw.read(2) == _GZIP_MAGIC
         raw.seek(0)

@@ -91,7 +91,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy.optimize import brentq
 from torch import nn
 
 from posteriorzoo.errors import InvalidOptionError, NonFiniteWeightsError, PosteriorZooError
@@ -348,6 +347,8 @@ def optimal_prior_precision(eigenvalues: torch.Tensor, squared_norm: float) -> f
     lower = upper - 10.0
     while h(lower) >= 0:
         lower -= 10.0
+    from scipy.optimize import brentq  # here: scipy.optimize costs every worker 0.4 s to import
+
     return math.exp(brentq(h, lower, upper, xtol=_LOG_DELTA_TOL, rtol=4 * np.finfo(float).eps))
 
 

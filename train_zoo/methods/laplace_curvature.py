@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from scipy.linalg.blas import dsyrk, ssyrk
 from threadpoolctl import threadpool_limits
 from torch import nn
 from torch.func import vjp, vmap
@@ -258,7 +257,10 @@ class _Gram:
         block = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
         self.pending, self.held = [], 0
         # block.T of a C-ordered (R, D) array is the Fortran-ordered (D, R) array BLAS
-        # wants, so no copy is made; trans=0 then computes block^T block.
+        # wants, so no copy is made; trans=0 then computes block^T block. (Imported here:
+        # scipy.linalg would cost every training worker 0.13 s at start-up.)
+        from scipy.linalg.blas import dsyrk, ssyrk
+
         if block.dtype == torch.float64:
             self.upper = dsyrk(1.0, block.numpy().T, beta=1.0, c=self.upper, overwrite_c=1)
         else:
