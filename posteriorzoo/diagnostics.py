@@ -160,14 +160,14 @@ def chain_statistics(draws: np.ndarray, lags: tuple[int, ...] = DEFAULT_LAGS
                                      f"1 .. {count - 1}, not {lag!r}")
     values = draws.astype(np.float64)
     moving = values.std(axis=1).max(axis=0) > 0
-    import arviz as az
-
     split = values[:, :, moving]
     if chains == 1:  # ArviZ wants two chains for R-hat: a lone chain's two halves
         half = count // 2
         split = split[0, :2 * half].reshape(2, half, -1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ArviZ's shape and refactor notices
+        import arviz as az  # its first import warns of ArviZ's coming refactor
+
         logging.getLogger("arviz").setLevel(logging.ERROR)
         ess = np.asarray(az.ess(az.convert_to_dataset(values[:, :, moving]),
                                 method="bulk")["x"].values, dtype=np.float64)
