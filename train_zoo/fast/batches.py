@@ -92,7 +92,7 @@ class FastTransform:
             out = out.float() / 255.0 if out.dtype == torch.uint8 else out.float()
             inner = np.ascontiguousarray(out.numpy().transpose(1, 2, 3, 0))
             return torch.from_numpy(inner).permute(3, 0, 1, 2)
-        array = images.numpy()
+        array = np.ascontiguousarray(images.numpy())
         out = self.prepare(array, np.arange(len(array)), generator)
         return torch.from_numpy(out).permute(3, 0, 1, 2)
 

@@ -189,7 +189,7 @@ def _patch_sums_4x4(scale: np.ndarray, origin: np.ndarray, x: np.ndarray, offset
     The same sums in the same order (per window, a float32 run over its examples, then
     added in float64), so the same bits; but sixteen independent running sums instead of
     four, so the loop is no longer bound by the latency of one float32 addition (the
-    conv1 weight gradient took 40% of a training step, now about 10%).
+    conv1 weight gradient took 40% of a training step, now a quarter).
     """
     for q in range(nwin):
         a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
