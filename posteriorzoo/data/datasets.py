@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from posteriorzoo._api import public
 from posteriorzoo.data.download import dataset_files, verified_content
-from posteriorzoo.data.idx import MAX_IDX_BYTES, read_idx_file
+from posteriorzoo.data.idx import read_idx_file
 from posteriorzoo.data.readers import (
     read_cifar_binary,
     read_dtd_tar,
@@ -158,19 +158,14 @@ def _load_digits(split: str) -> ArrayDataset:
                         tuple(str(d) for d in range(10)))
 
 
-def _read_checked_idx(path: Path, max_bytes: int | None) -> np.ndarray:
-    """The IDX file ``path``, from the content its check just read where it was kept."""
-    bound = MAX_IDX_BYTES if max_bytes is None else int(max_bytes)
-    return read_idx_file(path, bound, verified_content(path))
-
-
 def _load_idx_pair(name: str, split: str, files: dict[str, Path]) -> ArrayDataset:
     prefix = "train" if split == "train" else "t10k"
     # Each file is read no further than the published size of its content.
     sizes = {spec.filename: spec.content_size for spec in dataset_source(name).files}
     images_file, labels_file = f"{prefix}-images-idx3-ubyte.gz", f"{prefix}-labels-idx1-ubyte.gz"
-    images = _read_checked_idx(files[images_file], sizes.get(images_file))
-    labels = _read_checked_idx(files[labels_file], sizes.get(labels_file))
+    # ... and parsed from the content its check decompressed, where that was kept
+    images, labels = (read_idx_file(files[name], sizes.get(name), verified_content(files[name]))
+                      for name in (images_file, labels_file))
     if images.ndim != 3 or images.dtype != np.uint8 or labels.shape != images.shape[:1]:
         raise DataFormatError(f"{name}: IDX images {images.dtype} {images.shape} do not pair "
                               f"with labels {labels.shape}")

@@ -125,14 +125,14 @@ def read_idx(path: str | os.PathLike[str], max_bytes: int | None = None) -> np.n
     FileNotFoundError
         ``path`` does not exist.
     """
-    path = Path(path)
-    bound = MAX_IDX_BYTES if max_bytes is None else int(max_bytes)
-    return read_idx_file(path, bound)
+    return read_idx_file(Path(path), max_bytes)
 
 
-def read_idx_file(path: Path, bound: int, content: bytes | None = None) -> np.ndarray:
+def read_idx_file(path: Path, max_bytes: int | None = None, content: bytes | None = None
+                  ) -> np.ndarray:
     """:func:`read_idx` of ``path``, or of ``content`` (its decompressed bytes, already
     read and checked) when given."""
+    bound = MAX_IDX_BYTES if max_bytes is None else int(max_bytes)
     if content is not None:
         return _read_values(path, io.BytesIO(content), bound)
     with open(path, "rb") as raw:

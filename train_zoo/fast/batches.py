@@ -96,20 +96,24 @@ class FastTransform:
         out = self.prepare(array, np.arange(len(array)), generator)
         return torch.from_numpy(out).permute(3, 0, 1, 2)
 
-    def prepare(self, images: np.ndarray, rows: np.ndarray, generator: torch.Generator
-                ) -> np.ndarray:
+    def prepare(self, images: np.ndarray, rows: np.ndarray, generator: torch.Generator,
+                offsets: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """The fused pipeline on ``images[rows]``: float32 ``(C, h, w, len(rows))``,
         C-contiguous. ``images`` uint8 ``(N, C, H, W)``, ``rows`` int64; the random draws
-        are those of the torch transforms on that batch. Only when :attr:`fused`."""
+        are those of the torch transforms on that batch, or the crop ``offsets`` (tops,
+        lefts) drawn for it already (:meth:`epoch_offsets`). Only when :attr:`fused`."""
         count = len(rows)
         shape = (count, *images.shape[1:])
-        if self.crop is not None:
+        if offsets is not None:   # epoch_offsets drew them; it is never used with a flip
+            tops, lefts = offsets
+            padding = self.crop.padding if self.crop is not None else 0
+        elif self.crop is not None:
             tops, lefts = self.crop.sample(shape, generator)
             tops, lefts, padding = tops.numpy(), lefts.numpy(), self.crop.padding
         else:
             tops = lefts = np.zeros(count, dtype=np.int64)
             padding = 0
-        if self.flip is not None:
+        if self.flip is not None and offsets is None:
             flips = self.flip.sample(count, generator).numpy()
         else:
             flips = np.zeros(count, dtype=np.bool_)
@@ -177,14 +181,9 @@ def fast_batches(dataset: ArrayDataset, batch_size: int, seed: int, epoch: int,
             rows = order[start:start + batch_size]
             yield transform.prepare(images, rows, augment), labels[rows]
         return
-    padding = transform.crop.padding if transform.crop is not None else 0
-    channels = images.shape[1]
-    no_flips = np.zeros(batch_size, dtype=np.bool_)
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
         count = len(rows)
-        tops = offsets[2 * start:2 * start + count]
-        lefts = offsets[2 * start + count:2 * start + 2 * count]
-        out = np.empty((channels, *transform.out_size, count), dtype=np.float32)
-        prepare_rows(images, rows, tops, lefts, no_flips[:count], padding, transform.table, out)
-        yield out, labels[rows]
+        drawn = (offsets[2 * start:2 * start + count],
+                 offsets[2 * start + count:2 * start + 2 * count])
+        yield transform.prepare(images, rows, augment, drawn), labels[rows]
