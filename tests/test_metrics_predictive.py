@@ -402,3 +402,47 @@ def test_bad_input_is_refused_with_one_line(case):
         function(*args)
     message = str(caught.value)
     assert "\n" not in message and function.__name__ in message
+
+
+def _refusal(call) -> str | None:
+    try:
+        call()
+    except InvalidOptionError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_one_pass_check_refuses_what_the_full_check_refuses(dtype):
+    """ensemble_summary checks the members in the pass that averages them: each bad array
+    gets the full check's own message, rows summing to 1 within rounding of the
+    tolerance included, and a good array the same predictive and MI as before."""
+    from posteriorzoo.metrics import _checks
+    from posteriorzoo.metrics.information import _ensemble, ensemble_summary
+
+    rng = np.random.default_rng(3)
+    good = _dirichlet(rng, (6, 700), 4).astype(dtype)
+    cases = {"good": good.copy()}
+    for name, value in (("NaN", np.nan), ("inf", np.inf), ("negative", -1e-7),
+                        ("above 1", 1.0 + 1e-6)):
+        bad = good.copy()
+        bad[4, 613, 2] = value
+        cases[name] = bad
+    for offset in (-1e-6, 0.0, 1e-6):    # a row's sum 1e-3 + offset from 1
+        edge = good.astype(np.float64)
+        edge[2, 9] = [0.2, 0.2, 0.2, 0.4 + _checks.SUM_TOLERANCE + offset]
+        cases[f"sum {offset}"] = edge
+    for name, members in cases.items():
+        full = _refusal(lambda m=members: _checks.probabilities(
+            "f", "member_probabilities", m, ndim=3))
+        fused = _refusal(lambda m=members: ensemble_summary("f", m))
+        assert fused == full, name
+        if full is None:
+            predictive, information = ensemble_summary("f", members)
+            expected_predictive, expected_information = _ensemble(members)
+            assert np.array_equal(predictive, expected_predictive), name
+            assert np.array_equal(information, expected_information), name
+    refused = {name for name, members in cases.items()
+               if _refusal(lambda m=members: ensemble_summary("f", m)) is not None}
+    assert {"NaN", "inf", "negative", "above 1", "sum 1e-06"} <= refused
+    assert not {"good", "sum -1e-06"} & refused   # "sum 0.0": as the full check decides

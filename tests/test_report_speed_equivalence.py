@@ -216,8 +216,8 @@ def _has(name: str) -> bool:
 
 
 def test_member_metrics_are_the_per_member_functions_bit_for_bit():
-    from posteriorzoo.collection.evaluation import _member_metrics
     from posteriorzoo.metrics import accuracy, negative_log_likelihood
+    from posteriorzoo.metrics.information import member_scores
 
     rng = np.random.default_rng(1)
     labels = rng.integers(0, 10, 503)
@@ -225,6 +225,6 @@ def test_member_metrics_are_the_per_member_functions_bit_for_bit():
         members = rng.dirichlet(np.ones(10) * 0.2, size=(7, 503)).astype(dtype)
         members[0, :5] = 0.0
         members[0, :5, 3] = 1.0              # certain, and a zero probability of the label
-        right, nll = _member_metrics(members, labels)
+        right, nll = member_scores(members, labels)
         assert np.array_equal(right, [accuracy(p, labels) for p in members])
         assert np.array_equal(nll, [negative_log_likelihood(p, labels) for p in members])

@@ -31,7 +31,7 @@ from posteriorzoo.metrics import (
     negative_log_likelihood,
     pairwise_mutual_information,
 )
-from posteriorzoo.metrics.information import ensemble_summary
+from posteriorzoo.metrics.information import ensemble_summary, member_scores
 from posteriorzoo.metrics.ood import scores_of
 from posteriorzoo.options import check_choice, check_integer
 from posteriorzoo.provenance import record
@@ -315,7 +315,7 @@ def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
     ensemble_accuracy = accuracy(predictive, labels)
     ensemble_nll = negative_log_likelihood(predictive, labels)
     return EvaluateResult(
-        name, split, *_member_metrics(members, labels), ensemble_accuracy, ensemble_nll,
+        name, split, *member_scores(members, labels), ensemble_accuracy, ensemble_nll,
         brier_score(predictive, labels), expected_calibration_error(predictive, labels, bins),
         float(information.mean()), bins,
         {"id": len(labels), "ood": 0 if ood is None else ood.shape[1]}, **extra,
@@ -326,16 +326,3 @@ def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
                           options={"dataset": name, "split": split, "ood_dataset": ood_dataset,
                                    "ood_score": ood_score, "bins": bins, "n_images": n_images,
                                    "n_pairs": n_pairs, "verify": verify}))
-
-
-
-def _member_metrics(members: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`~posteriorzoo.metrics.accuracy` and
-    :func:`~posteriorzoo.metrics.negative_log_likelihood` of each member ``(N, n, K)``
-    at once: the same formulas along the member axis, without checking every member's
-    probabilities again (the caller has checked them all, and the labels)."""
-    labels = np.asarray(labels, dtype=np.int64)
-    right = (members.argmax(axis=2) == labels).mean(axis=1)
-    picked = np.take_along_axis(members, labels[None, :, None], axis=2)[..., 0]
-    nll = -np.log(np.clip(picked.astype(np.float64), 1e-12, None)).mean(axis=1)
-    return right, nll

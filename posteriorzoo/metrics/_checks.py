@@ -26,19 +26,24 @@ def fail(function: str, message: str) -> NoReturn:
     raise InvalidOptionError(f"{function}(): {message}")
 
 
+def probability_layout(function: str, name: str, value: np.ndarray, ndim: int) -> None:
+    """The part of :func:`probabilities` that does not read the values: a real dtype, the
+    number of axes, not empty."""
+    if value.dtype.kind not in "iuf":
+        fail(function, f"{name} must hold real numbers, not {value.dtype}")
+    if value.ndim != ndim:
+        fail(function, f"{name} must have shape {_LAYOUTS[ndim]}, not {value.shape}")
+    if value.size == 0:
+        fail(function, f"{name} must not be empty; its shape is {value.shape}")
+
+
 def probabilities(function: str, name: str, value: np.ndarray, ndim: int) -> np.ndarray:
     """``value`` itself, once it is a non-empty (n, K) or (m, n, K) array of probabilities.
 
     Entries must be finite, in [0, 1], and each row over the last axis (the classes) must
     sum to 1 within :data:`SUM_TOLERANCE`. The array is returned as given (no copy).
     """
-    layout = _LAYOUTS[ndim]
-    if value.dtype.kind not in "iuf":
-        fail(function, f"{name} must hold real numbers, not {value.dtype}")
-    if value.ndim != ndim:
-        fail(function, f"{name} must have shape {layout}, not {value.shape}")
-    if value.size == 0:
-        fail(function, f"{name} must not be empty; its shape is {value.shape}")
+    probability_layout(function, name, value, ndim)
     if not np.isfinite(value).all():
         fail(function, f"{name} holds NaN or infinite values")
     low, high = value.min(), value.max()

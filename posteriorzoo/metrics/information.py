@@ -36,14 +36,32 @@ def _kernel_input(members: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(members, dtype=np.float64)
 
 
-def _ensemble(members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(predictive (n, K), mutual information (n,))`` of checked member probabilities
-    ``(m, n, K)``, float64, in one pass over the members."""
+def _ensemble(members: np.ndarray, function: str | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """``(predictive (n, K), mutual information (n,))`` of member probabilities
+    ``(m, n, K)``, float64, in one pass over the members. With ``function``, that pass
+    also checks them (``members`` must have passed :func:`_checks.probability_layout`):
+    where its bounds fail, or come within rounding of the sum tolerance, the full check
+    runs and raises its own error; else ``members`` must have been checked already."""
     from posteriorzoo.metrics._kernels import ensemble_entropies
 
-    predictive, expected = ensemble_entropies(_kernel_input(members))
+    predictive, expected, (bad, low, high, error) = ensemble_entropies(_kernel_input(members))
+    if function is not None and (bad or low < 0 or high > 1
+                                 or error > _checks.SUM_TOLERANCE * (1 - 1e-9)):
+        _checks.probabilities(function, "member_probabilities", members, ndim=3)
     # MI >= 0 by Jensen's inequality; rounding can leave -1e-16 where all members agree.
     return predictive, np.maximum(_entropy(predictive) - expected, 0.0)
+
+
+def member_scores(members: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each member's accuracy and mean negative log-likelihood ``(m,)``, float64, of
+    checked member probabilities ``(m, n, K)`` against checked labels ``(n,)`` in
+    0 .. K - 1, in one pass: :func:`~posteriorzoo.metrics.accuracy` and
+    :func:`~posteriorzoo.metrics.negative_log_likelihood` along the member axis."""
+    from posteriorzoo.metrics._kernels import member_hits
+
+    accuracy, picked = member_hits(_kernel_input(members), np.asarray(labels, dtype=np.int64))
+    return accuracy, -np.log(picked).mean(axis=1)
 
 
 def _mutual_information(members: np.ndarray) -> np.ndarray:
@@ -57,8 +75,8 @@ def ensemble_summary(function: str, member_probabilities: np.ndarray
     ``(m, n, K)`` member probabilities, checked once (errors name ``function``): what
     :func:`~posteriorzoo.metrics.posterior_predictive` and :func:`mutual_information`
     return, for a caller that needs both."""
-    _checks.probabilities(function, "member_probabilities", member_probabilities, ndim=3)
-    return _ensemble(member_probabilities)
+    _checks.probability_layout(function, "member_probabilities", member_probabilities, ndim=3)
+    return _ensemble(member_probabilities, function)
 
 
 @public
