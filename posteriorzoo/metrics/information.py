@@ -64,11 +64,6 @@ def member_scores(members: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, 
     return accuracy, -np.log(picked).mean(axis=1)
 
 
-def _mutual_information(members: np.ndarray) -> np.ndarray:
-    """Per-sample MI (n,) of checked member probabilities (m, n, K), in nats."""
-    return _ensemble(members)[1]
-
-
 def ensemble_summary(function: str, member_probabilities: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray]:
     """The predictive ``(n, K)`` and the per-sample mutual information ``(n,)`` of
@@ -114,9 +109,7 @@ def mutual_information(member_probabilities: np.ndarray) -> np.ndarray:
         certain of a different class. The entropy of the predictive minus the expected
         entropy of the members (the epistemic part of the predictive uncertainty).
     """
-    _checks.probabilities("mutual_information", "member_probabilities",
-                          member_probabilities, ndim=3)
-    return _mutual_information(member_probabilities)
+    return ensemble_summary("mutual_information", member_probabilities)[1]
 
 
 @public
@@ -136,9 +129,7 @@ def mean_mutual_information(member_probabilities: np.ndarray) -> float:
         states neither unit nor scale; its values, up to 267.2, exceed this bound, so they
         are scaled -- most likely x 100, as its other columns are percentages.)
     """
-    _checks.probabilities("mean_mutual_information", "member_probabilities",
-                          member_probabilities, ndim=3)
-    return float(_mutual_information(member_probabilities).mean())
+    return float(ensemble_summary("mean_mutual_information", member_probabilities)[1].mean())
 
 
 def _pairs(function: str, pairs: np.ndarray | Sequence[Sequence[int]] | None,
