@@ -12,11 +12,13 @@ TORCH_SPEC ?= torch==2.13.0
 # torchvision (no working CPU build
 # next to torch 2.13.0; torchmetrics imports it whenever it is present, then fails) and a
 # CUDA torch. Only tests import them (pytest.importorskip); the package never does.
-# posteriors 0.1.3 (SGHMC's oracle) is the exception: it and its pinned dependencies
-# install normally (ORACLE_DEPS), as the pinned torch satisfies them.
+# posteriors 0.1.3 (SGHMC's oracle) and ArviZ 0.23.4 (the diagnostics' oracle) are the
+# exceptions: they and their pinned dependencies install normally (ORACLE_DEPS), as the
+# pinned torch satisfies them.
 ORACLE_STAMP := $(VENV)/.oracles-stamp
 ORACLE_DEPS := numpy scipy tqdm packaging typing_extensions einops==0.8.2 opt-einsum==3.4.0 \
-	posteriors==0.1.3 torchopt==0.7.3 optree==0.20.0 tensordict==0.15.3
+	posteriors==0.1.3 torchopt==0.7.3 optree==0.20.0 tensordict==0.15.3 \
+	arviz==0.23.4
 ORACLES := laplace-torch==0.3 curvlinops-for-pytorch==3.0.1 backpack-for-pytorch==1.7.1 \
 	asdfghjkl==0.1a4 torchmetrics==1.9.0 lightning-utilities==0.15.3 einconv==0.1.0 \
 	unfoldNd==0.2.3 linear_operator==0.6.1 torch-uncertainty==0.13.0 \

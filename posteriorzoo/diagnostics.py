@@ -4,10 +4,10 @@ What a posterior approximation's samples say about themselves, whatever the meth
 claims:
 
 - :func:`chain_statistics`: for draws of Markov chains ``(chains, draws, d)``, the bulk
-  effective sample size and the rank-normalised split R-hat of every coordinate (ArviZ,
-  the field's library for both), lag-k autocorrelations, and the drift of the mean between
-  the first and the second half of each chain, each summarised as a median and a worst
-  tenth;
+  effective sample size and the rank-normalised split R-hat of every coordinate
+  (arviz-stats, ArviZ's library for both), lag-k autocorrelations, and the drift of the
+  mean between the first and the second half of each chain, each summarised as a median
+  and a worst tenth;
 - :func:`scale_movement`: how far a variational posterior's standard deviations moved
   from their initial values.
 
@@ -17,8 +17,6 @@ layer (:func:`posteriorzoo.collection.diagnose`) applies them.
 
 from __future__ import annotations
 
-import logging
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -164,16 +162,14 @@ def chain_statistics(draws: np.ndarray, lags: tuple[int, ...] = DEFAULT_LAGS
     if chains == 1:  # ArviZ wants two chains for R-hat: a lone chain's two halves
         half = count // 2
         split = split[0, :2 * half].reshape(2, half, -1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # ArviZ's shape and refactor notices
-        import arviz as az  # its first import warns of ArviZ's coming refactor
+    # ArviZ's array interface (arviz-stats): the same ESS and R-hat as ArviZ's xarray
+    # functions without importing xarray, pandas and matplotlib (a second of every report)
+    from arviz_stats.base import array_stats
 
-        logging.getLogger("arviz").setLevel(logging.ERROR)
-        ess = np.asarray(az.ess(az.convert_to_dataset(values[:, :, moving]),
-                                method="bulk")["x"].values, dtype=np.float64)
-        r_hat = np.asarray(az.rhat(az.convert_to_dataset(split))["x"].values,
-                           dtype=np.float64)
-        autocorrelation = az.autocorr(values[:, :, moving], axis=1)
+    ess = np.asarray(array_stats.ess(values[:, :, moving], chain_axis=0, draw_axis=1,
+                                     method="bulk"), dtype=np.float64)
+    r_hat = np.asarray(array_stats.rhat(split, chain_axis=0, draw_axis=1), dtype=np.float64)
+    autocorrelation = array_stats.autocorr(values[:, :, moving], axis=1)
     half = count // 2
     spread = values[:, :, moving].std(axis=1)
     drift = np.abs(values[:, :half, moving].mean(axis=1)

@@ -12,8 +12,6 @@ from posteriorzoo.cli.diagnose_command import _flag_help
 from posteriorzoo.collection import diagnose
 from posteriorzoo.reference import reference_path
 
-pytest.importorskip("arviz")
-
 
 def test_the_help_states_the_thresholds_of_the_core():
     text = _flag_help()

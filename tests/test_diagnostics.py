@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
 from posteriorzoo.diagnostics import FLAGS, chain_statistics, scale_movement
 from posteriorzoo.errors import InvalidOptionError, SampleSizeError
-
-pytest.importorskip("arviz")
 
 
 def _ar1(rho: float, chains: int, draws: int, d: int, seed: int) -> np.ndarray:
@@ -19,6 +19,34 @@ def _ar1(rho: float, chains: int, draws: int, d: int, seed: int) -> np.ndarray:
     for t in range(1, draws):
         x[:, t] = rho * x[:, t - 1] + np.sqrt(1 - rho**2) * rng.normal(size=(chains, d))
     return x
+
+
+@pytest.mark.parametrize("chains", [1, 4])
+def test_ess_r_hat_and_autocorrelation_are_arviz_023s(chains):
+    # The oracle: ArviZ 0.23's xarray functions (the diagnostics call arviz-stats' array
+    # interface, which must give the same numbers), on chains that mix and on a walk.
+    az = pytest.importorskip("arviz")
+    rng = np.random.default_rng(7)
+    draws = _ar1(0.6, chains, 120, 30, 5)
+    draws[..., :10] += np.cumsum(rng.normal(size=(chains, 120, 10)), axis=1)
+    draws[..., 29] = 1.5  # one constant coordinate: left out of the summaries
+    stats = chain_statistics(draws, lags=(1, 7))
+    moving = draws[..., :29]
+    split = moving if chains > 1 else moving[0].reshape(2, 60, -1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ess = az.ess(az.convert_to_dataset(moving), method="bulk")["x"].values
+        r_hat = az.rhat(az.convert_to_dataset(split))["x"].values
+        autocorrelation = az.autocorr(moving, axis=1)
+    assert stats.constant == 1 and stats.ess.count == 29
+    assert stats.ess.median == pytest.approx(float(np.median(ess)), rel=1e-9)
+    assert stats.ess.worst_tenth == pytest.approx(float(np.quantile(ess, 0.1)), rel=1e-9)
+    assert stats.r_hat.median == pytest.approx(float(np.median(r_hat)), rel=1e-9)
+    assert stats.r_hat.worst_tenth == pytest.approx(float(np.quantile(r_hat, 0.9)), rel=1e-9)
+    for lag in (1, 7):
+        expected = np.mean(autocorrelation[:, lag], axis=0)
+        assert stats.autocorrelation[lag].median == pytest.approx(
+            float(np.median(expected)), rel=1e-9)
 
 
 def test_independent_draws_mix():
