@@ -205,3 +205,49 @@ def test_report_has_each_collections_diagnostics(collections, tmp_path):
     assert "## Diagnostics" in files["report.md"].read_text()
     assert 'id="diagnostics"' in files["report.html"].read_text()
     assert "ESS below half the samples" in files["diagnostics.csv"].read_text()
+
+
+def test_the_metrics_thread_gives_each_collections_own_evaluation(collections):
+    # The metrics run in a second thread beside the weights' half: every row must still
+    # be evaluate()'s numbers for that collection (no state shared between the halves).
+    methods = {"DE": collections["de"], "Wide": collections["wide"]}
+    report = build_report(collections["target"], methods, splits=3, n_images=150,
+                          n_pairs=5, figures=False)
+    rows = {row["name"]: row for row in report.rows}
+    for name, path in methods.items():
+        alone = evaluate(path, n_images=150, n_pairs=5 if name == "DE" else 0)
+        assert rows[name]["accuracy"] == alone.ensemble_accuracy
+        assert rows[name]["nll"] == alone.ensemble_nll
+        assert rows[name]["ece"] == alone.ensemble_ece
+
+
+def test_a_failure_in_either_half_is_the_reports_error(collections, monkeypatch):
+    from posteriorzoo.errors import PosteriorZooError
+
+    methods = {"DE": collections["de"], "Wide": collections["wide"]}
+
+    def broken_predict(zoo, images):
+        raise PosteriorZooError("the predictions failed")
+
+    with pytest.raises(PosteriorZooError, match="the predictions failed"):
+        build_report(collections["target"], methods, splits=2, n_images=50,
+                     figures=False, predict=broken_predict)
+
+    # The weights' half fails: the metrics thread stops after the collection it is on.
+    import posteriorzoo.collection as collection_layer
+
+    calls = []
+
+    def counting_predict(zoo, images):
+        calls.append(1)
+        return collection_layer.evaluation.member_probabilities(zoo, images)
+
+    def broken_compare(*args, **kwargs):
+        raise PosteriorZooError("the comparison failed")
+
+    monkeypatch.setattr(collection_layer, "compare", broken_compare)
+    many = {f"M{k}": collections["de"] for k in range(8)}
+    with pytest.raises(PosteriorZooError, match="the comparison failed"):
+        build_report(collections["target"], many, splits=2, n_images=50, figures=False,
+                     predict=counting_predict)
+    assert len(calls) < len(many)

@@ -15,8 +15,10 @@ import contextlib
 import io
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -248,15 +250,17 @@ def build_report(target: str | os.PathLike,
         ``predict``). Default:
         :func:`posteriorzoo.collection.evaluation.member_probabilities` (numba kernels
         for OptuNets, the torch path otherwise); with ``engine="torch"`` it gives the
-        torch path for every collection.
+        torch path for every collection. It is called from the report's second thread.
     timings : dict, optional
-        Filled with the seconds each stage took: ``load``, ``canonicalize``, ``mmd``,
-        ``noise floor``, ``predictions``, ``metrics``, ``diagnostics``, ``figures``
-        (``benchmarks/bench_report.py``).
+        Filled with the wall seconds each stage took: ``load``, ``canonicalize``,
+        ``mmd``, ``noise floor``, ``predictions``, ``metrics``, ``diagnostics``,
+        ``figures`` (``benchmarks/bench_report.py``). ``predictions`` and ``metrics`` run
+        in a second thread beside ``canonicalize`` ... ``diagnostics``, so the stages add
+        up to more than the report's time.
     """
-    from posteriorzoo.collection import compare, diagnose, evaluate
+    from posteriorzoo.collection import compare, diagnose
     from posteriorzoo.collection.comparison import parameter_keys
-    from posteriorzoo.collection.evaluation import member_probabilities, reusing_images
+    from posteriorzoo.collection.evaluation import member_probabilities
     from posteriorzoo.metrics import OOD_SCORES
     from posteriorzoo.provenance import describe_input, record
     from posteriorzoo.zoo import open_zoo
@@ -278,54 +282,63 @@ def build_report(target: str | os.PathLike,
                                  f"not {collapse!r}")
     collapse = collapse or ("DE" if "DE" in names else names[0])
     id_data = id_data or info["dataset"]
-    with tempfile.TemporaryDirectory(prefix="report-", dir=workdir) as scratch:
-        canonical = Path(scratch) / "canonical"
-        canonical.mkdir()
-        with stage("mmd"):
-            comparison = compare(target, {e["name"]: e["path"] for e in entries},
-                                 symmetries="both", test=test, seed=seed,
-                                 canonical_dir=canonical, progress=progress, command=command)
-        # compare's own clock tells its canonicalization from its statistics
-        canonicalizing = (comparison.provenance.get("canonicalizer") or {}).get("seconds", 0.0)
-        timings["canonicalize"] = timings.get("canonicalize", 0.0) + canonicalizing
-        timings["mmd"] -= canonicalizing
-        treatments = sorted({r.symmetries for r in comparison.results})
-        target_arrays = {}
-        with stage("load"), open_zoo(target) as zoo:
-            keys = parameter_keys(zoo)
-            target_arrays["keep"] = {key: zoo.layer(key) for key in keys}
-        # compare's canonical copy of the target (the target itself if it is canonical
-        # already), named by compare: never guessed from the file name
-        with stage("load"), open_zoo(comparison.canonical_target or target) as zoo:
-            target_arrays["remove"] = {key: zoo.layer(key) for key in keys}
-        held_out = int(np.median([e["n"] for e in entries]))
-        held_out = min(held_out, info["n"] - 2)
-        with stage("noise floor"):
-            noise = {t: noise_floor(target_arrays[t], symmetries=t, held_out=held_out,
-                                    splits=splits, seed=seed) for t in treatments}
-        per_layer: dict[str, dict[str, dict[str, float]]] = {}
-        tests = [{"method": r.method, "symmetries": r.symmetries, "layer": r.layer,
-                  "reject": bool(r.test.reject), "min_p_value": float(np.min(r.test.p_values)),
-                  "alpha": float(r.test.alpha)}
-                 for r in comparison.results if r.test is not None]
-        for result in comparison.results:
-            per_layer.setdefault(result.symmetries, {}).setdefault(
-                result.method, {})[result.layer] = result.median
-        evaluations = {}
-        with stage("metrics"), reusing_images():   # less the predictions (timed apart)
-            for entry in entries:
-                evaluations[entry["name"]] = evaluate(
-                    entry["path"], dataset=id_data, ood_dataset=ood_data, ood_score=ood_score,
-                    bins=bins, n_images=n_images, seed=seed,
-                    n_pairs=n_pairs if entry["name"] == collapse else 0, predict=predict)
+    # Table 1's metrics (the members' predictions) read only the inputs: they run in a
+    # second thread while this one removes the symmetries and compares the weights. The
+    # heavy kernels of both release the GIL, so the two halves share the cores; every
+    # result is the one they give run one after the other.
+    stopping = threading.Event()
+    with tempfile.TemporaryDirectory(prefix="report-", dir=workdir) as scratch, \
+            ThreadPoolExecutor(1, thread_name_prefix="report-metrics") as pool:
+        evaluating = pool.submit(
+            _evaluations, entries, stopping, stage, predict,
+            {"dataset": id_data, "ood_dataset": ood_data, "ood_score": ood_score,
+             "bins": bins, "n_images": n_images, "seed": seed},
+            {collapse: n_pairs})
+        with _stops_on_error(stopping):
+            canonical = Path(scratch) / "canonical"
+            canonical.mkdir()
+            with stage("mmd"):
+                comparison = compare(target, {e["name"]: e["path"] for e in entries},
+                                     symmetries="both", test=test, seed=seed,
+                                     canonical_dir=canonical, progress=progress,
+                                     command=command)
+            # compare's own clock tells its canonicalization from its statistics
+            canonicalizing = (comparison.provenance.get("canonicalizer") or {}).get(
+                "seconds", 0.0)
+            timings["canonicalize"] = timings.get("canonicalize", 0.0) + canonicalizing
+            timings["mmd"] -= canonicalizing
+            treatments = sorted({r.symmetries for r in comparison.results})
+            target_arrays = {}
+            with stage("load"), open_zoo(target) as zoo:
+                keys = parameter_keys(zoo)
+                target_arrays["keep"] = {key: zoo.layer(key) for key in keys}
+            # compare's canonical copy of the target (the target itself if it is canonical
+            # already), named by compare: never guessed from the file name
+            with stage("load"), open_zoo(comparison.canonical_target or target) as zoo:
+                target_arrays["remove"] = {key: zoo.layer(key) for key in keys}
+            held_out = int(np.median([e["n"] for e in entries]))
+            held_out = min(held_out, info["n"] - 2)
+            with stage("noise floor"):
+                noise = {t: noise_floor(target_arrays[t], symmetries=t, held_out=held_out,
+                                        splits=splits, seed=seed) for t in treatments}
+            per_layer: dict[str, dict[str, dict[str, float]]] = {}
+            tests = [{"method": r.method, "symmetries": r.symmetries, "layer": r.layer,
+                      "reject": bool(r.test.reject),
+                      "min_p_value": float(np.min(r.test.p_values)),
+                      "alpha": float(r.test.alpha)}
+                     for r in comparison.results if r.test is not None]
+            for result in comparison.results:
+                per_layer.setdefault(result.symmetries, {}).setdefault(
+                    result.method, {})[result.layer] = result.median
+            # The inputs were verified as compare read them; IDMI is in Table 1 already.
+            with stage("diagnostics"):
+                diagnostics = [diagnosis_row(entry["name"],
+                                             diagnose(entry["path"], predictions=False,
+                                                      verify=False))
+                               for entry in entries]
+            evaluations = evaluating.result()
         timings["metrics"] -= timings.get("predictions", 0.0)
         rows = [_row(entry, comparison, evaluations[entry["name"]]) for entry in entries]
-        # The inputs were verified as compare read them; IDMI is in Table 1 already.
-        with stage("diagnostics"):
-            diagnostics = [diagnosis_row(entry["name"],
-                                         diagnose(entry["path"], predictions=False,
-                                                  verify=False))
-                           for entry in entries]
         drawn, notes = ({}, {})
         if figures:
             from analysis.report.figures import report_figures
@@ -374,6 +387,36 @@ def _timed(function: Callable[..., Any], timings: dict[str, float], name: str
             return function(*args, **kwargs)
 
     return timed
+
+
+def _evaluations(entries: list[dict[str, Any]], stopping: threading.Event,
+                 stage: Callable[[str], Any], predict: Callable[..., Any],
+                 options: dict[str, Any], pairs: dict[str, int]) -> dict[str, Any]:
+    """Table 1's metrics of each method collection (:func:`posteriorzoo.collection.evaluate`
+    with ``options``; ``pairs``: member pairs of the collapse figure by method name), each
+    dataset split read once; stops early once ``stopping`` is set."""
+    from posteriorzoo.collection import evaluate
+    from posteriorzoo.collection.evaluation import reusing_images
+
+    evaluations = {}
+    with stage("metrics"), reusing_images():   # less the predictions (timed apart)
+        for entry in entries:
+            if stopping.is_set():
+                break
+            evaluations[entry["name"]] = evaluate(
+                entry["path"], **options, n_pairs=pairs.get(entry["name"], 0),
+                predict=predict)
+    return evaluations
+
+
+@contextlib.contextmanager
+def _stops_on_error(stopping: threading.Event) -> Iterator[None]:
+    """Sets ``stopping`` if the block raises (the other thread then ends early)."""
+    try:
+        yield
+    except BaseException:
+        stopping.set()
+        raise
 
 
 def diagnosis_row(name: str, diagnosis: Any) -> dict[str, Any]:

@@ -254,7 +254,7 @@ def _head(features: np.ndarray, wf: np.ndarray, bf: np.ndarray, logits: np.ndarr
             logits[k * B + m] /= norm[m]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _probabilities(images: np.ndarray, w1: np.ndarray, w2: np.ndarray, wf: np.ndarray,
                    bf: np.ndarray, count: int, out: np.ndarray) -> None:
     """``out[m, i, k]``: network m's probability of class k on image i, for the first

@@ -28,7 +28,7 @@ def _entr(x: float) -> float:
     return -x * np.log(x) if x > 0.0 else 0.0
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def ensemble_entropies(members: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(predictive (n, K), expected (n,), bounds (4,))``, float64: the members' mean
     probabilities, the mean over members of each member's entropy (nats), for ``members``
@@ -73,7 +73,7 @@ def ensemble_entropies(members: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     return predictive, expected, bounds
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def member_hits(members: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(accuracy (m,), picked (m, n))``, float64: each member's share of top-1
     predictions (the first largest probability, as ``argmax``) that equal ``labels``
@@ -97,7 +97,7 @@ def member_hits(members: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np
     return accuracy, picked
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def pair_mixture_entropies(members: np.ndarray, first: np.ndarray, second: np.ndarray
                            ) -> np.ndarray:
     """``(P,)`` float64: for each pair ``(first[p], second[p])`` of members, the mean over

@@ -14,7 +14,6 @@ positive rate the fraction of in-distribution samples flagged.
 from __future__ import annotations
 
 import numpy as np
-from sklearn.metrics import average_precision_score
 
 from posteriorzoo._api import public
 from posteriorzoo.metrics import _checks
@@ -83,6 +82,10 @@ def aupr(id_scores: np.ndarray, ood_scores: np.ndarray) -> float:
         torch-uncertainty reports as AUPR). Higher is better; a detector no better than
         chance scores ``n_ood / (n_id + n_ood)``.
     """
+    # imported here: scikit-learn takes a second to import, which the report spends while
+    # its other thread compares weights, not before both start
+    from sklearn.metrics import average_precision_score
+
     id_scores, ood_scores = _id_and_ood("aupr", id_scores, ood_scores)
     truth = np.r_[np.zeros(id_scores.size), np.ones(ood_scores.size)]
     return float(average_precision_score(truth, np.r_[id_scores, ood_scores]))

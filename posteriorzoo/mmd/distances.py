@@ -101,7 +101,7 @@ def _accumulate_row(buffer, width, xs, acc1, acc2, lo, count):  # pragma: no cov
             acc2[k] += diff * diff
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _self_block(block, l1, l2sq, workspace):  # pragma: no cover - compiled
     """Add the distances between the rows of ``block`` (rows, features) to l1, l2sq.
 
@@ -132,7 +132,7 @@ def _self_block(block, l1, l2sq, workspace):  # pragma: no cover - compiled
                                     l2sq[first:first + count], i + 1, count)
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _cross_block(a_block, b_block, l1, l2sq, workspace):  # pragma: no cover - compiled
     """Add the distances between the rows of ``a_block`` and of ``b_block`` to l1, l2sq.
 
@@ -218,7 +218,7 @@ def check_samples(m: int, n: int, d_x: int, d_y: int, names: tuple[str, str] = (
         raise ShapeMismatchError("the samples have no features (an empty layer)")
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _assemble(xx, yy, xy, out):  # pragma: no cover - compiled
     """The full symmetric pooled matrix from packed X-X and Y-Y pairs and the X-Y block.
 

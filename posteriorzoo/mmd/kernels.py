@@ -76,7 +76,7 @@ def exp_nonpositive(t):  # pragma: no cover - compiled
     return out
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def exp_sums(t, rates):  # pragma: no cover - compiled
     """``out[r] = sum_p exp(-rates[r] * t[p])`` for t >= 0, rates > 0, with the vectorised
     exp; float64 ``(len(rates),)``."""
@@ -110,7 +110,7 @@ def _scale_into(scaled, offset, row, start, count, factor):  # pragma: no cover 
         target[j] = source[j] * factor
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def kernel_sums(xx1, xx2, xy1, xy2, yy1, yy2, inv_l1, inv_l2sq, tasks,
                 with_xx=True):  # pragma: no cover
     """Sums of every kernel over the blocks of the pooled sample Z = [X; Y].
@@ -200,7 +200,7 @@ def kernel_sums(xx1, xx2, xy1, xy2, yy1, yy2, inv_l1, inv_l2sq, tasks,
     return totals
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def kernel_matrices(l1, l2sq, inv_l1, inv_l2sq, first, out, tasks):  # pragma: no cover
     """Fill ``out[i, j, c]`` with kernel first + c on the pooled distances, zero diagonal.
 
@@ -232,7 +232,7 @@ def kernel_matrices(l1, l2sq, inv_l1, inv_l2sq, first, out, tasks):  # pragma: n
                     out[i, j, c] = values[j]
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def group_sums(K, groups, row_sums):  # pragma: no cover - compiled
     """For each arrangement b: the within-group kernel sum and the group's row sums.
 

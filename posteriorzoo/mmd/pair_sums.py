@@ -46,7 +46,7 @@ NEGLIGIBLE = 1e-17
 DIRECT_PAIRS_PER_BIN = 32
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _moments(t, low, width, bins, terms):  # pragma: no cover - compiled
     """(bins, terms) scaled moments N_bk and (bins,) pairs in bin b and after it."""
     table = np.zeros((bins, terms))
@@ -71,7 +71,7 @@ def _moments(t, low, width, bins, terms):  # pragma: no cover - compiled
     return table, after
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _transform(table, after, low, width, rates, out):  # pragma: no cover - compiled
     """out[r] = sum_b exp(-rate c_b) * Taylor series of bin b, for each rate."""
     bins, terms = table.shape
