@@ -255,12 +255,13 @@ def build_report(target: str | os.PathLike,
         Filled with the wall seconds each stage took: ``load``, ``canonicalize``,
         ``mmd``, ``noise floor``, ``predictions``, ``metrics``, ``diagnostics``,
         ``figures`` (``benchmarks/bench_report.py``). ``predictions`` and ``metrics`` run
-        in a second thread beside ``canonicalize`` ... ``diagnostics``, so the stages add
-        up to more than the report's time.
+        in a second thread beside ``canonicalize`` ... ``diagnostics`` (and in both
+        threads at the end; each adds up the calls of both), so the stages add up to
+        more than the report's time.
     """
     from posteriorzoo.collection import compare, diagnose
     from posteriorzoo.collection.comparison import parameter_keys
-    from posteriorzoo.collection.evaluation import member_probabilities
+    from posteriorzoo.collection.evaluation import member_probabilities, reusing_images
     from posteriorzoo.metrics import OOD_SCORES
     from posteriorzoo.provenance import describe_input, record
     from posteriorzoo.zoo import open_zoo
@@ -282,18 +283,21 @@ def build_report(target: str | os.PathLike,
                                  f"not {collapse!r}")
     collapse = collapse or ("DE" if "DE" in names else names[0])
     id_data = id_data or info["dataset"]
-    # Table 1's metrics (the members' predictions) read only the inputs: they run in a
-    # second thread while this one removes the symmetries and compares the weights. The
-    # heavy kernels of both release the GIL, so the two halves share the cores; every
-    # result is the one they give run one after the other.
+    # Table 1's metrics (the members' predictions) read only the inputs: a second thread
+    # evaluates the collections one at a time while this one removes the symmetries and
+    # compares the weights, then takes the collections still left. The heavy kernels of
+    # both release the GIL, so the two share the cores; every result is the one they give
+    # run one after the other. Each dataset split is read once (reusing_images).
     stopping = threading.Event()
-    with tempfile.TemporaryDirectory(prefix="report-", dir=workdir) as scratch, \
+    with reusing_images(), \
+            tempfile.TemporaryDirectory(prefix="report-", dir=workdir) as scratch, \
             ThreadPoolExecutor(1, thread_name_prefix="report-metrics") as pool:
-        evaluating = pool.submit(
-            _evaluations, entries, stopping, stage, predict,
-            {"dataset": id_data, "ood_dataset": ood_data, "ood_score": ood_score,
-             "bins": bins, "n_images": n_images, "seed": seed},
-            {collapse: n_pairs})
+        todo = list(entries)
+        evaluations: dict[str, Any] = {}
+        options = ({"dataset": id_data, "ood_dataset": ood_data, "ood_score": ood_score,
+                    "bins": bins, "n_images": n_images, "seed": seed}, {collapse: n_pairs})
+        evaluating = pool.submit(_evaluations, todo, evaluations, stopping, stage, predict,
+                                 *options)
         with _stops_on_error(stopping):
             canonical = Path(scratch) / "canonical"
             canonical.mkdir()
@@ -336,7 +340,8 @@ def build_report(target: str | os.PathLike,
                                              diagnose(entry["path"], predictions=False,
                                                       verify=False))
                                for entry in entries]
-            evaluations = evaluating.result()
+            _evaluations(todo, evaluations, stopping, stage, predict, *options)   # help
+            evaluating.result()
         timings["metrics"] -= timings.get("predictions", 0.0)
         rows = [_row(entry, comparison, evaluations[entry["name"]]) for entry in entries]
         drawn, notes = ({}, {})
@@ -389,24 +394,23 @@ def _timed(function: Callable[..., Any], timings: dict[str, float], name: str
     return timed
 
 
-def _evaluations(entries: list[dict[str, Any]], stopping: threading.Event,
-                 stage: Callable[[str], Any], predict: Callable[..., Any],
-                 options: dict[str, Any], pairs: dict[str, int]) -> dict[str, Any]:
-    """Table 1's metrics of each method collection (:func:`posteriorzoo.collection.evaluate`
-    with ``options``; ``pairs``: member pairs of the collapse figure by method name), each
-    dataset split read once; stops early once ``stopping`` is set."""
+def _evaluations(todo: list[dict[str, Any]], evaluations: dict[str, Any],
+                 stopping: threading.Event, stage: Callable[[str], Any],
+                 predict: Callable[..., Any], options: dict[str, Any],
+                 pairs: dict[str, int]) -> None:
+    """Table 1's metrics of the method collections left in ``todo``, taken one at a time
+    (by both threads once the weights' half is done), into ``evaluations``."""
     from posteriorzoo.collection import evaluate
-    from posteriorzoo.collection.evaluation import reusing_images
 
-    evaluations = {}
-    with stage("metrics"), reusing_images():   # less the predictions (timed apart)
-        for entry in entries:
-            if stopping.is_set():
+    with stage("metrics"):   # less the predictions (timed apart)
+        while not stopping.is_set():
+            try:
+                entry = todo.pop(0)
+            except IndexError:
                 break
             evaluations[entry["name"]] = evaluate(
                 entry["path"], **options, n_pairs=pairs.get(entry["name"], 0),
                 predict=predict)
-    return evaluations
 
 
 @contextlib.contextmanager
