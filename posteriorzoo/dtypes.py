@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -14,6 +16,11 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     """The numpy dtype of a torch dtype (bfloat16 has none: ZooSchemaError)."""
     if dtype == torch.bfloat16:
         raise ZooSchemaError("bfloat16 tensors are not supported; convert to float32")
+    return _numpy_dtype(dtype)
+
+
+@functools.cache
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return torch.empty(0, dtype=dtype).numpy().dtype
 
 

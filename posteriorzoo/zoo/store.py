@@ -428,6 +428,10 @@ class Zoo:
         self._keys: list[str] = layout.state_keys
         group = handle[STATE_GROUP]
         self._datasets = {key: group[key] for key in self._keys}
+        # One checkpoint's shape and dtype per key, read once: the datasets grow along the
+        # checkpoint axis only, and h5py asks HDF5 again on every .shape and .dtype.
+        self._row_layout = {key: (tuple(ds.shape[1:]), ds.dtype)
+                            for key, ds in self._datasets.items()}
         if layout.validated:
             _require_model(path, layout)
             try:
@@ -482,17 +486,17 @@ class Zoo:
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of each tensor of one checkpoint (without the checkpoint axis)."""
-        return {key: tuple(ds.shape[1:]) for key, ds in self._datasets.items()}
+        return {key: shape for key, (shape, _) in self._row_layout.items()}
 
     @property
     def dtypes(self) -> dict[str, np.dtype]:
         """Stored dtype of each tensor."""
-        return {key: ds.dtype for key, ds in self._datasets.items()}
+        return {key: dtype for key, (_, dtype) in self._row_layout.items()}
 
     @property
     def tensor_layout(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """``{key: (shape, dtype)}`` of one checkpoint, in state_dict order."""
-        return {key: (tuple(ds.shape[1:]), ds.dtype) for key, ds in self._datasets.items()}
+        return dict(self._row_layout)
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -925,16 +929,16 @@ class Zoo:
         arrays = {}
         for key in self._keys:
             array = as_numpy(state[key])
-            dataset = self._datasets[key]
-            if array.shape != dataset.shape[1:]:
+            shape, dtype = self._row_layout[key]
+            if array.shape != shape:
                 raise ZooSchemaError(
                     f"checkpoint {position}: {key} has shape {array.shape}, "
-                    f"the collection stores {dataset.shape[1:]}"
+                    f"the collection stores {shape}"
                 )
-            if array.dtype != dataset.dtype:
+            if array.dtype != dtype:
                 raise ZooSchemaError(
                     f"checkpoint {position}: {key} has dtype {array.dtype}, "
-                    f"the collection stores {dataset.dtype}"
+                    f"the collection stores {dtype}"
                 )
             if not diverged and array.dtype.kind == "f" and not np.isfinite(array).all():
                 raise NonFiniteWeightsError(
