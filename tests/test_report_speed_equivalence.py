@@ -75,7 +75,8 @@ def _images(count: int, seed: int = 0, size: int = 28) -> torch.Tensor:
 
 @pytest.mark.parametrize(("networks", "classes"), [(5, 10), (130, 10), (3, 3)])
 def test_kernels_give_the_torch_paths_probabilities(tmp_path, networks, classes):
-    # 130 networks: a full block of 128 and a padded one; 3 classes: another head
+    assert 5 < kernels.B < 130   # 130 networks: a full block and a padded one
+    # 3 classes: another head
     path = _random_collection(tmp_path / "zoo.h5", networks, classes)
     images = _images(37)
     with open_zoo(path) as zoo:
