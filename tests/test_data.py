@@ -472,6 +472,56 @@ def test_digits():
     assert train.mean[0] == pytest.approx(train.images.mean() / 255)
 
 
+def test_prepared_digits_come_from_the_cache_without_scikit_learn(isolated_data_env):
+    from posteriorzoo.data.datasets import _digits_cache_path, _prepare_digits
+
+    _digits_arrays.cache_clear()
+    first = load_dataset("digits", "test")
+    path = _digits_cache_path()
+    assert path.is_file() and path.is_relative_to(isolated_data_env / "cache")
+    for cached, fresh in zip(_digits_arrays(), _prepare_digits(), strict=True):
+        np.testing.assert_array_equal(cached, fresh)
+    # A new process reads the cache: the same arrays, and scikit-learn is not imported.
+    script = ("import sys\n"
+              "from posteriorzoo.data import load_dataset\n"
+              "d = load_dataset('digits', 'test')\n"
+              "print(int(d.images.sum()), int(d.labels.sum()), 'sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env={**os.environ}, check=True).stdout.split()
+    assert out == [str(int(first.images.sum())), str(int(first.labels.sum())), "False"]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "wrong shape", "pickled",
+                                    "not a partition", "extra array"])
+def test_a_damaged_digits_cache_is_ignored_and_replaced(isolated_data_env, damage):
+    from posteriorzoo.data.datasets import _digits_cache_path, _prepare_digits
+
+    _digits_arrays.cache_clear()
+    images, labels, train, test = _prepare_digits()
+    path = _digits_cache_path()
+    path.parent.mkdir(parents=True)
+    arrays = {"images": images, "labels": labels, "train": train, "test": test}
+    if damage == "garbage":
+        path.write_bytes(b"not an npz" * 100)
+    else:
+        if damage == "wrong shape":
+            arrays["images"] = images[:, :, :27]
+        elif damage == "pickled":
+            arrays["labels"] = np.array([{"a": 1}] * len(labels), dtype=object)
+        elif damage == "not a partition":
+            arrays["test"] = np.r_[test[:-1], train[0]]
+        elif damage == "extra array":
+            arrays["more"] = np.zeros(3)
+        with open(path, "wb") as handle:
+            np.savez(handle, **arrays)
+        if damage == "truncated":
+            path.write_bytes(path.read_bytes()[:5000])
+    np.testing.assert_array_equal(load_dataset("digits", "test").images, images[test])
+    with np.load(path, allow_pickle=False) as replaced:   # rewritten whole
+        np.testing.assert_array_equal(replaced["images"], images)
+        assert set(replaced.files) == {"images", "labels", "train", "test"}
+
+
 def test_digits_resize_matches_original():
     from sklearn.datasets import load_digits
 

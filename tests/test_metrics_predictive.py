@@ -255,14 +255,22 @@ def test_aupr_by_hand():
     assert aupr(np.array([0.1, 0.4]), np.array([0.35, 0.8])) == pytest.approx(5 / 6)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_aupr_is_scikit_learns_average_precision(seed):
+@pytest.mark.parametrize("seed", range(12))
+def test_aupr_is_scikit_learns_average_precision_to_the_bit(seed):
+    # The oracle: scikit-learn's average_precision_score, on scores with many ties
+    # (rounded), ties across the classes, a single OOD sample, all scores equal, and
+    # separable scores both ways.
     rng = np.random.default_rng(seed)
-    id_scores = rng.normal(0.0, 1.0, 250).round(1)   # rounding makes ties
-    ood = rng.normal(1.0, 1.0, 120).round(1)
-    truth = np.r_[np.zeros(250), np.ones(120)]
-    assert aupr(id_scores, ood) == pytest.approx(
-        average_precision_score(truth, np.r_[id_scores, ood]), rel=1e-12)
+    n_id, n_ood = rng.integers(1, 400), rng.integers(1, 200)
+    decimals = int(rng.integers(0, 4))
+    id_scores = rng.normal(0.0, 1.0, n_id).round(decimals)
+    ood = rng.normal(rng.uniform(-1, 3), 1.0, n_ood).round(decimals)
+    cases = [(id_scores, ood), (id_scores, ood[:1]), (np.zeros(n_id), np.zeros(n_ood)),
+             (id_scores - 10, ood + 10), (id_scores + 10, ood - 10)]
+    for id_case, ood_case in cases:
+        truth = np.r_[np.zeros(id_case.size), np.ones(ood_case.size)]
+        expected = average_precision_score(truth, np.r_[id_case, ood_case])
+        assert aupr(id_case, ood_case) == expected
 
 
 def test_fpr95_torch_uncertainty_cases():
