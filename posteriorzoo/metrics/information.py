@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from scipy.special import entr
 
 from posteriorzoo._api import public
 from posteriorzoo.metrics import _checks
@@ -25,6 +24,8 @@ from posteriorzoo.options import check_integer
 
 def _entropy(probabilities: np.ndarray) -> np.ndarray:
     """Shannon entropy in nats over the last axis, with 0 log 0 = 0 (``entr``), as float64."""
+    from scipy.special import entr  # here: a seventh of a second to import, at startup
+
     return entr(np.asarray(probabilities, dtype=np.float64)).sum(axis=-1)
 
 
