@@ -11,6 +11,9 @@ Side by side in one run:
    noise floor, the members' predictions (``predictions``), the metrics on them
    (``metrics``), ``diagnostics``, ``figures``, and writing the files (``write``: HTML,
    Markdown, CSV, JSON, every figure as PNG and PDF). ``--no-figures`` as the command's.
+   The predictions and metrics run in a second thread beside the other stages (and in
+   both threads at the end), so the stages are printed in those two groups; each group
+   adds up to at most the total.
 
 2. **The predictions** alone, on the same checkpoints and images: the report's engine
    (``posteriorzoo.collection._optunet_kernels``: numba kernels, the networks as the SIMD axis)
@@ -46,6 +49,9 @@ import torch
 
 STAGES = ("load", "canonicalize", "mmd", "noise floor", "predictions", "metrics",
           "diagnostics", "figures", "write")
+#: The stages of the report's two threads (build_report runs the metrics beside the rest).
+FUNCTION_STAGES = ("predictions", "metrics")
+WEIGHT_STAGES = tuple(stage for stage in STAGES if stage not in FUNCTION_STAGES)
 
 
 def datasets() -> tuple[str, str]:
@@ -225,9 +231,15 @@ def main(argv: list[str] | None = None) -> int:
                                         args.torch_images)
     print(f"\n1. the report{' (no figures)' if args.no_figures else ''}: "
           f"{report['total_s']:.1f} s in all")
-    for stage, seconds in report["stages_s"].items():
-        share = 100 * seconds / report["total_s"]
-        print(f"   {stage:14} {seconds:7.2f} s  {share:5.1f}%")
+    # The metrics thread's stages run beside the others (and in both threads at the
+    # end), so the two groups each add up to at most the total, not together.
+    for title, group in (("weights (main thread)", WEIGHT_STAGES),
+                         ("functions (metrics thread, then both)", FUNCTION_STAGES)):
+        print(f"   {title}:")
+        for stage in group:
+            seconds = report["stages_s"][stage]
+            share = 100 * seconds / report["total_s"]
+            print(f"     {stage:14} {seconds:7.2f} s  {share:5.1f}%")
     p = predictions
     print(f"\n2. predictions, {p['subset_checkpoints']} checkpoints x {p['subset_images']} "
           "images (the first of each collection)")
