@@ -11,9 +11,9 @@ Side by side in one run:
    noise floor, the members' predictions (``predictions``), the metrics on them
    (``metrics``), ``diagnostics``, ``figures``, and writing the files (``write``: HTML,
    Markdown, CSV, JSON, every figure as PNG and PDF). ``--no-figures`` as the command's.
-   The predictions and metrics run in a second thread beside the other stages (and in
-   both threads at the end), so the stages are printed in those two groups; each group
-   adds up to at most the total.
+   The predictions and metrics run in a second thread beside the other stages, and at
+   the end in both threads (their seconds add up both), so the stages are printed in two
+   groups: the main thread's add up to at most the total, the second group's need not.
 
 2. **The predictions** alone, on the same checkpoints and images: the report's engine
    (``posteriorzoo.collection._optunet_kernels``: numba kernels, the networks as the SIMD axis)
@@ -231,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                                         args.torch_images)
     print(f"\n1. the report{' (no figures)' if args.no_figures else ''}: "
           f"{report['total_s']:.1f} s in all")
-    # The metrics thread's stages run beside the others (and in both threads at the
-    # end), so the two groups each add up to at most the total, not together.
+    # The metrics thread's stages run beside the others, and at the end in both threads
+    # (adding up both): only the main thread's group is bounded by the total.
     for title, group in (("weights (main thread)", WEIGHT_STAGES),
                          ("functions (metrics thread, then both)", FUNCTION_STAGES)):
         print(f"   {title}:")
