@@ -246,7 +246,7 @@ def test_a_failure_in_either_half_is_the_reports_error(collections, monkeypatch)
         raise PosteriorZooError("the comparison failed")
 
     monkeypatch.setattr(collection_layer, "compare", broken_compare)
-    many = {f"M{k}": collections["de"] for k in range(8)}
+    many = {f"M{k}": collections["de"] for k in range(24)}
     with pytest.raises(PosteriorZooError, match="the comparison failed"):
         build_report(collections["target"], many, splits=2, n_images=50, figures=False,
                      predict=counting_predict)
