@@ -251,3 +251,48 @@ def test_a_failure_in_either_half_is_the_reports_error(collections, monkeypatch)
         build_report(collections["target"], many, splits=2, n_images=50, figures=False,
                      predict=counting_predict)
     assert len(calls) < len(many)
+
+
+def test_modules_run_beside_a_trace_in_another_thread_are_not_traced(collections):
+    # torch.fx patches nn.Module.__call__ for the whole process while it traces: the
+    # report's metrics thread, running torch modules while the main thread canonicalizes,
+    # failed with "module is not installed as a submodule". Tracing and the torch path of
+    # the predictions now exclude each other (FX_TRACING).
+    import threading
+    import time
+
+    import torch
+
+    from posteriorzoo.collection.evaluation import member_probabilities, normalized_images
+    from posteriorzoo.data import load_dataset
+    from posteriorzoo.symmetry.structure import trace_structure
+
+    tracing = threading.Event()
+
+    class Slow(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            tracing.set()        # runs while torch.fx traces: its patches are in place
+            time.sleep(0.5)
+            return self.fc(x)
+
+    images = normalized_images(load_dataset("digits", "test"))[:16]
+    alone = member_probabilities(collections["de"], images, engine="torch")
+    results, errors = [], []
+
+    def predict():
+        tracing.wait(10)
+        try:
+            results.append(member_probabilities(collections["de"], images, engine="torch"))
+        except Exception as error:   # what the test is about: reported below
+            errors.append(error)
+
+    other = threading.Thread(target=predict)
+    other.start()
+    trace_structure(Slow(), (4,))
+    other.join(30)
+    assert errors == [] and len(results) == 1
+    np.testing.assert_array_equal(results[0], alone)

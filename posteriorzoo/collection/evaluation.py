@@ -36,6 +36,7 @@ from posteriorzoo.metrics.ood import scores_of
 from posteriorzoo.options import check_choice, check_integer
 from posteriorzoo.provenance import record
 from posteriorzoo.results import CollectionResult, csv_text
+from posteriorzoo.symmetry.structure import FX_TRACING
 
 __all__ = ["PREDICTION_ENGINES", "EvaluateResult", "evaluate", "member_probabilities",
            "normalized_images", "reusing_images"]
@@ -93,13 +94,17 @@ def member_probabilities(source: Source, images: torch.Tensor,
             fast = _optunet_kernels.probabilities(zoo, images)
             if fast is not None:
                 return fast
-        model, _ = model_of(zoo)
+        with FX_TRACING:   # not while another thread traces a model (the report's)
+            model, _ = model_of(zoo)
         indices = range(len(zoo)) if indices is None else indices
         outputs = []
         for index in indices:
-            model.load_state_dict(zoo.state_dict(index))
-            probabilities = [torch.softmax(model(images[start:start + batch_size]), dim=1)
-                             for start in range(0, len(images), batch_size)]
+            state = zoo.state_dict(index)
+            with FX_TRACING:
+                model.load_state_dict(state)
+                probabilities = [torch.softmax(model(images[start:start + batch_size]),
+                                               dim=1)
+                                 for start in range(0, len(images), batch_size)]
             outputs.append(torch.cat(probabilities).numpy())
     return np.stack(outputs)
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import operator
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -110,6 +111,13 @@ def _shape(meta: object) -> tuple[int, ...] | None:
     return tuple(int(size) for size in shape) if shape is not None else None
 
 
+#: torch.fx patches ``nn.Module.__call__`` and ``__getattr__`` for the whole process while
+#: it traces, so a module run in another thread meanwhile is traced too, and fails. Tracing
+#: holds this lock; code that runs modules while another thread may trace (the report's
+#: metrics thread) takes it.
+FX_TRACING = threading.RLock()
+
+
 class _TensorShape(NamedTuple):
     shape: tuple[int, ...]
 
@@ -146,10 +154,12 @@ def trace_structure(model: nn.Module, input_shape: tuple[int, ...]) -> SymmetryS
     -------
     SymmetryStructure
     """
-    try:
-        graph = fx.symbolic_trace(model)
-    except Exception as error:  # torch.fx raises many kinds on untraceable code
-        raise InvalidOptionError(f"cannot trace the model with torch.fx: {error}") from None
+    with FX_TRACING:
+        try:
+            graph = fx.symbolic_trace(model)
+        except Exception as error:  # torch.fx raises many kinds on untraceable code
+            raise InvalidOptionError(f"cannot trace the model with torch.fx: {error}"
+                                     ) from None
     _ShapeRecorder(graph).run(_example_input(model, input_shape))
     tracer = _Tracer()
     flows: dict[fx.Node, _Flow] = {}
