@@ -250,7 +250,10 @@ def build_report(target: str | os.PathLike,
         ``predict``). Default:
         :func:`posteriorzoo.collection.evaluation.member_probabilities` (numba kernels
         for OptuNets, the torch path otherwise); with ``engine="torch"`` it gives the
-        torch path for every collection. It is called from the report's second thread.
+        torch path for every collection. It is called from the report's second thread;
+        one that runs torch modules holds
+        :data:`posteriorzoo.symmetry.structure.FX_TRACING` meanwhile (torch.fx patches
+        ``nn.Module`` for the whole process while the first thread traces a model).
     timings : dict, optional
         Filled with the wall seconds each stage took: ``load``, ``canonicalize``,
         ``mmd``, ``noise floor``, ``predictions``, ``metrics``, ``diagnostics``,
