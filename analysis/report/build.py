@@ -231,7 +231,8 @@ def build_report(target: str | os.PathLike,
     splits : int
         Random splits of the noise floor, 1 to :data:`MAX_SPLITS`.
     n_pairs : int
-        Member pairs of the functional-collapse figure, 0 to :data:`MAX_PAIRS`.
+        Member pairs of the functional-collapse figure, 0 to :data:`MAX_PAIRS` (not
+        drawn without ``figures``).
     collapse : str, optional
         The method whose pairwise MI the collapse figure shows (default: DE if present,
         else the first method).
@@ -298,7 +299,8 @@ def build_report(target: str | os.PathLike,
         todo = list(entries)
         evaluations: dict[str, Any] = {}
         options = ({"dataset": id_data, "ood_dataset": ood_data, "ood_score": ood_score,
-                    "bins": bins, "n_images": n_images, "seed": seed}, {collapse: n_pairs})
+                    "bins": bins, "n_images": n_images, "seed": seed},
+                   {collapse: n_pairs if figures else 0})   # the pairs feed a figure only
         evaluating = pool.submit(_evaluations, todo, evaluations, stopping, stage, predict,
                                  *options)
         with _stops_on_error(stopping):
