@@ -345,6 +345,30 @@ def test_cli_mmd(zoos, tmp_path, capsys):
     assert_one_line_error(code, err, "does not exist")
 
 
+def test_cli_mmd_band_of_a_target_no_larger_than_the_methods_is_the_reports(zoos, tmp_path,
+                                                                            capsys):
+    # the 6-checkpoint collection as the target of the 12: the band's n is capped at 6 - 2
+    # (held_out_size), as in the report, with the report's warning as one stderr line
+    from analysis.report import build_report
+    from posteriorzoo.mmd import small_target_warning
+
+    method, target = zoos
+    code, out, err = run(capsys, "plot", "mmd", target, f"M={method}", "--noise-splits", "3",
+                         "--seed", "4", "--out", tmp_path / "mmd", "--json")
+    assert code == 0, err
+    numbers = json.loads(out)["numbers"]
+    assert numbers["noise_held_out"] == 4
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "warning: The target holds 6 checkpoints" in lines[0]
+    assert small_target_warning(6, 4) in lines[0]
+    report = build_report(target, {"M": method}, splits=3, seed=4, n_images=20,
+                          figures=False)
+    floor = report.noise["keep"]
+    assert floor.held_out == 4
+    for layer, band in numbers["noise_band"].items():
+        assert band == pytest.approx(floor.layer_band(layer), rel=1e-12, abs=1e-15)
+
+
 def test_cli_pca(zoos, tmp_path, capsys):
     target, method = zoos
     result = _plot_json(capsys, "pca", f"T={target}", method, "--symmetries", "both",

@@ -4,6 +4,7 @@ small for its noise floor, and one colour and marker per method in every figure.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from zoo_helpers import checkpoint
 
 from analysis.figures import mmd_figure, pca_figure
@@ -11,6 +12,8 @@ from analysis.figures.styles import method_style
 from analysis.report import build_report
 from analysis.report.build import NOISE_FLOOR_MIN_RATIO
 from analysis.report.page import html_page, markdown_page, noise_floor_warning, table1_text
+from posteriorzoo.errors import SampleSizeError
+from posteriorzoo.mmd import held_out_size, small_target_warning
 from posteriorzoo.zoo import create_zoo
 
 
@@ -75,3 +78,16 @@ def test_figures_draw_each_method_in_its_style():
     curves = {"optunet-fashion-mnist-swag": np.linspace(0.2, 1.0, 5)}
     line = pca_figure(curves).axes[0].get_lines()[0]
     assert line.get_color() == method_style("SWAG").colour
+
+
+def test_held_out_size_is_the_methods_median_capped_by_the_target():
+    assert held_out_size(1000, [100, 100, 40]) == 100
+    assert held_out_size(1000, [10, 30]) == 20
+    assert held_out_size(8, [6, 6]) == 6
+    assert held_out_size(8, [100]) == 6          # the target keeps 2
+    assert held_out_size(50, [1]) == 2           # an unbiased MMD^2 needs 2
+    with pytest.raises(SampleSizeError, match="at least 4 checkpoints"):
+        held_out_size(3, [2])
+    assert small_target_warning(1000, 100) is None
+    assert small_target_warning(500, 100) is None
+    assert "499 checkpoints" in small_target_warning(499, 100)

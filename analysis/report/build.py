@@ -27,7 +27,7 @@ import numpy as np
 
 from analysis.report import tables
 from posteriorzoo.errors import InvalidOptionError, PosteriorZooError
-from posteriorzoo.mmd.noise import NoiseFloor, noise_floor
+from posteriorzoo.mmd.noise import MIN_TARGET_RATIO, NoiseFloor, held_out_size, noise_floor
 from posteriorzoo.options import check_choice, check_integer
 from posteriorzoo.results import CollectionResult, csv_text
 from posteriorzoo.text import MMD_DISPLAY_SCALE
@@ -38,10 +38,9 @@ from posteriorzoo.text import MMD_DISPLAY_SCALE
 MAX_BINS = 10_000
 MAX_SPLITS = 1_000
 MAX_PAIRS = 100_000
-#: The noise floor says little when the target holds fewer than this many times the n of
-#: its held-out splits: a split then keeps less than 80% of the target, and the splits
-#: overlap heavily. The page, report.md and the printed table warn below it.
-NOISE_FLOOR_MIN_RATIO = 5
+#: Below this many times the held-out n in the target, the page, report.md and the
+#: printed table warn that the noise floor says little (posteriorzoo.mmd.noise).
+NOISE_FLOOR_MIN_RATIO = MIN_TARGET_RATIO
 #: Display names of the methods (multi-mode versions get "MM-").
 METHOD_LABELS = {"de": "DE", "mc-dropout": "Dropout", "bbb": "BBB", "swag": "SWAG",
                  "laplace": "Laplace", "sghmc": "SGHMC", "emp": "EMP", "ecmp": "ECMP",
@@ -304,8 +303,7 @@ def build_report(target: str | os.PathLike,
         evaluating = pool.submit(_evaluations, todo, evaluations, stopping, stage, predict,
                                  *options)
         with _stops_on_error(stopping):
-            held_out = int(np.median([e["n"] for e in entries]))
-            held_out = min(held_out, info["n"] - 2)
+            held_out = held_out_size(info["n"], [e["n"] for e in entries])
             target_arrays = {}
             with stage("load"), open_zoo(target) as zoo:
                 keys = parameter_keys(zoo)

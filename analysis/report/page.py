@@ -88,22 +88,12 @@ def _same(text: str) -> str:
 
 def noise_floor_warning(report: ReportResult) -> str | None:
     """A sentence when the target holds too few checkpoints for its noise floor to say much
-    (fewer than :data:`~analysis.report.build.NOISE_FLOOR_MIN_RATIO` times the held-out
-    n), else None."""
-    from analysis.report.build import NOISE_FLOOR_MIN_RATIO
+    (:func:`posteriorzoo.mmd.small_target_warning`), else None."""
+    from posteriorzoo.mmd import small_target_warning
 
     noise = next(iter(report.noise.values()), None)
-    if noise is None:
-        return None
-    count, held_out = report.target["n"], noise.held_out
-    if count >= NOISE_FLOOR_MIN_RATIO * held_out:
-        return None
-    return (f"The target holds {count} checkpoints, fewer than {NOISE_FLOOR_MIN_RATIO} times "
-            f"the {held_out} of each noise-floor split: its splits leave less than "
-            f"{100 - 100 // NOISE_FLOOR_MIN_RATIO}% of the target and overlap heavily, so "
-            "the noise band is too narrow and too noisy to tell methods from another draw of "
-            f"the target. Use a target of at least {NOISE_FLOOR_MIN_RATIO * held_out} "
-            "checkpoints (the paper's: 1,000 against 100).")
+    return None if noise is None else small_target_warning(report.target["n"],
+                                                           noise.held_out)
 
 
 def _verdicts(report: ReportResult, escape: Callable[[str], str] = _same) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -169,9 +170,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "says so; --json gives the raw values and display_scale), on a log or "
                     "symlog scale when the values span decades (MMD^2 can be slightly "
                     "negative). The grey band is the noise floor (with --statistic median): "
-                    "--noise-splits times, n random target checkpoints (n: the smallest "
-                    "method's size) are compared with the other target checkpoints; the "
-                    "band spans the 5th to 95th percentile, as in 'posteriorzoo report'.")
+                    "--noise-splits times, n random target checkpoints (n: the methods' "
+                    "median size, leaving at least 2 of the target) are compared with the "
+                    "other target checkpoints; the band spans the 5th to 95th percentile, as "
+                    "in 'posteriorzoo report', which also warns when the target holds fewer "
+                    "than 5 n checkpoints.")
     parser.add_argument("target", type=Path, metavar="TARGET", help="target collection (.h5)")
     parser.add_argument("methods", nargs="+", metavar="METHOD",
                         help="method collections (.h5); NAME=PATH names one (default name: "
@@ -342,6 +345,7 @@ def run_mmd(args: argparse.Namespace) -> int:
     from analysis.figures.draw import mmd_figure
     from analysis.figures.sources import mmd_noise_band, mmd_values
     from posteriorzoo.collection import compare
+    from posteriorzoo.mmd import held_out_size, small_target_warning
     from posteriorzoo.outputs import temporary_folder
 
     methods = file_stem_names(args.methods)
@@ -355,13 +359,17 @@ def run_mmd(args: argparse.Namespace) -> int:
                          canonical_dir=folder if args.symmetries == "remove" else None,
                          verify=not args.no_verify, command=args.command_line)
         values = mmd_values(report, args.symmetries, args.statistic)
-        noise = None
+        noise, size = None, None
         if args.noise_splits and args.statistic == "median":  # the band is of medians
             # the target's canonical form that compare made (or the target, canonical
             # already), whatever the inputs' file names
             source = report.canonical_target if args.symmetries == "remove" else None
             source = source or args.target
-            size = min(result.mmd.n for result in report.results)
+            sizes = {result.method: result.mmd.n for result in report.results}
+            size = held_out_size(report.results[0].mmd.m, list(sizes.values()))
+            warning = small_target_warning(report.results[0].mmd.m, size)
+            if warning:
+                warnings.warn(warning, stacklevel=1)
             layers = list(dict.fromkeys(result.layer for result in report.results))
             noise = mmd_noise_band(source, layers, size, splits=args.noise_splits,
                                    seed=args.seed, verify=not args.no_verify)
@@ -373,7 +381,8 @@ def run_mmd(args: argparse.Namespace) -> int:
     numbers = {"symmetries": args.symmetries, "statistic": args.statistic,
                "display_scale": MMD_DISPLAY_SCALE, "per_layer": values,
                "model_level": summaries, "noise_band": noise,
-               "noise_splits": args.noise_splits, "seed": args.seed}
+               "noise_splits": args.noise_splits,
+               "noise_held_out": size, "seed": args.seed}
     text = ", ".join(f"{name} {MMD_DISPLAY_SCALE * value:.4g}"
                      for name, value in summaries.items())
     label = scaled_label(f"{'MMD' if args.symmetries == 'keep' else 'NS-MMD'}^2")

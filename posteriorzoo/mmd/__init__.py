@@ -40,7 +40,12 @@ from posteriorzoo.mmd.distances import (
     pooled_distances,
     stream_pooled_distances,
 )
-from posteriorzoo.mmd.noise import NoiseFloor, noise_floor
+from posteriorzoo.mmd.noise import (
+    NoiseFloor,
+    held_out_size,
+    noise_floor,
+    small_target_warning,
+)
 from posteriorzoo.mmd.pair_sums import KernelPairSums, PairSums
 from posteriorzoo.mmd.statistics import (
     KernelMMDs,
@@ -71,6 +76,8 @@ __all__ = [
     "mmdagg",
     "mmdagg_from_distances",
     "noise_floor",
+    "held_out_size",
+    "small_target_warning",
     "pooled_distances",
     "stream_pooled_distances",
 ]

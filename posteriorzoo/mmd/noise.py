@@ -25,14 +25,14 @@ relative, tested), at a fraction of the cost.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from posteriorzoo._api import public
-from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.errors import InvalidOptionError, SampleSizeError
 from posteriorzoo.mmd.comparison import Comparison, LayerResult, check_treatment
 from posteriorzoo.mmd.distances import Distances, pooled_distances
 from posteriorzoo.mmd.pair_sums import KernelPairSums
@@ -48,6 +48,46 @@ from posteriorzoo.options import check_integer
 
 #: Percentiles of the split statistics that bound the noise band.
 BAND_PERCENTILES = (5.0, 95.0)
+#: The noise floor says little when the target holds fewer than this many times the n of
+#: its splits: a split then keeps less than 80% of the target, and the splits overlap
+#: heavily (:func:`small_target_warning`).
+MIN_TARGET_RATIO = 5
+
+
+@public
+def held_out_size(target_count: int, method_counts: Sequence[int]) -> int:
+    """n of the noise floor's splits for methods of ``method_counts`` checkpoints.
+
+    The methods' median sample size, at least 2 (an unbiased MMD^2 needs 2), and at
+    most ``target_count - 2``, so that a target no larger than the methods still gets a
+    band (one :func:`small_target_warning` names as too narrow). The report and
+    ``posteriorzoo plot mmd`` size their bands with it.
+
+    Raises
+    ------
+    SampleSizeError
+        If the target holds fewer than 4 checkpoints (2 held out, 2 kept).
+    """
+    if target_count < 4:
+        raise SampleSizeError(f"the noise floor needs a target of at least 4 checkpoints "
+                              f"(2 held out, 2 kept), not {target_count}")
+    if not method_counts:
+        raise InvalidOptionError("held_out_size() needs the methods' sample sizes")
+    return int(min(max(int(np.median(method_counts)), 2), target_count - 2))
+
+
+@public
+def small_target_warning(target_count: int, held_out: int) -> str | None:
+    """A sentence when a target of ``target_count`` checkpoints is too small for splits of
+    ``held_out`` (fewer than :data:`MIN_TARGET_RATIO` times it), else None."""
+    if target_count >= MIN_TARGET_RATIO * held_out:
+        return None
+    return (f"The target holds {target_count} checkpoints, fewer than {MIN_TARGET_RATIO} "
+            f"times the {held_out} of each noise-floor split: its splits leave less than "
+            f"{100 - 100 // MIN_TARGET_RATIO}% of the target and overlap heavily, so the "
+            "noise band is too narrow and too noisy to tell methods from another draw of the "
+            f"target. Use a target of at least {MIN_TARGET_RATIO * held_out} checkpoints "
+            "(the paper's: 1,000 against 100).")
 
 
 @dataclass
