@@ -99,8 +99,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_no_verify_option(parser)
     add_json_option(parser, "the run's summary (the dry run, the option list) as JSON")
     parser.add_argument("--no-progress", action="store_true",
-                        help="hide the progress bar and the lines saying which defaults "
-                             "were derived (--dry-run shows them)")
+                        help="hide the progress bar (drawn only when stderr is a "
+                             "terminal)")
     parser.set_defaults(func=run_train)
 
 
@@ -125,9 +125,9 @@ def run_train(args: argparse.Namespace) -> int:
     from train_zoo.backends import make_backend
     from train_zoo.run import train_collection
 
-    if not args.no_progress:  # with the progress bar: for a person at a terminal
-        for line in spec.derived:
-            print(f"posteriorzoo train: {line}", file=sys.stderr)
+    # What was derived is part of what is trained: said in a log as at a terminal
+    for line in spec.derived:
+        print(f"posteriorzoo train: {line}", file=sys.stderr)
     backend = make_backend(args.backend, workers=args.workers, group_size=args.group_size,
                            address=args.ray_address)
     summary = train_collection(spec, args.out, backend=backend, engine=args.engine,
