@@ -183,7 +183,6 @@ def test_the_shipped_zoo_is_evaluated_with_no_data_anywhere(no_data_anywhere):
     assert set(_cached(no_data_anywhere / "cache")) <= {"digits/prepared"}  # no download
 
 
-@pytest.mark.slow
 def test_demo_writes_the_report_with_no_data_anywhere(tmp_path):
     """``make demo`` on a fresh machine: the report step runs, nothing is skipped."""
     env = {**os.environ, **hidden_data_environment(tmp_path), "OMP_NUM_THREADS": "1"}

@@ -524,7 +524,6 @@ def test_readme_example_matches_the_shipped_files():
     assert f"my-target.h5: {message}" in " ".join(section.split())
 
 
-@pytest.mark.slow
 def test_readme_example_runs(tmp_path):
     """The README's commands, exactly, in a fresh folder holding the repository's examples."""
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
