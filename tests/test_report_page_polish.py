@@ -91,3 +91,49 @@ def test_held_out_size_is_the_methods_median_capped_by_the_target():
     assert small_target_warning(1000, 100) is None
     assert small_target_warning(500, 100) is None
     assert "499 checkpoints" in small_target_warning(499, 100)
+
+
+def test_plot_and_report_draw_a_file_in_the_style_of_what_it_holds(tmp_path, capsys,
+                                                                     monkeypatch):
+    # a SWAG collection in a file whose name says nothing of it: SWAG's colour and marker in
+    # plot mmd, plot pca and the report's figures; the target's file keeps the target's
+    from zoo_helpers import run
+
+    import analysis.figures.draw as draw
+
+    target = _collection(tmp_path / "target.h5", range(12))
+    (tmp_path / "b").mkdir()
+    swag = _collection(tmp_path / "b" / "zoo.h5", range(100, 104), method="swag")
+    given = {}
+
+    def capturing(name):
+        drawn = getattr(draw, name)
+
+        def capture(*args, **kwargs):
+            given[name] = kwargs.get("styles")
+            return drawn(*args, **kwargs)
+        return capture
+
+    for name in ("mmd_figure", "pca_figure"):
+        monkeypatch.setattr(draw, name, capturing(name))
+    code, _, err = run(capsys, "plot", "mmd", target, swag, "--noise-splits", "0",
+                       "--out", tmp_path / "mmd")
+    assert code == 0, err
+    assert given["mmd_figure"] == {"zoo": method_style("SWAG")}
+    assert method_style("zoo") != method_style("SWAG")       # the name alone would not tell
+    code, _, err = run(capsys, "plot", "pca", target, swag, "--symmetries", "both",
+                       "--out", tmp_path / "pca")
+    assert code == 0, err
+    swag_style = method_style("SWAG")
+    assert given["pca_figure"] == {
+        "target (raw)": method_style("target"), "zoo (raw)": swag_style,
+        "target (canonical)": method_style("target (canonical)"),
+        "zoo (canonical)": method_style("SWAG (canonical)")}
+    monkeypatch.undo()
+    report = build_report(target, [swag], splits=2, n_images=50, n_pairs=5)
+    for figure in ("mmd", "pca"):
+        lines = {line.get_label().split(":")[0]: line
+                 for line in report.figures[figure].axes[0].get_lines()}
+        assert lines["SWAG"].get_color() == swag_style.colour, figure
+        assert lines["SWAG"].get_marker() == swag_style.marker, figure
+    assert lines["target"].get_color() == method_style("target").colour

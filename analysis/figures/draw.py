@@ -35,7 +35,7 @@ from analysis.figures.statistics import (
     unit_marginals,
     unit_position,
 )
-from analysis.figures.styles import method_style
+from analysis.figures.styles import MethodStyle, method_style
 from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.text import MMD_DISPLAY_SCALE, matplotlib_text, scaled_label
 
@@ -305,7 +305,8 @@ def _value_scale(ax: Axes, values: np.ndarray) -> str:
 def mmd_figure(per_layer: Mapping[str, Mapping[str, float]],
                noise: Mapping[str, tuple[float, float]] | None = None,
                symmetries: str = "keep", *, statistic: str = "median",
-               kernels: int = 20, scale: float = MMD_DISPLAY_SCALE) -> Figure:
+               kernels: int = 20, scale: float = MMD_DISPLAY_SCALE,
+               styles: Mapping[str, MethodStyle] | None = None) -> Figure:
     """MMD^2 of each method to the target, per layer, with the noise band.
 
     Parameters
@@ -326,6 +327,10 @@ def mmd_figure(per_layer: Mapping[str, Mapping[str, float]],
     scale : float
         The values and the band are drawn multiplied by this, and the axis label says so
         (default :data:`~posteriorzoo.text.MMD_DISPLAY_SCALE`, as every MMD table).
+    styles : mapping of str to MethodStyle, optional
+        A method's style (:func:`~analysis.figures.styles.collection_style`: from what its
+        file holds); a method not in it is styled by its name
+        (:func:`~analysis.figures.styles.method_style`).
 
     Returns
     -------
@@ -355,7 +360,7 @@ def mmd_figure(per_layer: Mapping[str, Mapping[str, float]],
         xs = [i + offset for i, name in enumerate(layers) if name in values]
         ys = [scale * float(values[name]) for name in layers if name in values]
         everything += ys
-        style = method_style(method)   # the same in every figure, report and plot
+        style = _style(method, styles)   # the same in every figure, report and plot
         ax.plot(xs, ys, linestyle="none", marker=style.marker, color=style.colour,
                 markersize=6, label=matplotlib_text(method))
     axis_scale = _value_scale(ax, np.asarray(everything, dtype=np.float64))
@@ -376,7 +381,8 @@ def mmd_figure(per_layer: Mapping[str, Mapping[str, float]],
 
 
 # -------------------------------------------------------------------------------- PCA
-def pca_figure(curves: Mapping[str, np.ndarray], *, threshold: float = 0.9) -> Figure:
+def pca_figure(curves: Mapping[str, np.ndarray], *, threshold: float = 0.9,
+               styles: Mapping[str, MethodStyle] | None = None) -> Figure:
     """Cumulative explained variance of the principal components of the weights.
 
     Parameters
@@ -386,6 +392,8 @@ def pca_figure(curves: Mapping[str, np.ndarray], *, threshold: float = 0.9) -> F
         (:func:`~analysis.figures.statistics.pca_explained_variance`).
     threshold : float
         A horizontal line, with the components each curve needs to reach it.
+    styles : mapping of str to MethodStyle, optional
+        A curve's style, as in :func:`mmd_figure`.
 
     Returns
     -------
@@ -401,7 +409,7 @@ def pca_figure(curves: Mapping[str, np.ndarray], *, threshold: float = 0.9) -> F
         components = np.arange(1, curve.size + 1)
         reached = np.flatnonzero(curve >= threshold)
         needed = reached[0] + 1 if reached.size else f">{curve.size}"
-        style = method_style(name)   # the same in every figure, report and plot
+        style = _style(name, styles)   # the same in every figure, report and plot
         # the legend says how many components each collection needs to reach the threshold
         ax.plot(components, curve, color=style.colour, linestyle=style.linestyle,
                 marker=style.marker if curve.size <= 60 else None, markersize=4,
@@ -414,3 +422,8 @@ def pca_figure(curves: Mapping[str, np.ndarray], *, threshold: float = 0.9) -> F
     figure.legend(fontsize=8, loc="outside right upper",
                   title=f"components for {threshold:.0%}", title_fontsize=8)
     return figure
+
+
+def _style(name: str, styles: Mapping[str, MethodStyle] | None) -> MethodStyle:
+    """The style given for ``name``, else the one its name tells."""
+    return (styles or {}).get(name) or method_style(name)

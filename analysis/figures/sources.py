@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -223,6 +224,20 @@ def mmd_noise_band(target: PathLike, layers: Sequence[str], size: int, *, splits
         arrays = {key: zoo.layer(key) for key in layers}
     floor = noise_floor(arrays, symmetries="keep", held_out=size, splits=splits, seed=seed)
     return {key: floor.layer_band(key) for key in floor.layers}
+
+
+def collection_styles(paths: Mapping[str, PathLike]) -> dict[str, Any]:
+    """``{name: MethodStyle}`` of each collection from what its file holds
+    (:func:`~analysis.figures.styles.collection_style`), so that ``plot`` draws a method
+    as the report does, whatever the file is called."""
+    from analysis.figures.styles import collection_style
+    from posteriorzoo.zoo import open_zoo
+
+    styles = {}
+    for name, path in paths.items():
+        with open_zoo(path) as zoo:
+            styles[name] = collection_style(zoo, name=name)
+    return styles
 
 
 # ------------------------------------------------------------------------------- PCA

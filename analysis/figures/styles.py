@@ -1,10 +1,14 @@
 """One colour and one marker per method, wherever a figure shows methods.
 
-:func:`method_style` maps a method's name to its style. The report names its rows by
-method (``SWAG``, ``MM-SWAG``, ``BBB (trained-variance)``) and ``posteriorzoo plot`` by
-file (``optunet-fashion-mnist-swag-multi-mode``) unless told ``NAME=PATH``; both spellings
-of a method get the same style, because the style is read from the method the name
-mentions:
+:func:`collection_style` gives a collection's style from what the file holds (its method,
+its preset, its posterior's modes), whatever it is called: the report and ``posteriorzoo
+plot`` draw every collection with it, so a method looks the same in both even when a file
+name or a ``NAME=PATH`` name says nothing of it. :func:`method_style` maps a name to its
+style where no collection is at hand (and for the target, which is a role, not a method):
+the report's labels (``SWAG``, ``MM-SWAG``, ``BBB (trained-variance)``,
+:func:`analysis.labels.collection_label`) and the shipped files' stems
+(``optunet-fashion-mnist-swag-multi-mode``) get the same style, because the style is read
+from the method the name mentions:
 
 - the colour says the method (Deep Ensemble, MC Dropout, BBB, BBB with trained variance,
   SWAG, Laplace, SGHMC; the target is black);
@@ -19,11 +23,15 @@ digest of the name, the same in every figure and every run.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["MethodStyle", "method_style"]
+from analysis.labels import collection_label
+
+__all__ = ["MethodStyle", "collection_style", "method_style"]
 
 
 @dataclass(frozen=True)
@@ -77,3 +85,16 @@ def method_style(name: str) -> MethodStyle:
 
 def _line(multi: bool, canonical: bool) -> str:
     return ":" if canonical else "--" if multi else "-"
+
+
+def collection_style(zoo: Any, *, name: str | None = None,
+                     canonical: bool = False) -> MethodStyle:
+    """The style of an open collection's method (:func:`analysis.labels.collection_label`),
+    whatever the file or its figure label is called; ``canonical``: its canonical forms'
+    (dotted). Being the target is a role no file records (the shipped target is a Deep
+    Ensemble's file): a ``name`` that says ``target`` keeps the target's style."""
+    words = _words(name or "")
+    if words and words[-1] in ("raw", "canonical"):
+        words = words[:-1]
+    style = _TARGET if words[-1:] == ["target"] else method_style(collection_label(zoo))
+    return dataclasses.replace(style, linestyle=":") if canonical else style

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from analysis.labels import collection_label
 from analysis.report import tables
 from posteriorzoo.errors import InvalidOptionError, PosteriorZooError
 from posteriorzoo.mmd.noise import MIN_TARGET_RATIO, NoiseFloor, held_out_size, noise_floor
@@ -41,10 +42,6 @@ MAX_PAIRS = 100_000
 #: Below this many times the held-out n in the target, the page, report.md and the
 #: printed table warn that the noise floor says little (posteriorzoo.mmd.noise).
 NOISE_FLOOR_MIN_RATIO = MIN_TARGET_RATIO
-#: Display names of the methods (multi-mode versions get "MM-").
-METHOD_LABELS = {"de": "DE", "mc-dropout": "Dropout", "bbb": "BBB", "swag": "SWAG",
-                 "laplace": "Laplace", "sghmc": "SGHMC", "emp": "EMP", "ecmp": "ECMP",
-                 "rank-1": "Rank-1"}
 
 
 class MixedDatasetsError(PosteriorZooError, ValueError):
@@ -148,12 +145,7 @@ class ReportResult(CollectionResult):
 
 
 def _label(zoo: Any, taken: set[str], stem: str) -> str:
-    multi = zoo.annotations.get("posterior") == "multi-mode"
-    label = METHOD_LABELS.get(zoo.method, zoo.method)
-    preset = ((zoo.recipe or {}).get("method_options") or {}).get("preset")
-    if isinstance(preset, str) and preset != "paper":   # e.g. BBB (trained-variance)
-        label = f"{label} ({preset})"
-    label = f"MM-{label}" if multi else label
+    label = collection_label(zoo)
     return label if label not in taken else stem
 
 

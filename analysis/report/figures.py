@@ -26,6 +26,7 @@ def report_figures(target: Path, target_arrays: Mapping[str, Mapping[str, np.nda
     )
     from analysis.figures.sources import unit_layout
     from analysis.figures.statistics import pca_explained_variance, pearson
+    from analysis.figures.styles import collection_style, method_style
     from posteriorzoo.collection import min_mass
     from posteriorzoo.zoo import open_zoo
 
@@ -53,18 +54,21 @@ def report_figures(target: Path, target_arrays: Mapping[str, Mapping[str, np.nda
         r, _ = pearson(collapse.pairwise_id, collapse.pairwise_ood)
         notes["collapse"] = (f"{collapse_name}: {len(collapse.pairs)} pairs, Pearson r = "
                              f"{r:.2f}.")
+    # each method drawn in the style of what its file holds, as posteriorzoo plot draws it
+    styles = {"target": method_style("target")}
+    curves = {"target": pca_explained_variance(_flat(raw))}
+    for entry in entries:
+        with open_zoo(Path(entry["path"])) as zoo:
+            styles[entry["name"]] = collection_style(zoo, name=entry["name"])
+            curves[entry["name"]] = pca_explained_variance(
+                _flat({key: zoo.layer(key) for key in raw}))
     for treatment, name in (("keep", "mmd"), ("remove", "ns-mmd")):
         if treatment in per_layer and treatment in noise:
             floor = noise[treatment]
             figures[name] = mmd_figure(per_layer[treatment],
                                        {layer: floor.layer_band(layer)
-                                        for layer in floor.layers}, treatment)
-    curves = {"target": pca_explained_variance(_flat(raw))}
-    for entry in entries:
-        with open_zoo(Path(entry["path"])) as zoo:
-            curves[entry["name"]] = pca_explained_variance(
-                _flat({key: zoo.layer(key) for key in raw}))
-    figures["pca"] = pca_figure(curves)
+                                        for layer in floor.layers}, treatment, styles=styles)
+    figures["pca"] = pca_figure(curves, styles=styles)
     return figures, notes
 
 

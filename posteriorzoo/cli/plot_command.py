@@ -343,7 +343,7 @@ def run_collapse(args: argparse.Namespace) -> int:
 
 def run_mmd(args: argparse.Namespace) -> int:
     from analysis.figures.draw import mmd_figure
-    from analysis.figures.sources import mmd_noise_band, mmd_values
+    from analysis.figures.sources import collection_styles, mmd_noise_band, mmd_values
     from posteriorzoo.collection import compare
     from posteriorzoo.mmd import held_out_size, small_target_warning
     from posteriorzoo.outputs import temporary_folder
@@ -374,7 +374,7 @@ def run_mmd(args: argparse.Namespace) -> int:
             noise = mmd_noise_band(source, layers, size, splits=args.noise_splits,
                                    seed=args.seed, verify=not args.no_verify)
     figure = mmd_figure(values, noise, args.symmetries, statistic=args.statistic,
-                        scale=MMD_DISPLAY_SCALE)
+                        scale=MMD_DISPLAY_SCALE, styles=collection_styles(methods))
     summaries = {s.method: getattr(s, args.statistic) for s in report.summaries()
                  if s.symmetries == args.symmetries}
     # the JSON keeps the raw values; the figure and the printed line show them scaled
@@ -391,18 +391,29 @@ def run_mmd(args: argparse.Namespace) -> int:
 
 
 def run_pca(args: argparse.Namespace) -> int:
+    import dataclasses
+
     import numpy as np
 
     from analysis.figures.draw import pca_figure
-    from analysis.figures.sources import canonical_copy, pca_curve
+    from analysis.figures.sources import canonical_copy, collection_styles, pca_curve
 
     zoos = file_stem_names(args.zoos)
     inputs = list(zoos.values())
     _check_outputs(args, inputs)
     curves = {}
+    # each curve in the style of what its file holds (as in the report); beside its raw
+    # curve, a canonical one is dotted
+    methods, styles = collection_styles(zoos), {}
 
     def label(name: str, kind: str) -> str:
-        return name if args.symmetries != "both" else f"{name} ({kind})"
+        if args.symmetries != "both":
+            styles[name] = methods[name]
+            return name
+        shown = f"{name} ({kind})"
+        styles[shown] = (methods[name] if kind == "raw"
+                         else dataclasses.replace(methods[name], linestyle=":"))
+        return shown
 
     for name, path in zoos.items():
         if args.symmetries in ("keep", "both"):
@@ -412,7 +423,7 @@ def run_pca(args: argparse.Namespace) -> int:
                                 verify=not args.no_verify) as copy:
                 curves[label(name, "canonical")] = pca_curve(
                     copy, args.layers, verify=not args.no_verify)
-    figure = pca_figure(curves)
+    figure = pca_figure(curves, styles=styles)
 
     def needed(curve: np.ndarray, level: float) -> int:
         return int(np.searchsorted(curve, level - 1e-12) + 1)

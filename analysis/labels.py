@@ -1,0 +1,33 @@
+"""The display names of methods: the report's rows and the key of every figure's style.
+
+A light module (no matplotlib), so that the report without figures and the figures' styles
+(:mod:`analysis.figures.styles`) name a collection the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["METHOD_LABELS", "collection_label"]
+
+#: Display names of the methods (multi-mode versions get "MM-").
+METHOD_LABELS = {"de": "DE", "mc-dropout": "Dropout", "bbb": "BBB", "swag": "SWAG",
+                 "laplace": "Laplace", "sghmc": "SGHMC", "emp": "EMP", "ecmp": "ECMP",
+                 "rank-1": "Rank-1"}
+
+
+def collection_label(zoo: Any) -> str:
+    """The display name of an open collection's method: ``SWAG``, ``MM-SWAG`` (a
+    multi-mode posterior), ``BBB (trained-variance)`` (a preset other than the paper's);
+    a method without a display name is named as the file records it.
+
+    Parameters
+    ----------
+    zoo : posteriorzoo.zoo.Zoo
+        An open collection (its ``method``, ``annotations`` and ``recipe`` are read).
+    """
+    label = METHOD_LABELS.get(zoo.method, zoo.method)
+    preset = ((zoo.recipe or {}).get("method_options") or {}).get("preset")
+    if isinstance(preset, str) and preset != "paper":
+        label = f"{label} ({preset})"
+    return f"MM-{label}" if zoo.annotations.get("posterior") == "multi-mode" else label
