@@ -102,17 +102,17 @@ def test_the_swag_numbers_are_the_method_modules():
     assert swag.LENGTH_FACTOR * get_recipe("optunet-mnist").epochs == SWAG_REFERENCE_EPOCHS
 
 
-def test_a_shortened_swag_spec_trains(tmp_path, capsys):
+def test_a_shortened_swag_spec_trains(tmp_path, capsys, monkeypatch):
     """The spec that was refused ("iterates (20) exceeds the 4 epochs") trains, and the
     collection records the derived options. train says what was derived on stderr, one
-    line each, in a log as at a terminal (stderr is no terminal here) and with
-    --no-progress; the JSON summary lists it too."""
+    line each: at a terminal before the progress bar, in a log (stderr is no terminal
+    here) once training succeeded; the JSON summary lists it too."""
     spec = tmp_path / "swag.toml"
     spec.write_text('recipe = "optunet-mnist"\ndataset = "digits"\nmethod = "swag"\n'
                     "modes = 1\nsamples_per_mode = 2\nbase_seed = 3\n\n"
                     "[recipe_overrides]\nepochs = 2\n")
     code, out, err = run(capsys, "train", spec, "--out", tmp_path / "swag.h5", "--backend",
-                         "serial", "--json", "--no-progress")
+                         "serial", "--json")
     assert code == 0, err
     lines = err.splitlines()
     assert lines[:5] == [
@@ -138,6 +138,14 @@ def test_a_shortened_swag_spec_trains(tmp_path, capsys):
         assert zoo.recipe["milestones"] == [1]
         records = zoo.training_records()
     assert [record["iterates"] for record in records.values()] == [2]
+    # at a terminal, the same lines come before the progress bar
+    import posteriorzoo.cli
+
+    monkeypatch.setattr(posteriorzoo.cli, "_stderr_is_terminal", lambda: True)
+    code, _, err = run(capsys, "train", spec, "--out", tmp_path / "again.h5", "--backend",
+                       "serial")
+    assert code == 0, err
+    assert err.startswith("\n".join(lines[:5]))
 
 
 # ---------------------------------------------------------------- milestones

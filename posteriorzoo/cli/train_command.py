@@ -100,7 +100,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_json_option(parser, "the run's summary (the dry run, the option list) as JSON")
     parser.add_argument("--no-progress", action="store_true",
                         help="hide the progress bar (drawn only when stderr is a "
-                             "terminal)")
+                             "terminal); the lines saying which defaults were derived then "
+                             "come once training succeeded, so that a failure is one line")
     parser.set_defaults(func=run_train)
 
 
@@ -125,14 +126,19 @@ def run_train(args: argparse.Namespace) -> int:
     from train_zoo.backends import make_backend
     from train_zoo.run import train_collection
 
-    # What was derived is part of what is trained: said in a log as at a terminal
-    for line in spec.derived:
-        print(f"posteriorzoo train: {line}", file=sys.stderr)
+    # What was derived is part of what is trained: at a terminal it is said before the
+    # progress bar; in a log (no bar), once the run succeeded, so that a failure is still
+    # one line there
+    at_terminal = not args.no_progress
+    if at_terminal:
+        _say_derived(spec)
     backend = make_backend(args.backend, workers=args.workers, group_size=args.group_size,
                            address=args.ray_address)
     summary = train_collection(spec, args.out, backend=backend, engine=args.engine,
-                               progress=not args.no_progress, command=args.command_line,
+                               progress=at_terminal, command=args.command_line,
                                verify=not args.no_verify)
+    if not at_terminal:
+        _say_derived(spec)
     if args.json:
         import json
 
@@ -148,6 +154,12 @@ def run_train(args: argparse.Namespace) -> int:
           f"({summary.trained} trained now, {summary.diverged} diverged) in "
           f"{summary.seconds:.1f} s, {summary.steps_per_second:.0f} model-steps/s")
     return 0
+
+
+def _say_derived(spec: Any) -> None:
+    """One stderr line per default derived from the recipe (``spec.derived``)."""
+    for line in spec.derived:
+        print(f"posteriorzoo train: {line}", file=sys.stderr)
 
 
 # ---------------------------------------------------------------- --list-options
