@@ -10,10 +10,10 @@ from zoo_helpers import checkpoint
 from analysis.figures import mmd_figure, pca_figure
 from analysis.figures.styles import method_style
 from analysis.report import build_report
-from analysis.report.build import NOISE_FLOOR_MIN_RATIO
 from analysis.report.page import html_page, markdown_page, noise_floor_warning, table1_text
 from posteriorzoo.errors import SampleSizeError
 from posteriorzoo.mmd import held_out_size, small_target_warning
+from posteriorzoo.mmd.noise import MIN_TARGET_RATIO
 from posteriorzoo.zoo import create_zoo
 
 
@@ -32,7 +32,7 @@ def test_small_target_is_warned_about_and_the_provenance_is_folded(tmp_path):
     report = build_report(target, {"DE": method}, splits=3, n_images=50, figures=False)
     warning = noise_floor_warning(report)
     assert warning is not None and "12 checkpoints" in warning
-    assert f"at least {NOISE_FLOOR_MIN_RATIO * 4} checkpoints" in warning
+    assert f"at least {MIN_TARGET_RATIO * 4} checkpoints" in warning
     page = html_page(report)
     assert '<p class="warning" id="noise-warning">' in page
     assert "<details><summary>" in page

@@ -227,16 +227,16 @@ def mmd_noise_band(target: PathLike, layers: Sequence[str], size: int, *, splits
 
 
 def collection_styles(paths: Mapping[str, PathLike]) -> dict[str, Any]:
-    """``{name: MethodStyle}`` of each collection from what its file holds
-    (:func:`~analysis.figures.styles.collection_style`), so that ``plot`` draws a method
-    as the report does, whatever the file is called."""
+    """``{name: MethodStyle}`` of the collection each figure label ``name`` draws, from
+    what its file holds (:func:`~analysis.figures.styles.collection_style`), so that
+    ``plot`` draws a method as the report does, whatever the file is called."""
     from analysis.figures.styles import collection_style
     from posteriorzoo.zoo import open_zoo
 
     styles = {}
     for name, path in paths.items():
         with open_zoo(path) as zoo:
-            styles[name] = collection_style(zoo, name=name)
+            styles[name] = collection_style(zoo, name)
     return styles
 
 

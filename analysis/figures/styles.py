@@ -59,19 +59,28 @@ def _words(name: str) -> list[str]:
     return [word for word in re.split(r"[^a-z0-9]+", name.lower()) if word]
 
 
+def _name_parts(name: str) -> tuple[list[str], bool]:
+    """The words of ``name`` less a last ``raw`` or ``canonical``, and whether it was
+    ``canonical`` (``plot pca --symmetries both`` names its curves so)."""
+    words = _words(name)
+    canonical = words[-1:] == ["canonical"]
+    return (words[:-1] if words[-1:] in (["raw"], ["canonical"]) else words), canonical
+
+
+def _target(canonical: bool) -> MethodStyle:
+    return dataclasses.replace(_TARGET, linestyle=":") if canonical else _TARGET
+
+
 def method_style(name: str) -> MethodStyle:
     """The style of the method called ``name`` (a report label or a file stem).
 
     >>> method_style("MM-SWAG") == method_style("optunet-fashion-mnist-swag-multi-mode")
     True
     """
-    words = _words(name)
-    canonical = bool(words) and words[-1] == "canonical"
-    if words and words[-1] in ("raw", "canonical"):
-        words = words[:-1]
+    words, canonical = _name_parts(name)
     text = "-".join(words)
-    if words and words[-1] == "target":
-        return MethodStyle(_TARGET.colour, _TARGET.marker, ":" if canonical else "-")
+    if words[-1:] == ["target"]:
+        return _target(canonical)
     multi = (bool(words) and words[0] == "mm") or "multi-mode" in text or "multimode" in text
     for token, colour in _COLOURS:
         if token in text if "-" in token else token in words:
@@ -87,14 +96,14 @@ def _line(multi: bool, canonical: bool) -> str:
     return ":" if canonical else "--" if multi else "-"
 
 
-def collection_style(zoo: Any, *, name: str | None = None,
-                     canonical: bool = False) -> MethodStyle:
+def collection_style(zoo: Any, name: str = "") -> MethodStyle:
     """The style of an open collection's method (:func:`analysis.labels.collection_label`),
-    whatever the file or its figure label is called; ``canonical``: its canonical forms'
-    (dotted). Being the target is a role no file records (the shipped target is a Deep
-    Ensemble's file): a ``name`` that says ``target`` keeps the target's style."""
-    words = _words(name or "")
-    if words and words[-1] in ("raw", "canonical"):
-        words = words[:-1]
-    style = _TARGET if words[-1:] == ["target"] else method_style(collection_label(zoo))
+    whatever the file or its figure label ``name`` is called; dotted for a ``name`` that
+    ends in ``canonical``, as :func:`method_style`. Being the target is a role no file
+    records (the shipped target is a Deep Ensemble's file): a ``name`` that says
+    ``target`` keeps the target's style."""
+    words, canonical = _name_parts(name)
+    if words[-1:] == ["target"]:
+        return _target(canonical)
+    style = method_style(collection_label(zoo))
     return dataclasses.replace(style, linestyle=":") if canonical else style

@@ -28,7 +28,7 @@ import numpy as np
 from analysis.labels import collection_label
 from analysis.report import tables
 from posteriorzoo.errors import InvalidOptionError, PosteriorZooError
-from posteriorzoo.mmd.noise import MIN_TARGET_RATIO, NoiseFloor, held_out_size, noise_floor
+from posteriorzoo.mmd.noise import NoiseFloor, held_out_size, noise_floor
 from posteriorzoo.options import check_choice, check_integer
 from posteriorzoo.results import CollectionResult, csv_text
 from posteriorzoo.text import MMD_DISPLAY_SCALE
@@ -39,9 +39,6 @@ from posteriorzoo.text import MMD_DISPLAY_SCALE
 MAX_BINS = 10_000
 MAX_SPLITS = 1_000
 MAX_PAIRS = 100_000
-#: Below this many times the held-out n in the target, the page, report.md and the
-#: printed table warn that the noise floor says little (posteriorzoo.mmd.noise).
-NOISE_FLOOR_MIN_RATIO = MIN_TARGET_RATIO
 
 
 class MixedDatasetsError(PosteriorZooError, ValueError):

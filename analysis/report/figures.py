@@ -59,7 +59,7 @@ def report_figures(target: Path, target_arrays: Mapping[str, Mapping[str, np.nda
     curves = {"target": pca_explained_variance(_flat(raw))}
     for entry in entries:
         with open_zoo(Path(entry["path"])) as zoo:
-            styles[entry["name"]] = collection_style(zoo, name=entry["name"])
+            styles[entry["name"]] = collection_style(zoo, entry["name"])
             curves[entry["name"]] = pca_explained_variance(
                 _flat({key: zoo.layer(key) for key in raw}))
     for treatment, name in (("keep", "mmd"), ("remove", "ns-mmd")):

@@ -391,8 +391,6 @@ def run_mmd(args: argparse.Namespace) -> int:
 
 
 def run_pca(args: argparse.Namespace) -> int:
-    import dataclasses
-
     import numpy as np
 
     from analysis.figures.draw import pca_figure
@@ -401,18 +399,11 @@ def run_pca(args: argparse.Namespace) -> int:
     zoos = file_stem_names(args.zoos)
     inputs = list(zoos.values())
     _check_outputs(args, inputs)
-    curves = {}
-    # each curve in the style of what its file holds (as in the report); beside its raw
-    # curve, a canonical one is dotted
-    methods, styles = collection_styles(zoos), {}
+    curves, drawn = {}, {}
 
     def label(name: str, kind: str) -> str:
-        if args.symmetries != "both":
-            styles[name] = methods[name]
-            return name
-        shown = f"{name} ({kind})"
-        styles[shown] = (methods[name] if kind == "raw"
-                         else dataclasses.replace(methods[name], linestyle=":"))
+        shown = name if args.symmetries != "both" else f"{name} ({kind})"
+        drawn[shown] = zoos[name]
         return shown
 
     for name, path in zoos.items():
@@ -423,7 +414,8 @@ def run_pca(args: argparse.Namespace) -> int:
                                 verify=not args.no_verify) as copy:
                 curves[label(name, "canonical")] = pca_curve(
                     copy, args.layers, verify=not args.no_verify)
-    figure = pca_figure(curves, styles=styles)
+    # each curve in the style of what its file holds, as in the report (canonical: dotted)
+    figure = pca_figure(curves, styles=collection_styles(drawn))
 
     def needed(curve: np.ndarray, level: float) -> int:
         return int(np.searchsorted(curve, level - 1e-12) + 1)
