@@ -369,6 +369,18 @@ def test_cli_mmd_band_of_a_target_no_larger_than_the_methods_is_the_reports(zoos
         assert band == pytest.approx(floor.layer_band(layer), rel=1e-12, abs=1e-15)
 
 
+def test_cli_mmd_band_of_a_target_of_three_is_refused_in_one_line(zoos, tmp_path, capsys):
+    _, method = zoos
+    target = _collection(tmp_path / "three.h5", range(3))
+    code, _, err = run(capsys, "plot", "mmd", target, method, "--noise-splits", "2",
+                       "--out", tmp_path / "mmd")
+    assert_one_line_error(code, err, "at least 4 checkpoints")
+    assert not list(tmp_path.glob("mmd*"))
+    code, _, err = run(capsys, "plot", "mmd", target, method, "--noise-splits", "0",
+                       "--out", tmp_path / "mmd")
+    assert code == 0, err          # without a band, 3 target checkpoints are enough
+
+
 def test_cli_pca(zoos, tmp_path, capsys):
     target, method = zoos
     result = _plot_json(capsys, "pca", f"T={target}", method, "--symmetries", "both",
