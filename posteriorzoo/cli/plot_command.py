@@ -365,9 +365,10 @@ def run_mmd(args: argparse.Namespace) -> int:
             # already), whatever the inputs' file names
             source = report.canonical_target if args.symmetries == "remove" else None
             source = source or args.target
+            target_count = report.results[0].mmd.m
             sizes = {result.method: result.mmd.n for result in report.results}
-            size = held_out_size(report.results[0].mmd.m, list(sizes.values()))
-            warning = small_target_warning(report.results[0].mmd.m, size)
+            size = held_out_size(target_count, list(sizes.values()))
+            warning = small_target_warning(target_count, size)
             if warning:
                 warnings.warn(warning, stacklevel=1)
             layers = list(dict.fromkeys(result.layer for result in report.results))
