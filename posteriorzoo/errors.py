@@ -38,6 +38,31 @@ class NonFiniteWeightsError(PosteriorZooError, ValueError):
     """A checkpoint contains NaN or infinite values where finite ones are required."""
 
 
+class CanonicalOverflowError(NonFiniteWeightsError):
+    """A checkpoint whose weights are finite, but whose canonical form is too large for
+    the collection's dtype (rescaling moved the scale of a layer into the next one).
+
+    ``str(error)`` is the library's message: it names the Python argument that avoids
+    the overflow, if one does. A command line names its own option instead, or none
+    where the command has no such option (:meth:`command_line_message`). ``way_out``:
+    ``(argument as typed, the option's argparse dest, the option as typed, what it does)``.
+    """
+
+    def __init__(self, problem: str,
+                 way_out: tuple[str, str, str, str] | None = None) -> None:
+        self.problem = problem
+        self.way_out = way_out
+        super().__init__(problem if way_out is None else
+                         f"{problem}; with {way_out[0]} {way_out[3]}")
+
+    def command_line_message(self, options: object) -> str:
+        """The message for a command whose parsed options are ``options``: it names the
+        way out only where the command has that option."""
+        if self.way_out is None or not hasattr(options, self.way_out[1]):
+            return self.problem
+        return f"{self.problem}; with {self.way_out[2]} {self.way_out[3]}"
+
+
 class ZooBusyError(PosteriorZooError):
     """Another process holds the collection open for writing."""
 

@@ -196,6 +196,11 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
     "test_overhead.py": {
         "test_bad_options_are_one_line": ("overhead", "bad option"),
     },
+    "test_canonicalize_collection.py": {
+        "test_finite_weights_that_overflow_when_canonicalized_are_one_true_line": (
+            "canonicalize", "content"),
+        "test_api_overflow_error_names_the_python_argument": ("canonicalize", "content"),
+    },
     "test_byov.py": {
         "test_cli_bad_options_are_one_line": ("study", "bad option"),
         "test_cli_refuses_an_existing_output": ("study", "output policy"),

@@ -89,3 +89,57 @@ def test_unsupported_operations_are_warned_about_and_annotated(twin_collections,
     with open_zoo(twin_collections / "c.h5") as zoo:
         assert zoo.annotations["not_removed"] == [gap]
         assert zoo.annotations["flipped_variables"] == 0 and zoo.annotations["sign_rule"] is None
+
+
+@pytest.fixture
+def huge_weights(tmp_path):
+    """A collection whose checkpoint 2 has finite weights of 3e38, near float32's largest
+    value: its canonical form (each unit's norm moved into the next layer, here 1e40 into
+    fc) overflows."""
+    states = []
+    for seed in range(4):
+        torch.manual_seed(seed)
+        states.append(build("optunet").state_dict())
+    states[2]["conv1.weight"].fill_(3e38)
+    states[2]["conv2.weight"].fill_(1.0)
+    assert all(torch.isfinite(value).all() for value in states[2].values())
+    _zoo(tmp_path / "huge.h5", states)
+    return tmp_path / "huge.h5"
+
+
+def test_finite_weights_that_overflow_when_canonicalized_are_one_true_line(huge_weights,
+                                                                         capsys):
+    from posteriorzoo.hashing import sha256_file
+
+    folder, digest = huge_weights.parent, sha256_file(huge_weights)
+    code = main(["canonicalize", str(huge_weights), "--out", str(folder / "c.h5"),
+                 "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    [line] = err.strip().splitlines()
+    for fragment in ("huge.h5: checkpoint 2", "finite but too large to canonicalize in "
+                     "float32", "overflows", "--scaling none"):
+        assert fragment in line
+    assert "NaN" not in line and "diverged" not in line and "scaling='none'" not in line
+    assert sha256_file(huge_weights) == digest
+    assert sorted(path.name for path in folder.iterdir()) == ["huge.h5"]
+    # the way out the message names does canonicalize it
+    assert main(["canonicalize", str(huge_weights), "--out", str(folder / "c.h5"),
+                 "--scaling", "none", "--no-progress"]) == 0
+
+
+def test_api_overflow_error_names_the_python_argument(huge_weights):
+    import argparse
+
+    from posteriorzoo.errors import CanonicalOverflowError, NonFiniteWeightsError
+
+    with pytest.raises(CanonicalOverflowError) as caught:
+        canonicalize_file(huge_weights, huge_weights.parent / "c.h5")
+    message = str(caught.value)
+    assert isinstance(caught.value, NonFiniteWeightsError)
+    assert "checkpoint 2: its weights are finite but too large" in message
+    assert "with scaling='none' the weights keep their scale" in message
+    assert "--" not in message and "diverged" not in message
+    # a command without a --scaling option (report) names no way out
+    assert caught.value.command_line_message(argparse.Namespace()) == caught.value.problem
+    assert sorted(path.name for path in huge_weights.parent.iterdir()) == ["huge.h5"]

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from posteriorzoo import __version__
-from posteriorzoo.errors import PosteriorZooError
+from posteriorzoo.errors import CanonicalOverflowError, PosteriorZooError
 
 EXIT_BAD_INPUT = 2
 #: posteriorzoo.models.plugins.ENVIRONMENT_VARIABLE, named here because importing that
@@ -155,7 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             _load_model_plugins(args.models)
             return int(args.func(args) or 0)
     except PosteriorZooError as error:
-        print(f"posteriorzoo {args.command}: error: {error}", file=sys.stderr)
+        # an error that names a Python argument says the command's option instead
+        message = (error.command_line_message(args)
+                   if isinstance(error, CanonicalOverflowError) else error)
+        print(f"posteriorzoo {args.command}: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except BrokenPipeError:  # output piped into e.g. `head`
         sys.stderr.close()

@@ -37,8 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "annotations say what was removed and what could not be. Every "
                     "checkpoint's SHA-256 is checked as it is read. OUT is built under a "
                     "temporary name and appears only when complete. Exit code 2 on bad "
-                    "input (missing or corrupt IN, NaN weights not flagged diverged, OUT "
-                    "already exists without --overwrite, OUT is IN); IN is never modified.")
+                    "input (missing or corrupt IN, NaN weights not flagged diverged, finite "
+                    "weights whose canonical form overflows the stored dtype, OUT already "
+                    "exists without --overwrite, OUT is IN); IN is never modified.")
     parser.add_argument("source", type=Path, metavar="IN", help="collection file (.h5)")
     parser.add_argument("--out", dest="target", type=Path, required=True, metavar="OUT",
                         help="new collection file (.h5)")

@@ -21,7 +21,7 @@ from posteriorzoo._api import public
 from posteriorzoo._faults import fault_point
 from posteriorzoo.collection._open import Source, model_of, opened, source_path
 from posteriorzoo.dtypes import torch_dtype
-from posteriorzoo.errors import ChecksumError, InvalidOptionError
+from posteriorzoo.errors import CanonicalOverflowError, ChecksumError, InvalidOptionError
 from posteriorzoo.options import check_integer
 from posteriorzoo.outputs import check_output
 from posteriorzoo.provenance import describe_input, record
@@ -211,6 +211,9 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
     :data:`VERIFY_TOLERANCE` relative). Checkpoints with NaN or infinite weights, which a
     collection holds only flagged as diverged, have no canonical form: they are copied
     unchanged, still flagged, and counted in :attr:`CanonicalizeResult.copied_unchanged`.
+    Finite weights whose canonical form does not fit the stored dtype (near float32's
+    largest value, rescaling overflows the next layer) raise :class:`CanonicalOverflowError`
+    naming the checkpoint; nothing is written.
     ``signs`` removes the sign flips odd activations allow (see
     :mod:`posteriorzoo.symmetry.canonical`); a :class:`SymmetryCoverageWarning` names the
     units an unsupported operation leaves untouched (also in the ``not_removed``
@@ -266,8 +269,11 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
                                                        scaling, softmax, solver, signs)
                 dead += sum(1 for unit in report.dead_units if not non_finite[unit[0]])
                 size = len(non_finite)
+                converted = {key: value.to(dtypes[key]) for key, value in canonical.items()}
+                _check_in_range(batch, canonical, converted, non_finite, start,
+                                path.name, scaling, softmax)
                 stored = [{key: block[key][b] for key in block} if non_finite[b] else
-                          {key: canonical[key][b].to(dtypes[key]) for key in canonical}
+                          {key: converted[key][b] for key in converted}
                           for b in range(size)]
                 copied += int(non_finite.sum())
                 for b in sorted(i - start for i in checked if start <= i < start + size):
@@ -293,6 +299,45 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
                           options={"permutation": permutation, "scaling": scaling,
                                    "softmax": softmax, "solver": solver, "signs": signs,
                                    "n_verify": n_verify, "verify": verify}))
+
+
+def _check_in_range(batch: dict[str, torch.Tensor], canonical: dict[str, torch.Tensor],
+                    converted: dict[str, torch.Tensor], non_finite: torch.Tensor,
+                    start: int, source: str, scaling: str, softmax: bool) -> None:
+    """Refuse a batch in which a checkpoint with finite weights has a canonical form that
+    is not finite in the collection's dtype.
+
+    Rescaling moves each unit's scale into the next layer, and the softmax shift
+    subtracts the mean output bias: weights near the dtype's largest value (3.4e38 in
+    float32) can overflow there, although they are valid. The collection would refuse the
+    infinite values as a diverged run that is not flagged; the error says what happened
+    instead, and which option avoids it: no rescaling, or (without rescaling) no softmax
+    shift, since permutations and sign flips move no value out of range.
+    """
+    size = len(non_finite)
+    overflowed = torch.zeros(size, dtype=torch.bool)
+    for value in converted.values():
+        if value.is_floating_point():
+            overflowed |= ~torch.isfinite(value.reshape(size, -1)).all(dim=1)
+    overflowed &= ~non_finite
+    if not overflowed.any():
+        return
+    row = int(torch.nonzero(overflowed)[0])
+    key = next(key for key, value in converted.items()
+               if value.is_floating_point() and not torch.isfinite(value[row]).all())
+    dtype = str(converted[key].dtype).removeprefix("torch.")
+    largest = max(float(value[row].abs().max()) for value in batch.values()
+                  if value.is_floating_point() and value[row].numel())
+    where = ("" if torch.isfinite(canonical[key][row]).all()
+             else " (already in float64)")
+    problem = (f"{source}: checkpoint {start + row}: its weights are finite but too large "
+               f"to canonicalize in {dtype}: the canonical {key} overflows{where} "
+               f"(largest |weight| of the checkpoint {largest:.3g})")
+    way_out = (("scaling='none'", "scaling", "--scaling none", "the weights keep their scale")
+               if scaling != "none" else
+               ("softmax=False", "no_softmax", "--no-softmax",
+                "the output biases are not shifted") if softmax else None)
+    raise CanonicalOverflowError(problem, way_out)
 
 
 def _copied_row(row: np.void, source: str, index: int) -> dict:
