@@ -201,6 +201,11 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
             "canonicalize", "content"),
         "test_api_overflow_error_names_the_python_argument": ("canonicalize", "content"),
     },
+    "test_diagnose.py": {
+        "test_a_diverged_checkpoint_is_left_out_and_counted": ("diagnose", "diverged rows"),
+        "test_a_chain_with_a_diverged_draw_gets_no_chain_statistics": ("diagnose",
+                                                                       "diverged rows"),
+    },
     "test_byov.py": {
         "test_cli_bad_options_are_one_line": ("study", "bad option"),
         "test_cli_refuses_an_existing_output": ("study", "output policy"),

@@ -78,3 +78,66 @@ def test_cli_json_and_bad_input(capsys, tmp_path):
     assert main(["diagnose", str(missing), "--no-predictions"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "error" in err[0]
+
+
+def _copy_with_a_diverged_row(source, path, rows, diverged_row=None):
+    """The first ``rows`` checkpoints of ``source`` as a new collection; the checkpoint at
+    ``diverged_row`` replaced by NaN weights flagged diverged, as the trainer writes a run
+    whose loss blew up (test accuracy at chance, NaN loss)."""
+    import numpy as np
+
+    from posteriorzoo.zoo import create_zoo, open_zoo
+
+    with open_zoo(source) as zoo, create_zoo(
+            path, architecture=zoo.architecture, dataset=zoo.dataset, method=zoo.method,
+            num_classes=zoo.num_classes, template=zoo.tensor_layout,
+            recipe=zoo.recipe) as out:
+        for index in range(rows):
+            meta = zoo.metadata_dict(index)
+            keep = {name: meta[name] for name in ("seed", "mode_id", "sample_id",
+                                                  "test_accuracy", "test_loss")}
+            state = zoo.arrays(index)
+            if index == diverged_row:
+                state = {key: np.full_like(value, np.nan) for key, value in state.items()}
+                keep.update(diverged=True, test_accuracy=0.1, test_loss=float("nan"))
+            out.append(state, **keep)
+    return path
+
+
+def test_a_diverged_checkpoint_is_left_out_and_counted(tmp_path, capsys):
+    from zoo_helpers import need_fashion_mnist
+
+    from posteriorzoo.hashing import sha256_file
+
+    clean = _copy_with_a_diverged_row(reference_path("de"), tmp_path / "clean.h5", 6)
+    mixed = _copy_with_a_diverged_row(reference_path("de"), tmp_path / "mixed.h5", 7,
+                                      diverged_row=6)
+    digest = sha256_file(mixed)
+    result = diagnose(mixed, predictions=False)
+    assert result.left_out == 1 and result.to_dict()["left_out"] == 1
+    # the statistics are those of the six finite checkpoints (the chance accuracy of
+    # the diverged one is not in the spread)
+    assert result.diversity == diagnose(clean, predictions=False).diversity
+    assert diagnose(clean, predictions=False).left_out == 0
+    code = main(["diagnose", str(mixed), "--no-predictions"])
+    out, err = capsys.readouterr()
+    assert code == 0 and err == ""
+    assert "left out      1 diverged checkpoint (NaN or infinite weights)" in out
+    assert sha256_file(mixed) == digest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clean.h5", "mixed.h5"]
+    need_fashion_mnist()
+    # with predictions: the IDMI of the finite checkpoints' ensemble
+    assert main(["diagnose", str(mixed)]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and "left out      1 diverged" in out
+    assert diagnose(mixed).diversity["idmi"] == pytest.approx(
+        diagnose(clean).diversity["idmi"], rel=1e-6)
+
+
+def test_a_chain_with_a_diverged_draw_gets_no_chain_statistics(tmp_path):
+    mixed = _copy_with_a_diverged_row(reference_path("sghmc"), tmp_path / "mixed.h5", 100,
+                                      diverged_row=40)
+    result = diagnose(mixed, predictions=False)
+    assert result.left_out == 1 and result.chains == []
+    assert any("mode 0: 1 of its 100 samples diverged" in line and "no chain statistics"
+               in line for line in result.unknown)

@@ -31,7 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "worst tenth), and the recorded kinetic temperature. Variational (BBB): "
                     "per layer, the samples' sigma against the initial sigma. What a "
                     "collection made before training records existed cannot tell is "
-                    "reported as unknown. " + _flag_help())
+                    "reported as unknown. Checkpoints with NaN or infinite weights "
+                    "(flagged diverged) are left out of every statistic, and counted. "
+                    + _flag_help())
     parser.add_argument("zoos", type=Path, nargs="+", help="collection files (.h5)")
     parser.add_argument("--no-predictions", action="store_true",
                         help="skip the forward passes (no IDMI; no dataset needed)")
@@ -52,6 +54,10 @@ def _print(result) -> None:
     data = result.to_dict()
     print(data["path"])
     print(f"  method        {data['method']}")
+    if data["left_out"]:
+        count = data["left_out"]
+        print(f"  left out      {count} diverged checkpoint{'s' if count > 1 else ''} (NaN "
+              "or infinite weights): every statistic is of the others")
     accuracy = data["diversity"]["test_accuracy"]
     if accuracy:
         print(f"  test accuracy min {accuracy['min']:.4f}  median {accuracy['median']:.4f}  "

@@ -18,6 +18,14 @@ Three parts, each present where it applies:
 
 A collection made before training records existed still gets every statistic its
 samples allow; what only a record can tell is reported as unknown, with the reason.
+
+Checkpoints with NaN or infinite weights (a collection holds them only flagged
+``diverged``) have no predictions and no place in a chain or a spread: every statistic is
+computed on the finite checkpoints, the result says how many were left out
+(:attr:`DiagnoseResult.left_out`), and a chain with a left-out draw gets no chain
+statistics (its draws no longer follow each other). ``canonicalize`` copies such
+checkpoints unchanged and ``min-mass`` gives them NaN, in the same spirit: they are kept
+in the collection, never computed with.
 """
 
 from __future__ import annotations
@@ -79,6 +87,9 @@ class DiagnoseResult(CollectionResult):
         raise it (``"variance did not train (modes 0, 1, 3)"``).
     unknown : list of str
         What could not be known, and why.
+    left_out : int
+        Checkpoints with NaN or infinite weights (flagged diverged), left out of every
+        statistic.
     """
 
     kind = "diagnostics"
@@ -90,11 +101,13 @@ class DiagnoseResult(CollectionResult):
     variational: list[dict[str, Any]] | None
     flags: list[str]
     unknown: list[str]
+    left_out: int = 0
 
     def payload(self) -> dict[str, Any]:
         return {"path": self.path, "method": self.method, "flags": self.flags,
                 "diversity": self.diversity, "build": self.build, "chains": self.chains,
-                "variational": self.variational, "unknown": self.unknown}
+                "variational": self.variational, "unknown": self.unknown,
+                "left_out": self.left_out}
 
     def tables(self) -> dict[str, str]:
         tables = {}
@@ -125,6 +138,19 @@ def _by_mode(metadata: np.ndarray) -> dict[int, np.ndarray]:
     return modes
 
 
+def _finite_rows(zoo) -> np.ndarray:
+    """``(N,)`` bool: the checkpoints whose floating tensors (buffers too) are all finite,
+    read one block of one tensor at a time."""
+    finite = np.ones(len(zoo), dtype=bool)
+    for key, (_, dtype) in zoo.tensor_layout.items():
+        if np.dtype(dtype).kind != "f":
+            continue
+        for start, block in zoo.layer_blocks(key):
+            rows = block.reshape(len(block), -1)
+            finite[start:start + len(block)] &= np.isfinite(rows).all(axis=1)
+    return finite
+
+
 def _parameters(zoo) -> dict[str, np.ndarray]:
     """Every floating tensor of the collection as ``(N, count)`` float64."""
     layers = {}
@@ -134,11 +160,17 @@ def _parameters(zoo) -> dict[str, np.ndarray]:
     return layers
 
 
-def _chain_part(modes, layers, options, records, lags, flags, unknown):
+def _chain_part(modes, layers, options, records, lags, flags, unknown, finite):
     flat = np.concatenate(list(layers.values()), axis=1)
     chains_per_mode = int(options.get("chains", 1))
     parts = []
     for mode, rows in modes.items():
+        diverged = int((~finite[rows]).sum())
+        if diverged:
+            unknown.append(f"mode {mode}: {diverged} of its {len(rows)} samples diverged "
+                           "(NaN or infinite weights), so its chains are broken: no chain "
+                           "statistics")
+            continue
         per_chain = len(rows) // chains_per_mode
         if per_chain < 4:
             unknown.append(f"mode {mode}: {len(rows)} samples in {chains_per_mode} chain(s) "
@@ -177,7 +209,8 @@ def _variational_part(zoo, modes, layers, options, records, flags, unknown):
     parts = []
     for mode, rows in modes.items():
         if len(rows) < 2:
-            unknown.append(f"mode {mode}: one sample tells no sigma")
+            unknown.append(f"mode {mode}: one sample tells no sigma" if len(rows) else
+                           f"mode {mode}: every sample diverged, none tells a sigma")
             continue
         moved = []
         for key, values in layers.items():
@@ -228,7 +261,9 @@ def _recorded_scales_part(modes, records, flags, unknown):
 
 
 def _diversity(zoo, metadata, predictions: bool, data_dir: str | None,
-               unknown: list[str]) -> dict[str, Any]:
+               unknown: list[str], finite: np.ndarray) -> dict[str, Any]:
+    """The spread of the finite checkpoints' test accuracies and their ensemble's IDMI."""
+    metadata = metadata[finite]
     accuracy = metadata["test_accuracy"][np.isfinite(metadata["test_accuracy"])]
     diversity: dict[str, Any] = {"test_accuracy": None if accuracy.size == 0 else {
         "min": float(accuracy.min()), "median": float(np.median(accuracy)),
@@ -236,10 +271,18 @@ def _diversity(zoo, metadata, predictions: bool, data_dir: str | None,
     if not predictions:
         diversity["idmi"] = "not computed (predictions were not asked for)"
         return diversity
-    from posteriorzoo.collection.evaluation import evaluate
+    if not finite.any():
+        diversity["idmi"] = "unknown: every checkpoint diverged (NaN or infinite weights)"
+        return diversity
+    from posteriorzoo.collection.evaluation import evaluate, member_probabilities
+
+    def finite_members(zoo, images):
+        # every checkpoint at once (the fast engine), then the finite ones' predictions
+        return member_probabilities(zoo, images, verify=False)[finite]
 
     try:
-        diversity["idmi"] = evaluate(zoo, data_dir=data_dir, verify=False).idmi
+        diversity["idmi"] = evaluate(zoo, data_dir=data_dir, verify=False,
+                                     predict=finite_members).idmi
     except DataNotFoundError as error:
         diversity["idmi"] = f"unknown: {error}"
         unknown.append(f"IDMI: the dataset is not available ({error})")
@@ -284,24 +327,28 @@ def diagnose(source: Source, *, predictions: bool = True, data_dir: str | None =
         metadata = zoo.metadata
         options = dict((zoo.recipe or {}).get("method_options") or {})
         records = zoo.training_records()
+        finite = _finite_rows(zoo)
         modes = _by_mode(metadata)
         layers = _parameters(zoo)
         chains = variational = None
         if zoo.method in CHAIN_METHODS:
-            chains = _chain_part(modes, layers, options, records, lags, flags, unknown)
+            chains = _chain_part(modes, layers, options, records, lags, flags, unknown,
+                                 finite)
         if zoo.method in VARIATIONAL_METHODS:
-            variational = _variational_part(zoo, modes, layers, options, records, flags,
-                                            unknown)
+            finite_modes = {mode: rows[finite[rows]] for mode, rows in modes.items()}
+            variational = _variational_part(zoo, finite_modes, layers, options, records,
+                                            flags, unknown)
         elif zoo.method in RECORDED_SCALE_METHODS:
             variational = _recorded_scales_part(modes, records, flags, unknown)
         build = {str(mode): record_ for mode, record_ in records.items()}
         if not records and zoo.method in RECORDING_METHODS:
             unknown.append(f"build-time records {NOT_RECORDED}")
         flags = _grouped(flags)
-        diversity = _diversity(zoo, metadata, predictions, data_dir, unknown)
+        diversity = _diversity(zoo, metadata, predictions, data_dir, unknown, finite)
         path = source_path(source)
         return DiagnoseResult(
             str(path), zoo.method, diversity, build, chains, variational, flags, unknown,
+            left_out=int((~finite).sum()),
             provenance=record("posteriorzoo diagnose", command=command,
                               inputs={"collection": {"path": str(path),
                                                      "content_sha256": content_digest(zoo)}},
