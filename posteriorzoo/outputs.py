@@ -67,14 +67,18 @@ def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 
 
 def check_output(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] = (),
-                 overwrite: bool = False) -> Path:
+                 overwrite: bool = False, directory: bool | None = None) -> Path:
     """Validate an output path before any work starts; returns it as a Path.
+
+    ``directory``: the output is a folder (True) or a file (False); an existing path of
+    the other kind is refused even with ``overwrite``, which replaces a file by a file
+    and a folder by a folder (None: not checked here; the atomic writers check it).
 
     Raises
     ------
     InvalidOptionError
-        ``path`` is one of ``inputs`` (or inside an input folder), or its parent folder
-        does not exist.
+        ``path`` is one of ``inputs`` (or inside an input folder), its parent folder
+        does not exist, or it is a folder where a file is written (or the reverse).
     OutputExistsError
         ``path`` exists and ``overwrite`` is False.
     """
@@ -89,6 +93,8 @@ def check_output(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike]
     if not parent.is_dir():
         raise InvalidOptionError(f"{path}: the folder {parent} does not exist")
     _reclaim_unfinished_set(path)
+    if directory is not None:
+        _check_kind(path, directory)
     if (path.exists() or path.is_symlink()) and not overwrite:
         raise OutputExistsError(
             f"{path} already exists; it is replaced only when overwriting is asked for")

@@ -200,6 +200,10 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_finite_weights_that_overflow_when_canonicalized_are_one_true_line": (
             "canonicalize", "content"),
         "test_api_overflow_error_names_the_python_argument": ("canonicalize", "content"),
+        "test_canonicalize_refuses_an_existing_folder_before_any_work": ("canonicalize",
+                                                                         "output policy"),
+        "test_min_mass_refuses_an_existing_file_as_its_folder_before_any_work": (
+            "min-mass", "output policy"),
     },
     "test_diagnose.py": {
         "test_a_diverged_checkpoint_is_left_out_and_counted": ("diagnose", "diverged rows"),

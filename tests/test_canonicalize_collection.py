@@ -143,3 +143,57 @@ def test_api_overflow_error_names_the_python_argument(huge_weights):
     # a command without a --scaling option (report) names no way out
     assert caught.value.command_line_message(argparse.Namespace()) == caught.value.problem
     assert sorted(path.name for path in huge_weights.parent.iterdir()) == ["huge.h5"]
+
+
+def _no_work(*_, **__):
+    raise AssertionError("the output should have been refused before any work")
+
+
+def test_canonicalize_refuses_an_existing_folder_before_any_work(twin_collections, capsys,
+                                                                 monkeypatch):
+    """--overwrite replaces a file by a file: an existing folder OUT is refused up front
+    (it used to fail after all the work, with a raw '[Errno 21] Is a directory')."""
+    import posteriorzoo.collection.canonicalization as collection
+    from posteriorzoo.errors import InvalidOptionError
+    from posteriorzoo.hashing import sha256_file
+
+    folder = twin_collections
+    existing = folder / "out.h5"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("mine")
+    digest = sha256_file(folder / "a.h5")
+    before = sorted(path.name for path in folder.iterdir())
+    monkeypatch.setattr(collection, "canonicalize_batch", _no_work)
+    for extra in (["--overwrite"], []):
+        code = main(["canonicalize", str(folder / "a.h5"), "--out", str(existing),
+                     "--no-progress", *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err and "Errno" not in err
+        [line] = err.strip().splitlines()
+        assert f"{existing} is a folder; it cannot be replaced by a file" in line
+    with pytest.raises(InvalidOptionError, match="is a folder"):
+        canonicalize_file(folder / "a.h5", existing, overwrite=True)
+    assert sorted(path.name for path in folder.iterdir()) == before  # no partial left
+    assert [p.name for p in existing.iterdir()] == ["notes.txt"]
+    assert (existing / "notes.txt").read_text() == "mine"
+    assert sha256_file(folder / "a.h5") == digest
+
+
+def test_min_mass_refuses_an_existing_file_as_its_folder_before_any_work(twin_collections,
+                                                                          capsys,
+                                                                          monkeypatch):
+    import posteriorzoo.collection.canonicalization as collection
+
+    folder = twin_collections
+    existing = folder / "table"
+    existing.write_text("mine")
+    before = sorted(path.name for path in folder.iterdir())
+    monkeypatch.setattr(collection, "solve_min_mass_batch", _no_work)
+    code = main(["min-mass", str(folder / "a.h5"), "--out", str(existing), "--overwrite",
+                 "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    [line] = err.strip().splitlines()
+    assert f"{existing} is a file; it cannot be replaced by a folder" in line
+    assert sorted(path.name for path in folder.iterdir()) == before
+    assert existing.read_text() == "mine"

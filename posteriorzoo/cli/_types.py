@@ -131,7 +131,8 @@ def add_overwrite_option(parser: argparse.ArgumentParser) -> None:
     """``--overwrite``: the one way to let a command replace an existing output."""
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the output if it exists (default: refuse); the output "
-                             "is never one of the inputs")
+                             "is never one of the inputs, and a file replaces only a file, "
+                             "a folder only a folder")
 
 
 def add_no_verify_option(parser: argparse.ArgumentParser) -> None:

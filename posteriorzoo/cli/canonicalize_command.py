@@ -128,7 +128,8 @@ def run_min_mass(args: argparse.Namespace) -> int:
     from posteriorzoo.outputs import check_output
 
     if args.out is not None:
-        check_output(args.out, inputs=[args.source], overwrite=args.overwrite)
+        check_output(args.out, inputs=[args.source], overwrite=args.overwrite,
+                     directory=True)
     result = min_mass(args.source, solver=args.solver,
                       checkpoints_per_batch=args.checkpoints_per_batch,
                       verify=not args.no_verify, progress=not args.no_progress,

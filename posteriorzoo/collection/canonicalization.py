@@ -229,7 +229,7 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
     check_integer("n_verify", n_verify, 0)
     check_integer("seed", seed, 0)
     path = source_path(source)
-    target = check_output(target, inputs=[path], overwrite=overwrite)
+    target = check_output(target, inputs=[path], overwrite=overwrite, directory=False)
     with opened(source, verify=verify) as zoo:
         model, shape = _model(zoo)
         structure = trace_structure(model, shape)
