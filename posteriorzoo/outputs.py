@@ -101,6 +101,24 @@ def check_output(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike]
     return path
 
 
+def check_folder(path: str | os.PathLike, argument: str) -> Path:
+    """Validate a folder that a function writes into (a working folder, a folder of
+    kept copies) before any work starts; returns it as a Path.
+
+    ``argument`` names the parameter in the message. Raises :class:`InvalidOptionError`
+    when ``path`` does not exist, is not a folder, or this process may not create files
+    in it.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise InvalidOptionError(f"{argument} {path}: no such folder")
+    if not path.is_dir():
+        raise InvalidOptionError(f"{argument} {path}: not a folder")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise InvalidOptionError(f"{argument} {path}: this user may not write in the folder")
+    return path
+
+
 def _check_kind(path: Path, directory: bool) -> None:
     if path.exists() and path.is_dir() != directory:
         kind = "a folder" if path.is_dir() else "a file"

@@ -205,6 +205,13 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_min_mass_refuses_an_existing_file_as_its_folder_before_any_work": (
             "min-mass", "output policy"),
     },
+    "test_mmd_report.py": {
+        "test_compare_refuses_a_missing_or_file_folder_before_any_work": ("compare",
+                                                                          "bad option"),
+    },
+    "test_report.py": {
+        "test_report_refuses_a_missing_workdir_before_any_work": ("report", "bad option"),
+    },
     "test_diagnose.py": {
         "test_a_diverged_checkpoint_is_left_out_and_counted": ("diagnose", "diverged rows"),
         "test_a_chain_with_a_diverged_draw_gets_no_chain_statistics": ("diagnose",

@@ -140,6 +140,30 @@ def test_canonical_copies_are_kept_with_their_options(zoos, tmp_path):
     assert report.to_dict()["options"]["computed"] == ["remove"]
 
 
+@pytest.mark.parametrize("argument", ["workdir", "canonical_dir"])
+def test_compare_refuses_a_missing_or_file_folder_before_any_work(zoos, tmp_path, argument,
+                                                                  monkeypatch):
+    """A folder compare writes into that does not exist (or is a file) was a bare
+    FileNotFoundError once every input had been read."""
+    import posteriorzoo.collection.comparison as comparison
+
+    def no_work(*_, **__):
+        raise AssertionError("the folder should have been refused before any input is read")
+
+    monkeypatch.setattr(comparison, "open_zoo", no_work)
+    digests = {name: sha256_file(zoos[name]) for name in ("target", "near")}
+    missing, a_file = tmp_path / "absent", tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    for folder, what in ((missing, "no such folder"), (a_file, "not a folder")):
+        with pytest.raises(InvalidOptionError) as caught:
+            compare(zoos["target"], [zoos["near"]], symmetries="remove",
+                    **{argument: folder})
+        assert str(caught.value) == f"{argument} {folder}: {what}"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt"]
+    assert a_file.read_text() == "mine"
+    assert {name: sha256_file(zoos[name]) for name in digests} == digests
+
+
 def test_already_canonical_inputs_are_not_canonicalized_again(zoos, tmp_path):
     """Canonical copies compare as they are (NS-MMD only); mixing raw and canonical is an
     error, and so are canonicalizer options other than the copies'."""

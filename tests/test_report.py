@@ -95,6 +95,25 @@ def test_report_refuses_mixed_datasets_unless_asked(collections):
     assert [row["name"] for row in report.rows] == ["DE"]
 
 
+def test_report_refuses_a_missing_workdir_before_any_work(collections, tmp_path,
+                                                          monkeypatch):
+    """The report's working folder that does not exist was a bare FileNotFoundError
+    after the inputs had been read."""
+    import analysis.report.build as build
+    from posteriorzoo.errors import InvalidOptionError
+
+    def no_work(*_, **__):
+        raise AssertionError("the folder should have been refused before any input is read")
+
+    monkeypatch.setattr(build, "_inputs", no_work)
+    missing = tmp_path / "absent"
+    with pytest.raises(InvalidOptionError) as caught:
+        build_report(collections["target"], [collections["de"]], figures=False,
+                     workdir=missing)
+    assert str(caught.value) == f"workdir {missing}: no such folder"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_cli_report_writes_everything_and_refuses_an_existing_output(collections, tmp_path,
                                                                      capsys):
     out = tmp_path / "r"

@@ -229,7 +229,7 @@ def build_report(target: str | os.PathLike,
     figures : bool
         Draw the figures (matplotlib).
     workdir : path-like, optional
-        Where the temporary canonical copies go (deleted at the end).
+        An existing folder where the temporary canonical copies go (deleted at the end).
     progress : bool
         Show progress bars.
     command : str, optional
@@ -255,6 +255,7 @@ def build_report(target: str | os.PathLike,
     from posteriorzoo.collection.comparison import parameter_keys
     from posteriorzoo.collection.evaluation import member_probabilities, reusing_images
     from posteriorzoo.metrics import OOD_SCORES
+    from posteriorzoo.outputs import check_folder
     from posteriorzoo.provenance import describe_input, record
     from posteriorzoo.zoo import open_zoo
 
@@ -263,6 +264,8 @@ def build_report(target: str | os.PathLike,
     check_integer("n_pairs", n_pairs, 0, MAX_PAIRS)
     check_integer("seed", seed, 0)
     check_choice("ood_score", ood_score, OOD_SCORES)
+    if workdir is not None:  # before any work, not when the first copy is written
+        check_folder(workdir, "workdir")
     target = Path(target)
     timings = {} if timings is None else timings
     stage = _stage_timer(timings)

@@ -53,6 +53,7 @@ from posteriorzoo.mmd.sources import (
 )
 from posteriorzoo.mmd.statistics import check_number_bandwidths, kernel_names
 from posteriorzoo.options import check_bool, check_choice
+from posteriorzoo.outputs import check_folder
 from posteriorzoo.provenance import record
 from posteriorzoo.zoo import Zoo, open_zoo
 
@@ -260,8 +261,8 @@ def compare(target: str | os.PathLike,
     block_bytes : int
         Budget of one block of features over all collections (values counted at 8 bytes).
     workdir : path-like, optional
-        Where the temporary folder of the canonical copies goes (default: the system's);
-        it is deleted at the end.
+        An existing folder where the temporary folder of the canonical copies goes
+        (default: the system's); it is deleted at the end.
     canonical_dir : path-like, optional
         An existing folder to keep the canonical copies in instead, named by the inputs'
         display names (``target-canonical.h5``, ``<name>-canonical.h5``:
@@ -284,6 +285,11 @@ def compare(target: str | os.PathLike,
     check_bool("softmax", softmax)
     check_number_bandwidths(number_bandwidths)
     mmdagg = mmdagg_options(test, alpha, B1, B2, B3, seed)
+    # checked before any work: the folders are first written after every input is read
+    if workdir is not None:
+        check_folder(workdir, "workdir")
+    if canonical_dir is not None:
+        check_folder(canonical_dir, "canonical_dir")
     named = _named(methods)
     if not named:
         raise InvalidOptionError("no method collection to compare with the target")
