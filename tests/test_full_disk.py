@@ -299,11 +299,12 @@ def run_failing(argv: list, tmpdir: Path, failing_from: int) -> subprocess.Compl
                           capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("failing_from", [1, 3, 4, 5],
+@pytest.mark.parametrize("failing_from", [1, 2, 3, 4],
                          ids=["create", "data", "commit", "publish"])
 def test_injected_hdf5_failure_new_collection(failing_from, inputs, tmp_path):
-    """canonicalize's output: the 1st flush creates the file, the 2nd opens it for
-    appending, the 3rd writes the block's data, the 4th commits it, the 5th publishes."""
+    """canonicalize's output: the 1st flush creates the file, the 2nd writes the block's
+    data, the 3rd commits it, the 4th publishes (opening for appending, straight in SWMR
+    mode, flushes nothing)."""
     out = tmp_path / "out"
     out.mkdir()
     before = snapshot(inputs["root"])
@@ -318,11 +319,12 @@ def test_injected_hdf5_failure_new_collection(failing_from, inputs, tmp_path):
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("failing_from, kept", [(2, 4), (3, 4), (4, 10)],
-                         ids=["open", "data", "commit"])
+@pytest.mark.parametrize("failing_from, kept", [(1, 4), (2, 10), (3, 10)],
+                         ids=["data", "commit", "close"])
 def test_injected_hdf5_failure_append(failing_from, kept, inputs, tmp_path):
-    """An append whose write fails (the 1st and 2nd flushes open the file for appending,
-    the 3rd writes the data, the 4th follows the commit): the collection keeps its
+    """An append whose write fails (opening for appending, straight in SWMR mode, flushes
+    nothing; the 1st flush writes the data, the 2nd follows the commit, the 3rd closes
+    the file): the collection keeps its
     committed checkpoints, readable and verified, and the next append completes it. A
     failure after the commit point keeps the whole block, which was written and flushed
     before it was committed."""

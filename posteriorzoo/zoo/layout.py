@@ -13,8 +13,13 @@ its parsed attributes. It refuses, with one :class:`ZooFormatError` line each:
 - a training-record table (``/mode_records``, schema 3) of another dtype or shape, not
   chunked and resizable, or with more rows than the metadata table (each record row is
   written after its mode's checkpoint rows);
-- attributes of the wrong type or with invalid JSON;
-- more committed bytes than the file can hold (rows declared but never written).
+- attributes of the wrong type or with invalid JSON, and a ``num_classes`` beyond
+  :data:`MAX_CLASSES` (or 0);
+- state datasets that are not little-endian floating-point or integer numbers (booleans,
+  complex numbers, big-endian bytes, more than 8 bytes a number): whether an integer
+  tensor is right (BatchNorm's ``num_batches_tracked`` is) is the architecture check's;
+- more committed bytes than the file can hold (rows declared but never written), and
+  more rows than the committed ones and one append (:data:`MAX_APPEND_ROWS`).
 """
 
 from __future__ import annotations
@@ -48,6 +53,18 @@ _JSON_ATTRIBUTES = {"model_options": dict, "recipe": dict, "created_by": dict,
 _STRING_ATTRIBUTES = ("architecture", "dataset", "method")
 _REQUIRED = ("architecture", "dataset", "method", "num_classes", "model_options", "recipe",
              "state_keys", "created_by")
+#: Most checkpoints one append adds (:meth:`posteriorzoo.zoo.Zoo.append_many`), and so
+#: the most rows a dataset may have past the committed count (a writer extends the
+#: datasets before it commits, and a killed one leaves them so): a declared size beyond it
+#: is refused before anything is read, so that no reader or writer works in proportion to
+#: rows that were never written.
+MAX_APPEND_ROWS = 1 << 20
+#: Most output classes a collection may declare, as the command line's --num-classes: the
+#: last layer holds num_classes x features weights, so a huge count would make building
+#: the network (even on the meta device) fail inside torch.
+MAX_CLASSES = 100_000
+#: Kinds of number a state dataset may hold: floating point, signed and unsigned integers.
+_TENSOR_KINDS = "fiu"
 
 
 @dataclass
@@ -159,6 +176,9 @@ def read_layout(handle: h5py.File, path: str | os.PathLike) -> Layout:
     if empty:
         raise _fail(path, f"attribute {empty[0]!r} is empty")
     num_classes = _integer(attrs["num_classes"], "attribute 'num_classes'", path)
+    if num_classes == 0 or num_classes > MAX_CLASSES:
+        raise _fail(path, f"attribute 'num_classes' is {num_classes}; a collection has 1 to "
+                          f"{MAX_CLASSES} classes (or -1: the model's default)")
     keys = _json(attrs, "state_keys", path)
     if not keys or not all(isinstance(key, str) and key for key in keys) \
             or len(set(keys)) != len(keys):
@@ -237,19 +257,39 @@ def _check_datasets(handle: h5py.File, path: Path, layout: Layout) -> int:
         dataset = group[key]
         if not isinstance(dataset, h5py.Dataset):
             raise _fail(path, f"state entry {key!r} is not a dataset")
-        if dataset.ndim < 1 or dataset.dtype.kind not in "fiub" or dataset.dtype.itemsize > 8:
+        if dataset.ndim < 1:
             raise _fail(path, f"state dataset {key!r} has an unsupported layout "
                               f"({dataset.dtype}, {dataset.ndim} axes)")
+        problem = tensor_dtype_problem(dataset.dtype)
+        if problem:
+            raise _fail(path, f"state dataset {key!r} has dtype {dataset.dtype.str} "
+                              f"({problem})")
         rows.append(dataset.shape[0])
         checkpoint_bytes += int(np.prod(dataset.shape[1:], dtype=np.int64)) * \
             dataset.dtype.itemsize
     if committed > min(rows):
         raise _fail(path, f"committed count {committed} exceeds the {min(rows)} rows stored")
+    if max(rows) - committed > MAX_APPEND_ROWS:
+        raise _fail(path, f"declares {max(rows)} rows, more than its {committed} committed "
+                          f"checkpoints and one append of at most {MAX_APPEND_ROWS}")
     size = os.fstat(handle.id.get_vfd_handle()).st_size if _has_fd(handle) else None
     if size is not None and committed * checkpoint_bytes > size:
         raise _fail(path, f"declares {committed} checkpoints of {checkpoint_bytes} bytes, "
                           f"more than the file's {size} bytes")
     return committed
+
+
+def tensor_dtype_problem(dtype: np.dtype) -> str | None:
+    """Why a state dataset of ``dtype`` cannot be read as weights, or None if it can.
+
+    The store writes little-endian numbers; torch reads native (little-endian) bytes only,
+    so a big-endian dataset is refused rather than converted behind every reader's back.
+    """
+    if dtype.kind not in _TENSOR_KINDS or dtype.itemsize > 8:
+        return "a collection stores floating-point weights and integer counters only"
+    if dtype != dtype.newbyteorder("<"):
+        return "big-endian; a collection stores little-endian numbers"
+    return None
 
 
 def _check_records(records: h5py.Dataset, record_rows: int, metadata_rows: int, path: Path

@@ -1,13 +1,15 @@
 """Creating and opening collection files: the crash-safe writer protocol.
 
-Writers use HDF5's single-writer/multiple-reader (SWMR) mode, whose on-disk structure
-stays consistent at every instant, and follow one protocol (see
-:meth:`posteriorzoo.zoo.store.Zoo.append_many`): extend the datasets, write whole
-checkpoints and their metadata rows, flush, and only then advance ``/committed``. A
-writer killed at any point leaves a file that readers open with exactly the checkpoints
-committed before the kill. The next writer finds HDF5's "open for write" flag left
-behind and rebuilds the file from its committed checkpoints and their modes' training
-records (into a temporary file renamed over the original) before appending. Writers hold
+Writers open a published collection in HDF5's single-writer/multiple-reader (SWMR) mode
+from its first write on, whose on-disk structure stays consistent at every instant, and
+follow one protocol (see :meth:`posteriorzoo.zoo.store.Zoo.append_many`): extend the
+datasets, write whole checkpoints and their metadata rows, flush, and only then advance
+``/committed``. A writer killed at any point leaves a file that readers open with
+exactly the checkpoints committed before the kill. Every change a SWMR writer cannot make
+(an upgrade, cutting off rows of an interrupted append) is made by rebuilding the file
+from its committed checkpoints and their modes' training records into a temporary file
+renamed over the original; the next writer does so too when it finds HDF5's "open for
+write" flag left behind by a killed one. Writers hold
 an exclusive ``flock`` on the file, so a second writer fails fast with
 :class:`ZooBusyError` instead of corrupting it.
 
@@ -55,6 +57,8 @@ from posteriorzoo.zoo.architecture import check_architecture
 from posteriorzoo.zoo.layout import MODE_RECORDS, ROW_DIGEST_DTYPE, ROW_DIGESTS
 from posteriorzoo.zoo.schema import (
     FORMAT_NAME,
+    HDF5_FORMAT,
+    HDF5_FORMAT_ATTRIBUTE,
     METADATA_DTYPE,
     RECORD_DTYPE,
     SCHEMA_VERSION,
@@ -62,20 +66,19 @@ from posteriorzoo.zoo.schema import (
     row_digest,
 )
 from posteriorzoo.zoo.store import (
+    _CRASHED_WRITER_MARKERS,
     _METADATA_CHUNK_ROWS,
-    _RECORD_BLOCK_ROWS,
     _RECORD_CHUNK_ROWS,
     _STATE_GROUP,
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_ROWS,
     METADATA_MARGIN,
     Zoo,
-    abandon,
     close_or_abandon,
+    create_h5,
     new_bytes,
     open_h5,
     reserved,
-    write_failure,
     writing_h5,
 )
 
@@ -189,8 +192,7 @@ def create_zoo(
     temporary, fd = outputs.new_partial(path)
     try:
         with outputs.space_errors(path.parent, needed=METADATA_MARGIN), \
-                writing_h5(h5py.File(temporary, "w", libver="latest", locking=False),
-                           temporary, METADATA_MARGIN) as handle:
+                writing_h5(create_h5(temporary), temporary, METADATA_MARGIN) as handle:
             _write_layout(handle, tensor_layout, architecture, dataset, method, num_classes,
                           json_attributes, provenance, validate, chunk_bytes)
         if publish:
@@ -221,6 +223,7 @@ def _write_layout(handle: h5py.File, tensor_layout: Mapping[str, tuple[tuple[int
     attrs["state_keys"] = json.dumps(list(tensor_layout))
     attrs["created_by"] = canonical_json(dict(provenance))
     attrs["validated"] = bool(validate)
+    attrs[HDF5_FORMAT_ATTRIBUTE] = HDF5_FORMAT[1]
     # Which plugin module provides a model of your own (model_module, model_package), so
     # that a command meeting this file without it can say what to load.
     from posteriorzoo.models.registry import provider_attributes
@@ -293,100 +296,99 @@ def _lock(path: Path) -> int:
 def _writer(path: Path, fd: int, final_path: Path | None = None) -> Zoo:
     """A writable Zoo on ``path``, whose lock ``fd`` the caller holds (and hands over).
 
-    Schema 1 and 2 files are upgraded to schema 3, rows past the committed count (an
-    interrupted append) are cut off, and so are training records that do not describe a
-    committed mode (only each mode's last record is kept); then SWMR mode starts.
+    The file must be clean (:func:`_rebuild_reason` is None): it is opened straight in
+    SWMR mode, so no moment of an append leaves it marked as written outside SWMR.
     """
     handle = open_h5(path, "a")
     try:
-        try:
-            _upgrade_schema(handle)
-        except (OSError, RuntimeError) as error:
-            if outputs.is_no_space(error):
-                raise  # a write failed: the file is abandoned below
-            raise ZooFormatError(f"{path}: cannot be read (corrupt file): {error}") from None
-        except (KeyError, ValueError, TypeError) as error:
-            raise ZooFormatError(
-                f"{path}: cannot be read (corrupt file): {error}") from None
-        zoo = Zoo(path, handle, lock_fd=fd, final_path=final_path)
-        count = len(zoo)
-        for dataset in [*zoo._datasets.values(), handle["metadata"], handle[ROW_DIGESTS]]:
-            if dataset.shape[0] != count:
-                dataset.resize(count, axis=0)
-        _keep_committed_records(zoo)
-        handle.flush()
-        handle.swmr_mode = True
-    except (OSError, RuntimeError) as error:
-        abandon(handle)
-        raise write_failure(path, error, METADATA_MARGIN) from None
+        return Zoo(path, handle, lock_fd=fd, final_path=final_path)
     except BaseException:
         close_or_abandon(handle)
         raise
-    return zoo
 
 
-def _keep_committed_records(zoo: Zoo) -> None:
-    """Cut ``/mode_records`` down to the last record of each committed mode (rows of a
-    block that never committed would otherwise describe a mode appended later)."""
-    table = zoo._file[MODE_RECORDS]
-    keep = sorted(zoo.record_rows().values())
-    if keep == list(range(table.shape[0])):
-        return
-    # Row keep[i] moves to i <= keep[i]: in ascending blocks no row is overwritten before
-    # it moved, and memory holds one block.
-    for start in range(0, len(keep), _RECORD_BLOCK_ROWS):
-        block = keep[start:start + _RECORD_BLOCK_ROWS]
-        table[start:start + len(block)] = table[block]
-    table.resize(len(keep), axis=0)
+def _rebuild_reason(path: Path) -> str | None:
+    """Why the collection at ``path`` must be rebuilt before an append, or None.
+
+    A writer in SWMR mode can only extend datasets and write into them, so every other
+    change is made by rebuilding the file from its committed checkpoints into a temporary
+    file renamed over it (:func:`_rebuild_from_committed`), which a kill leaves either
+    undone or done: a writer that was killed (HDF5's "open for writing" flag is set), a
+    schema 1 or 2 file, rows past the committed count (an interrupted append that closed),
+    training records of modes that never committed, and a file written before the format
+    bounds of :data:`~posteriorzoo.zoo.schema.HDF5_FORMAT`.
+    """
+    try:
+        handle = h5py.File(path, "r", locking=False)  # plain: refused while flagged
+    except OSError as error:
+        if any(marker in str(error) for marker in _CRASHED_WRITER_MARKERS):
+            return "its last writer was killed"
+        raise ZooFormatError(f"{path}: cannot be read as HDF5 (truncated or corrupt): "
+                             f"{error}") from None
+    with Zoo(path, handle) as zoo:
+        if handle.attrs.get(HDF5_FORMAT_ATTRIBUTE) != HDF5_FORMAT[1]:
+            return f"it was written with HDF5 formats newer than {HDF5_FORMAT[1]}"
+        if not zoo.has_training_records:
+            return "its schema is older than 3"
+        count = len(zoo)
+        growing = [*zoo._datasets.values(), handle["metadata"], handle[ROW_DIGESTS]]
+        if any(dataset.shape[0] != count for dataset in growing):
+            return "it has rows past its committed count"
+        if sorted(zoo.record_rows().values()) != list(range(handle[MODE_RECORDS].shape[0])):
+            return "it has training records of modes that never committed"
+    return None
 
 
-def _upgrade_schema(handle: h5py.File) -> None:
-    """Bring a schema 1 or 2 file to schema 3: schema 1 files get their metadata row
-    digests (computed from the rows as they are), both an empty table of training records.
-    A file with members its version does not have is left for Zoo() to refuse."""
-    version = handle.attrs.get("schema_version")
-    if not isinstance(version, int | np.integer) or int(version) not in (1, 2) \
-            or MODE_RECORDS in handle:
-        return
-    if version == 1 and ROW_DIGESTS in handle:
-        return
-    if "committed" not in handle or "metadata" not in handle:
-        return  # not a collection: Zoo() says what is wrong
-    if version == 1:
-        count = int(handle["committed"][0])
-        rows = handle["metadata"][:count]
-        digests = np.array([row_digest(row).encode() for row in rows], dtype=ROW_DIGEST_DTYPE)
-        handle.create_dataset(ROW_DIGESTS, data=digests, maxshape=(None,),
-                              chunks=(_METADATA_CHUNK_ROWS,), dtype=ROW_DIGEST_DTYPE)
-    _create_records(handle, np.zeros(0, dtype=RECORD_DTYPE))
-    handle.attrs["schema_version"] = SCHEMA_VERSION
+def _upgraded_attributes(attrs: dict[str, Any]) -> dict[str, Any]:
+    """The root attributes of a rebuilt file: the current schema and format bound."""
+    return {**attrs, "schema_version": SCHEMA_VERSION, HDF5_FORMAT_ATTRIBUTE: HDF5_FORMAT[1]}
 
 
 def _open_for_append(path: Path) -> Zoo:
+    """A writer on ``path``: locked and checked. A clean file is opened in SWMR mode at
+    once (which changes no byte of it before an append); one that must be rebuilt first
+    (:func:`_rebuild_reason`) is read only until its first append, so that opening a
+    writer and being refused an append leave the file as it was."""
     fd = _lock(path)
     try:
-        # Checked read-only first: a damaged or crafted file is never opened for writing.
+        # Checked under the lock, so no other writer changes it meanwhile; a damaged or
+        # crafted file is refused here and never opened for writing.
         open_zoo(path).close()
+        if _rebuild_reason(path) is None:
+            return _writer(path, fd)
+        handle = open_h5(path, "r")
         try:
-            handle = open_h5(path, "a")
-        except OSError:
-            # We hold the lock, so the writer that left the "open for write" flag is dead.
+            zoo = Zoo(path, handle, lock_fd=fd)
+        except BaseException:
+            handle.close()
+            raise
+    except BaseException:
+        os.close(fd)
+        raise
+    zoo._start_writing = _start_writing
+    return zoo
+
+
+def _start_writing(path: Path, fd: int) -> tuple[h5py.File, int]:
+    """Open the locked, checked collection at ``path`` for appending, rebuilding it first
+    where a writer in SWMR mode could not append to it as it is (:func:`_rebuild_reason`).
+    Returns the handle and the lock, a new one if the file was rebuilt; releases the lock
+    if it fails."""
+    try:
+        if _rebuild_reason(path) is not None:
+            # We hold the lock: a writer that left its flag behind is dead.
             new_fd = _rebuild_from_committed(path)
             os.close(fd)
             fd = new_fd
-        else:
-            error = close_or_abandon(handle)
-            if error is not None:
-                raise write_failure(path, error, METADATA_MARGIN) from None
-        return _writer(path, fd)
+        return open_h5(path, "a"), fd
     except BaseException:
         os.close(fd)
         raise
 
 
 def _rebuild_from_committed(path: Path) -> int:
-    """Copy the committed checkpoints of a crashed writer's file, and the training records
-    of their modes, into a clean file (of the current schema).
+    """Copy the committed checkpoints of a collection, and the training records of their
+    modes, into a clean file (of the current schema and format bounds) that replaces it.
 
     Returns a locked descriptor of the new file, which has replaced ``path``.
     """
@@ -403,15 +405,15 @@ def _rebuild_from_committed(path: Path) -> int:
         keep = sorted(old.record_rows().values())
         records = (old._file[MODE_RECORDS][keep] if keep
                    else np.zeros(0, dtype=RECORD_DTYPE))
-        attrs["schema_version"] = SCHEMA_VERSION
+        attrs = _upgraded_attributes(attrs)
         growing = [*old._datasets.values(), old._file["metadata"]]
         needed = (METADATA_MARGIN + new_bytes(growing, 0, count) + len(digests) * 64
                   + len(records) * RECORD_DTYPE.itemsize)
         outputs.ensure_space(path.parent, needed)
         temporary, fd = outputs.new_partial(path)
         try:
-            with writing_h5(h5py.File(temporary, "w", libver="latest", locking=False),
-                            temporary, needed) as new, reserved(new, temporary, needed):
+            with writing_h5(create_h5(temporary), temporary, needed) as new, \
+                    reserved(new, temporary, needed):
                 for name, value in attrs.items():
                     new.attrs[name] = value
                 group = new.create_group(_STATE_GROUP)

@@ -36,6 +36,7 @@ from posteriorzoo.errors import ChecksumError, InvalidOptionError, ZooBusyError,
 from posteriorzoo.provenance import describe_input, record
 from posteriorzoo.results import CollectionResult
 from posteriorzoo.zoo.layout import METADATA, ROW_DIGESTS, STATE_GROUP
+from posteriorzoo.zoo.schema import HDF5_FORMAT
 from posteriorzoo.zoo.store import _CRASHED_WRITER_MARKERS, Zoo, open_h5
 
 __all__ = ["ReorderResult", "RowOrder", "reorder_collection", "row_order"]
@@ -229,7 +230,7 @@ def _check_copy(copy: Path, rows: np.ndarray, digests: np.ndarray | None,
 
 def _open_copy(copy: Path, path: Path) -> h5py.File:
     try:
-        return h5py.File(copy, "r+", locking=False)
+        return h5py.File(copy, "r+", libver=HDF5_FORMAT, locking=False)
     except OSError as error:
         if any(marker in str(error) for marker in _CRASHED_WRITER_MARKERS):
             raise ZooFormatError(

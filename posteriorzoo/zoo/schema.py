@@ -3,7 +3,8 @@
 A collection is one HDF5 file::
 
     /                attrs: format, schema_version, architecture, dataset, method,
-                            num_classes, model_options, recipe, state_keys, created_by
+                            num_classes, model_options, recipe, state_keys, created_by,
+                            hdf5_format (:data:`HDF5_FORMAT`)
     /state/<key>     one dataset per parameter or buffer, shape (N, *tensor_shape),
                      chunked along the checkpoint axis so a layer read is contiguous
     /metadata        one row per checkpoint (compound dtype, columns below)
@@ -27,6 +28,14 @@ count advances, so a killed writer leaves either no record or one whose mode was
 committed. A mode recorded twice (a resumed run appends it again) is described by its
 last row. Records are JSON objects whose numbers are finite (``null`` where unknown).
 
+Every object is written within HDF5's 1.10 format bounds (:data:`HDF5_FORMAT`, h5py's
+``libver``), so HDF5 1.10 and every later version read the whole file, from any language:
+the newest formats (HDF5 2.0's, h5py's default ``libver="latest"``) encode the metadata
+table's boolean column and the attributes in datatype messages that HDF5 1.10 and 1.14
+cannot decode. The root attribute ``hdf5_format`` records the bound; a file without it
+(written by an earlier posteriorzoo, with the newest formats) is rewritten within the
+bound the next time a writer opens it (see :mod:`posteriorzoo.zoo.lifecycle`).
+
 Strings in the metadata are fixed-length UTF-8 bytes, because HDF5's single-writer /
 multiple-reader mode (used for crash-safe appends) does not support variable-length data.
 """
@@ -45,6 +54,12 @@ from posteriorzoo.errors import ZooSchemaError
 
 FORMAT_NAME = "posteriorzoo-collection"
 SCHEMA_VERSION = 3
+#: h5py ``libver`` bounds of every write: the oldest and the newest object formats used.
+#: HDF5 1.10's, the oldest that single-writer / multiple-reader appends need (superblock
+#: version 3) and the newest that HDF5 1.10 (Debian 12's python3-h5py) can read.
+HDF5_FORMAT: tuple[str, str] = ("v110", "v110")
+#: The root attribute that records the bound: ``"v110"``.
+HDF5_FORMAT_ATTRIBUTE = "hdf5_format"
 #: The largest training record, in bytes of canonical JSON (a ResNet-18 BBB record, 62
 #: tensors' sigmas, takes about 8 kB).
 RECORD_BYTES = 16384

@@ -23,7 +23,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from posteriorzoo.zoo import schema
 from posteriorzoo.zoo.architecture import check_architecture
 from posteriorzoo.zoo.layout import (
     COMMITTED,
+    MAX_APPEND_ROWS,
     METADATA,
     MODE_RECORDS,
     ROW_DIGESTS,
@@ -82,6 +83,8 @@ _STATE_GROUP = STATE_GROUP
 #: Bytes of whole checkpoints read at once while verifying digests.
 _VERIFY_BLOCK_BYTES = 1 << 28
 _CRASHED_WRITER_MARKERS = ("already open for write", "consistency flags")
+#: What HDF5 says, reading in SWMR mode, of a file whose writer had not started SWMR.
+_NON_SWMR_WRITER_MARKER = "not already open for SWMR writing"
 #: File space HDF5 takes beyond the chunks of the data: object headers, chunk indexes,
 #: free-space records (measured: 10 kB for an empty collection, 12 to 25 kB for
 #: collections of 1 to 3,000 checkpoints, of which 2 to 15 kB are not the empty file's).
@@ -344,8 +347,32 @@ def parse_record(data: bytes) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def _file_access() -> h5py.h5p.PropFAID:
+    """File access of every writer: the format bounds of :data:`schema.HDF5_FORMAT`, and
+    no HDF5 file locks (the writers' own ``flock`` serialises them, see
+    :mod:`posteriorzoo.zoo.lifecycle`)."""
+    access = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    low, high = (getattr(h5py.h5f, "LIBVER_" + name.upper()) for name in schema.HDF5_FORMAT)
+    access.set_libver_bounds(low, high)
+    access.set_file_locking(False, False)
+    return access
+
+
+def create_h5(path: Path) -> h5py.File:
+    """A new, empty HDF5 file at ``path`` (truncated if it exists), written within
+    :data:`schema.HDF5_FORMAT`."""
+    return h5py.File(path, "w", libver=schema.HDF5_FORMAT, locking=False)
+
+
 def open_h5(path: Path, mode: str) -> h5py.File:
-    """Open an HDF5 file, turning library errors into :class:`ZooFormatError`."""
+    """Open an HDF5 file, turning library errors into :class:`ZooFormatError`.
+
+    ``mode="r"`` reads. ``mode="a"`` appends, in single-writer / multiple-reader mode from
+    the first byte HDF5 writes: the superblock then says "open for SWMR writing" at every
+    moment the file is open, which readers and the next writer understand after a kill
+    (a file opened for writing outside SWMR mode, even for an instant, is refused by every
+    reader until HDF5's flag is cleared).
+    """
     try:
         if mode == "r":
             try:
@@ -356,10 +383,17 @@ def open_h5(path: Path, mode: str) -> h5py.File:
                     raise
                 # A writer is appending (or was killed): SWMR reading is safe either way.
                 return h5py.File(path, "r", swmr=True, locking=False)
-        return h5py.File(path, "r+", libver="latest", locking=False)
+        flags = h5py.h5f.ACC_RDWR | h5py.h5f.ACC_SWMR_WRITE
+        return h5py.File(h5py.h5f.open(os.fsencode(path), flags, fapl=_file_access()))
     except OSError as error:
         if mode != "r" and any(m in str(error) for m in _CRASHED_WRITER_MARKERS):
             raise
+        if _NON_SWMR_WRITER_MARKER in str(error):
+            raise ZooFormatError(
+                f"{path}: left open for writing outside SWMR mode by a writer that was "
+                "killed (an earlier posteriorzoo, or another program), so HDF5 refuses "
+                f"to read it; clear HDF5's flag with 'h5clear -s {path}' (Debian's "
+                "hdf5-tools), then check it with 'posteriorzoo verify'") from None
         raise ZooFormatError(
             f"{path}: cannot be read as HDF5 (truncated or corrupt): {error}") from None
 
@@ -410,6 +444,10 @@ class Zoo:
         self._file = handle
         self._lock_fd = lock_fd
         self._final_path = final_path
+        #: Opens the file for writing at the first write of a writer opened read-only
+        #: under its lock (see :func:`posteriorzoo.zoo.lifecycle.open_zoo`): given the
+        #: path and the lock, returns the handle and the lock (a rebuilt file's).
+        self._start_writing: Callable[[Path, int], tuple[h5py.File, int]] | None = None
         self._overwrite = False
         self.verify = bool(verify)
         self._verified_upto = 0
@@ -950,6 +988,10 @@ class Zoo:
 
     def _write_block(self, blocks: Mapping[str, Sequence[np.ndarray]], rows: np.ndarray,
                      records: np.ndarray | None = None) -> range:
+        if rows.shape[0] > MAX_APPEND_ROWS:
+            raise ZooSchemaError(f"one append adds at most {MAX_APPEND_ROWS} checkpoints, not "
+                                 f"{rows.shape[0]}: append them in parts")
+        self._open_for_writing()
         start = len(self)
         stop = start + rows.shape[0]
         records = records if records is not None else np.zeros(0, dtype=RECORD_DTYPE)
@@ -989,6 +1031,18 @@ class Zoo:
             self._file.flush()
             fault_point("zoo-commit")
         return range(start, stop)
+
+    def _open_for_writing(self) -> None:
+        """Reopen a writer that has read the file only so far for writing: nothing in the
+        file changes until the first append (a refused one included)."""
+        if self._start_writing is None or self._lock_fd is None:
+            return
+        start, self._start_writing = self._start_writing, None
+        self._file.close()
+        lock, self._lock_fd = self._lock_fd, None  # start() owns it, and releases it if it fails
+        self._file, self._lock_fd = start(self.path, lock)
+        group = self._file[STATE_GROUP]
+        self._datasets = {key: group[key] for key in self._keys}
 
     # ------------------------------------------------------------------ publishing
     @property
