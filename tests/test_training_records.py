@@ -83,10 +83,15 @@ def test_a_repeated_mode_is_described_by_its_last_record(tmp_path):
         assert zoo.training_records() == {0: {"run": 2}}
     with h5py.File(path, "r") as handle:
         assert handle["mode_records"].shape == (2,)
-    with open_zoo(path, mode="r+") as zoo:  # a writer keeps only each mode's last record
+    with open_zoo(path, mode="r+") as zoo:  # a writer changes nothing before it appends
         assert zoo.training_records() == {0: {"run": 2}}
     with h5py.File(path, "r") as handle:
-        assert handle["mode_records"].shape == (1,)
+        assert handle["mode_records"].shape == (2,)
+    with open_zoo(path, mode="r+") as zoo:  # its first append keeps each mode's last record
+        zoo.append_many(*_mode(1), records={1: {"run": 1}})
+        assert zoo.training_records() == {0: {"run": 2}, 1: {"run": 1}}
+    with h5py.File(path, "r") as handle:
+        assert handle["mode_records"].shape == (2,)
     assert verify(path).ok
 
 
@@ -231,11 +236,21 @@ def test_a_crafted_record_table_is_refused_at_open(tmp_path, case, capsys):
 
 
 # ---------------------------------------------------------------------- schema 2
+def _schema_2_copy(shipped: Path, path: Path) -> None:
+    """A copy of a shipped collection as schema 2 wrote it: no table of training records
+    (the shipped files were schema 2 until they were rewritten within HDF5 1.10's formats)."""
+    shutil.copy(shipped, path)
+    with h5py.File(path, "r+", locking=False) as handle:
+        del handle["mode_records"]
+        handle.attrs["schema_version"] = 2
+        del handle.attrs["hdf5_format"]
+
+
 def test_a_schema_2_file_reads_without_records_and_is_upgraded_by_a_writer(tmp_path):
     shipped = reference_path("bbb")
     shipped_digest = _sha(shipped)
     path = tmp_path / "bbb.h5"
-    shutil.copy(shipped, path)
+    _schema_2_copy(shipped, path)
     with open_zoo(path, verify=True) as zoo:
         assert zoo.layout.schema_version == 2 and not zoo.has_training_records
         assert zoo.training_records() == {}

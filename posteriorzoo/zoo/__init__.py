@@ -15,7 +15,7 @@ exporting collections is the collection layer's (:mod:`posteriorzoo.collection`)
 from posteriorzoo.zoo.archives import read_release_archive
 from posteriorzoo.zoo.formats import ReadLimits, read_checkpoint, sniff_format
 from posteriorzoo.zoo.keymap import KeyMap
-from posteriorzoo.zoo.lifecycle import create_zoo, open_zoo
+from posteriorzoo.zoo.lifecycle import create_zoo, open_zoo, upgrade_zoo
 from posteriorzoo.zoo.manifest import MANIFEST_NAME, sha256_file, verify_manifest, write_manifest
 from posteriorzoo.zoo.reorder import ReorderResult, RowOrder, reorder_collection, row_order
 from posteriorzoo.zoo.schema import METADATA_COLUMNS, checkpoint_digest, recipe_hash
@@ -40,6 +40,7 @@ __all__ = [
     "row_order",
     "sha256_file",
     "sniff_format",
+    "upgrade_zoo",
     "verify_manifest",
     "write_manifest",
 ]

@@ -53,7 +53,7 @@ from posteriorzoo.errors import (
     ZooSchemaError,
 )
 from posteriorzoo.provenance import git_commit, library_versions
-from posteriorzoo.zoo.architecture import check_architecture
+from posteriorzoo.zoo.architecture import check_architecture, check_tensor_dtypes
 from posteriorzoo.zoo.layout import MODE_RECORDS, ROW_DIGEST_DTYPE, ROW_DIGESTS
 from posteriorzoo.zoo.schema import (
     FORMAT_NAME,
@@ -171,6 +171,7 @@ def create_zoo(
     path = Path(path)
     model_options = dict(model_options or {})
     tensor_layout = normalise_template(template)
+    check_tensor_dtypes(tensor_layout)  # numbers the layout check would refuse at open
     if validate:
         check_architecture(architecture, tensor_layout, num_classes, model_options)
     if not path.parent.is_dir():
@@ -281,6 +282,35 @@ def open_zoo(path: str | os.PathLike, mode: str = "r", *, verify: bool = False) 
     zoo = _open_for_append(path)
     zoo.verify = verify
     return zoo
+
+
+@public
+def upgrade_zoo(path: str | os.PathLike) -> str | None:
+    """Rewrite a collection in place in the current schema and within the HDF5 format
+    bounds (:data:`~posteriorzoo.zoo.schema.HDF5_FORMAT`), if it is not so already.
+
+    Every committed checkpoint, metadata row, digest and training record is copied into a
+    temporary file renamed over the original, under the writer's lock: a kill leaves the
+    file as it was or rewritten, never between. An append does the same when it must;
+    this does it without appending (e.g. for files of an earlier posteriorzoo, whose
+    newest formats HDF5 1.10 and 1.14 cannot read).
+
+    Returns
+    -------
+    str or None
+        Why the file was rewritten, or None when it was left as it was.
+    """
+    path = Path(path)
+    _require_file(path)
+    fd = _lock(path)
+    try:
+        open_zoo(path).close()  # checked first: a damaged file is refused, not rewritten
+        reason = _rebuild_reason(path)
+        if reason is not None:
+            os.close(_rebuild_from_committed(path))
+        return reason
+    finally:
+        os.close(fd)
 
 
 def _lock(path: Path) -> int:

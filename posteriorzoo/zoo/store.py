@@ -912,7 +912,8 @@ class Zoo:
         if not isinstance(records, Mapping):
             raise ZooSchemaError(f"training records must map mode_id to a record, not "
                                  f"{type(records).__name__}")
-        if not self.has_training_records:  # pragma: no cover - writers upgrade the file
+        if not self.has_training_records and self._start_writing is None:
+            # (a pending rebuild gives the file its table before the first append)
             raise ZooFormatError(f"{self.path}: this collection cannot hold training records")
         modes = {int(mode) for mode in rows["mode_id"]}
         prepared = []
