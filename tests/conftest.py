@@ -217,6 +217,15 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_a_chain_with_a_diverged_draw_gets_no_chain_statistics": ("diagnose",
                                                                        "diverged rows"),
     },
+    "test_foreign_dtypes.py": {
+        "test_big_endian_tensor_is_one_line[info]": ("info", "foreign dtype"),
+        "test_big_endian_tensor_is_one_line[verify]": ("verify", "foreign dtype"),
+        "test_big_endian_tensor_is_one_line[upload]": ("upload", "foreign dtype"),
+        "test_a_big_endian_template_creates_nothing": ("create_zoo", "foreign dtype"),
+        "test_num_classes_out_of_range_is_one_line": ("info", "foreign dtype"),
+        "test_non_floating_weights_are_refused": ("canonicalize", "foreign dtype"),
+        "test_import_refuses_non_floating_weights": ("import", "foreign dtype"),
+    },
     "test_byov.py": {
         "test_cli_bad_options_are_one_line": ("study", "bad option"),
         "test_cli_refuses_an_existing_output": ("study", "output policy"),

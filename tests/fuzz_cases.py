@@ -8,6 +8,10 @@ in one way. The cases fall into the classes the reliability issue names:
 - ``content``: weights or metadata changed with the stored digests left as they were,
   or NaN weights without the diverged flag, or a wrong shape behind valid digests;
 - ``hostile``: links, external storage, virtual datasets, compression;
+- ``foreign dtype``: valid digests over numbers a collection does not hold: a state
+  tensor big-endian, boolean, integer where the model has floats, complex; a
+  ``num_classes`` no network can have; and, refused only where they matter
+  (:data:`PARTLY_REFUSED`), a float16 tensor;
 - ``bitflip``: one bit flipped at a byte offset.
 """
 
@@ -237,6 +241,83 @@ def _records_undeclared_rows(path: Path, workdir: Path) -> None:
         handle["mode_records"].resize(10**7, axis=0)
 
 
+def _retyped(key: str, dtype: str, *, validated: bool = True, reseal: bool = True
+             ) -> Craft:
+    """``/state/<key>`` rewritten as ``dtype`` (same values as far as it holds them,
+    chunked and resizable as the store writes it), digests recomputed unless not
+    ``reseal``; with ``validated=False``, the file says it was never checked against its
+    architecture."""
+    def craft(path: Path, workdir: Path) -> None:
+        with h5py.File(path, "r+", locking=False) as handle:
+            old = handle[f"state/{key}"]
+            data, chunks = old[()], old.chunks
+            _replace_dataset(handle, f"state/{key}", data=data.astype(dtype),
+                             maxshape=(None, *data.shape[1:]), chunks=chunks)
+            if not validated:
+                handle.attrs["validated"] = False
+            if reseal:
+                _reseal(handle)
+    return craft
+
+
+def _unvalidated_wrong_shape(path: Path, workdir: Path) -> None:
+    """fc.weight of 7 rows instead of 10 in a file marked ``validated=False`` (so it is not
+    checked against its architecture when it opens), digests recomputed."""
+    with h5py.File(path, "r+", locking=False) as handle:
+        data = handle["state/fc.weight"][:, :7]
+        _replace_dataset(handle, "state/fc.weight", data=data,
+                         maxshape=(None, *data.shape[1:]), chunks=(6, *data.shape[1:]))
+        handle.attrs["validated"] = False
+        _reseal(handle)
+
+
+def _num_classes(value: int) -> Craft:
+    def craft(path: Path, workdir: Path) -> None:
+        with h5py.File(path, "r+", locking=False) as handle:
+            handle.attrs["num_classes"] = np.int64(value)
+    return craft
+
+
+def _non_utf8_metadata(path: Path, workdir: Path) -> None:
+    """Checkpoint 0's ``source`` column holds bytes that are not UTF-8, digests recomputed
+    (the API stores a ``bytes`` value as it is given)."""
+    with h5py.File(path, "r+", locking=False) as handle:
+        rows = handle["metadata"][()]
+        rows[0]["source"] = b"\xff\xfe"
+        handle["metadata"][()] = rows
+        _reseal(handle)
+
+
+#: The commands that build the network of the collection they read.
+NETWORK_COMMANDS = frozenset({"canonicalize", "min-mass", "mmd-target", "mmd-method"})
+#: Foreign-dtype cases that not every command must refuse: case -> the commands that
+#: must. A float16 tensor is a collection as the release stores it; a file marked
+#: ``validated=False`` may hold a network other than the registered one (info and verify
+#: say whether it fits), which only the commands that build the network refuse; text
+#: that is not UTF-8 cannot be written into an export's header. What these commands
+#: accept is the crafted file, not the pristine one, so an export is not compared with
+#: the pristine checkpoint.
+PARTLY_REFUSED: dict[str, frozenset[str]] = {
+    "float16-tensor": frozenset(),
+}
+
+
+def foreign_dtype_cases() -> dict[str, Craft]:
+    """The ``foreign dtype`` class: ``{name: craft}``."""
+    return {
+        "big-endian-float": _retyped("fc.weight", ">f4", reseal=False),
+        "big-endian-int": _retyped("fc.bias", ">i4"),
+        "float16-tensor": _retyped("fc.bias", "<f2"),
+        "bool-tensor": _retyped("fc.bias", "?"),
+        "int32-weights": _retyped("fc.bias", "<i4"),
+        "int64-weights": _retyped("conv1.weight", "<i8"),
+        "uint8-weights": _retyped("conv2.weight", "u1"),
+        "complex-tensor": _retyped("fc.bias", "<c8"),
+        "num-classes-huge": _num_classes(2**62),
+        "num-classes-zero": _num_classes(0),
+    }
+
+
 def named_cases() -> dict[str, tuple[str, Craft]]:
     """Every deterministic case: ``{name: (class, craft)}``."""
     cases: dict[str, tuple[str, Craft]] = {}
@@ -269,7 +350,8 @@ def named_cases() -> dict[str, tuple[str, Craft]]:
         "external-storage": _external_storage, "virtual-dataset": _virtual,
         "compressed": _compressed,
     }
-    for kind, group in (("structure", structure), ("content", content), ("hostile", hostile)):
+    for kind, group in (("structure", structure), ("content", content), ("hostile", hostile),
+                        ("foreign dtype", foreign_dtype_cases())):
         for name, craft in group.items():
             cases[name] = (kind, craft)
     return cases

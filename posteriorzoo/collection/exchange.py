@@ -491,7 +491,9 @@ def import_checkpoints(
                 check_architecture(attributes["architecture"], tensor_layout,
                                    attributes["num_classes"], attributes["model_options"])
             except ZooSchemaError as error:
-                raise ZooSchemaError(f"{name}: {error}; a key map can rename keys") from None
+                # Only a key that is missing or unexpected can be mended by renaming.
+                hint = "; a key map can rename keys" if " key " in str(error) else ""
+                raise ZooSchemaError(f"{name}: {error}{hint}") from None
             bounds[0] = bounds[0].for_shapes(tensor_layout)
         prepared = prepare(name, state, header, first_pass=True)
         count += 1

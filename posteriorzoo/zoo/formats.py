@@ -62,12 +62,14 @@ MAX_KEY_LENGTH = 256
 #: Most tensors in one checkpoint (a ResNet-18 has 122).
 MAX_TENSORS = 10_000
 
-#: safetensors dtypes that can be stored (bfloat16 and float8 have no numpy type), as the
-#: little-endian numpy types safetensors stores.
+#: safetensors dtypes that can be stored, as the little-endian numpy types safetensors
+#: stores: floating point (weights) and integers (counters such as BatchNorm's
+#: ``num_batches_tracked``; the architecture check refuses an integer weight). bfloat16
+#: and float8 have no numpy type; a collection holds no booleans.
 NUMPY_DTYPES: Mapping[str, np.dtype] = {
     "F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
     "I8": np.dtype("i1"), "I16": np.dtype("<i2"), "I32": np.dtype("<i4"),
-    "I64": np.dtype("<i8"), "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
+    "I64": np.dtype("<i8"), "U8": np.dtype("u1")}
 SUPPORTED_DTYPES = frozenset(NUMPY_DTYPES)
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -374,8 +376,6 @@ def _decode(data: bytearray, entry: _Entry, key: str, name: str) -> torch.Tensor
     array = np.frombuffer(data, dtype=entry.dtype, count=count, offset=entry.begin)
     if entry.begin % entry.dtype.itemsize or not entry.dtype.isnative:
         array = array.astype(entry.dtype.newbyteorder("="))  # aligned, native copy
-    if entry.dtype == np.bool_ and count and int(array.view(np.uint8).max()) > 1:
-        raise ZooFormatError(f"{name}: tensor {key!r} holds booleans other than 0 and 1"[:300])
     return torch.from_numpy(array.reshape(entry.shape))
 
 

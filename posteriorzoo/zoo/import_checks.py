@@ -219,7 +219,11 @@ def check_against_layout(tensor_layout: TensorLayout, state: Mapping[str, torch.
                                  f"expected {tuple(shape)}")
         found = as_numpy(tensor).dtype
         if found != dtype:
+            # --dtype casts floating tensors only: an integer or boolean weight stays wrong.
+            hint = ("a dtype conversion can be asked for" if found.kind == "f"
+                    and np.dtype(dtype).kind == "f" else
+                    "a dtype conversion casts floating-point tensors only")
             raise ZooSchemaError(f"{name}: {key} has dtype {found}, expected {dtype} "
-                                 "(a dtype conversion can be asked for)")
+                                 f"({hint})")
         if not diverged and tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise NonFiniteWeightsError(f"{name}: {key} has NaN or infinite values")

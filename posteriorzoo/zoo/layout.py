@@ -262,7 +262,7 @@ def _check_datasets(handle: h5py.File, path: Path, layout: Layout) -> int:
                               f"({dataset.dtype}, {dataset.ndim} axes)")
         problem = tensor_dtype_problem(dataset.dtype)
         if problem:
-            raise _fail(path, f"state dataset {key!r} has dtype {dataset.dtype.str} "
+            raise _fail(path, f"state dataset {key!r} has dtype {dataset.dtype} "
                               f"({problem})")
         rows.append(dataset.shape[0])
         checkpoint_bytes += int(np.prod(dataset.shape[1:], dtype=np.int64)) * \
