@@ -15,6 +15,14 @@ import pytest
 
 # test module -> test function (or one of its parameters, "test[id]") -> (command, class)
 PROBES: dict[str, dict[str, tuple[str, str]]] = {
+    "test_append_kills.py": {      # each parameter is a probe: one kill point or seed
+        "test_kill_at_every_step_of_an_append": ("append", "kill inside append"),
+        "test_kill_while_a_file_is_rebuilt_before_its_first_append": ("append",
+                                                                      "kill inside append"),
+        "test_kill_an_import_at_every_step": ("import-into", "kill inside append"),
+        "test_kill_at_random_moments": ("append", "kill inside append"),
+        "test_kill_at_random_moments_many": ("append", "kill inside append"),
+    },
     "test_row_order.py": {
         "test_verify_reports_rows_out_of_mode_order": ("verify", "rows out of order"),
         "test_reorder_respects_the_output_policy": ("reorder", "output policy"),
@@ -173,6 +181,14 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_the_ray_backend_passes_the_plugins": ("train", "plugin model"),
         "test_the_spec_needs_the_model_and_mc_dropout_its_option": ("train", "plugin model"),
         "test_the_fast_engine_leaves_a_model_of_your_own_to_torch": ("train", "plugin model"),
+        "test_a_factory_that_fails_is_one_line_before_any_worker": ("train", "plugin"),
+        "test_resuming_with_a_factory_that_fails_is_one_line_before_any_worker": ("train",
+                                                                                  "plugin"),
+        "test_register_refuses_a_bad_input_shape_or_num_classes": ("register", "plugin"),
+        "test_a_plugin_declaring_a_bad_input_shape_is_one_line_before_training": ("train",
+                                                                                  "plugin"),
+        "test_an_input_shape_function_giving_no_shape_names_the_model": ("input_shape",
+                                                                         "plugin"),
     },
     "test_same_stem.py": {
         "test_compare_files_with_the_same_stem": ("compare", "same stem"),
@@ -225,6 +241,13 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_num_classes_out_of_range_is_one_line": ("info", "foreign dtype"),
         "test_non_floating_weights_are_refused": ("canonicalize", "foreign dtype"),
         "test_import_refuses_non_floating_weights": ("import", "foreign dtype"),
+        "test_unvalidated_wrong_shape_is_reported_by_info_and_verify": ("verify",
+                                                                        "foreign dtype"),
+        "test_commands_that_build_the_network_refuse_a_wrong_shape": ("min-mass",
+                                                                      "foreign dtype"),
+        "test_export_of_non_utf8_metadata_is_one_line": ("export", "foreign dtype"),
+        "test_export_from_a_file_name_that_is_not_utf8": ("export", "foreign dtype"),
+        "test_info_json_is_strict_with_a_nan_recipe": ("info", "foreign dtype"),
     },
     "test_byov.py": {
         "test_cli_bad_options_are_one_line": ("study", "bad option"),

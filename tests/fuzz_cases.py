@@ -11,7 +11,8 @@ in one way. The cases fall into the classes the reliability issue names:
 - ``foreign dtype``: valid digests over numbers a collection does not hold: a state
   tensor big-endian, boolean, integer where the model has floats, complex; a
   ``num_classes`` no network can have; and, refused only where they matter
-  (:data:`PARTLY_REFUSED`), a float16 tensor;
+  (:data:`PARTLY_REFUSED`), a float16 tensor, a wrong shape or integer weights under
+  ``validated=False``;
 - ``bitflip``: one bit flipped at a byte offset.
 """
 
@@ -299,6 +300,8 @@ NETWORK_COMMANDS = frozenset({"canonicalize", "min-mass", "mmd-target", "mmd-met
 #: the pristine checkpoint.
 PARTLY_REFUSED: dict[str, frozenset[str]] = {
     "float16-tensor": frozenset(),
+    "unvalidated-wrong-shape": NETWORK_COMMANDS,
+    "unvalidated-int-weights": NETWORK_COMMANDS,
 }
 
 
@@ -315,6 +318,8 @@ def foreign_dtype_cases() -> dict[str, Craft]:
         "complex-tensor": _retyped("fc.bias", "<c8"),
         "num-classes-huge": _num_classes(2**62),
         "num-classes-zero": _num_classes(0),
+        "unvalidated-wrong-shape": _unvalidated_wrong_shape,
+        "unvalidated-int-weights": _retyped("fc.bias", "<i4", validated=False),
     }
 
 

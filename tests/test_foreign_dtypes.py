@@ -10,6 +10,7 @@ the input byte-identical, nothing left behind; through the API, a PosteriorZooEr
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from fuzz_cases import foreign_dtype_cases
 from safetensors.torch import save_file
 from zoo_helpers import assert_one_line_error, checkpoint, run
 
-from posteriorzoo.collection import describe, import_checkpoints, verify
+from posteriorzoo.collection import describe, import_checkpoints, min_mass, verify
 from posteriorzoo.errors import PosteriorZooError, ZooFormatError, ZooSchemaError
 from posteriorzoo.zoo import create_zoo, open_zoo
 
@@ -155,3 +156,37 @@ def test_integer_buffers_of_the_model_are_still_stored(tmp_path):
     assert verify(path).ok
     with open_zoo(path) as zoo:
         assert any(dtype.kind == "i" for dtype in zoo.dtypes.values())
+
+
+# ---------------------------------------------------------------------- 4 validated=False
+def test_unvalidated_wrong_shape_is_reported_by_info_and_verify(pristine, tmp_path, capsys):
+    path = crafted(pristine, tmp_path, "unvalidated-wrong-shape")
+    before = _snapshot(tmp_path)
+    code, out, err = run(capsys, "info", path)
+    assert code == 0 and err == ""
+    assert "fits model    NO" in out and "'fc.weight' has shape (7, 10)" in out
+    code, out, _ = run(capsys, "info", path, "--json")
+    assert code == 0 and json.loads(out)["fits_architecture"] is False
+    code, out, _ = run(capsys, "verify", path, "--no-progress")
+    assert code == 0 and "do not fit architecture 'optunet'" in out
+    report = verify(path)
+    assert report.ok and report.fits_architecture is False
+    assert describe(path).fits_architecture is False
+    assert _snapshot(tmp_path) == before
+    assert describe(pristine).fits_architecture is True
+
+
+@pytest.mark.parametrize("command", ["min-mass", "plot-mass", "diagnose", "canonicalize"])
+def test_commands_that_build_the_network_refuse_a_wrong_shape(pristine, tmp_path, capsys,
+                                                              command):
+    path = crafted(pristine, tmp_path, "unvalidated-wrong-shape")
+    out = tmp_path / "out"
+    argv = {"min-mass": ["min-mass", path, "--out", out, "--no-progress"],
+            "plot-mass": ["plot", "mass", path, "--out", out],
+            "diagnose": ["diagnose", path],
+            "canonicalize": ["canonicalize", path, "--out", out, "--no-progress"]}[command]
+    refused_cleanly(capsys, tmp_path, argv, "does not fit architecture optunet",
+                    "'fc.weight' has shape (7, 10)")
+    assert not list(tmp_path.glob("out*"))
+    with pytest.raises(ZooFormatError, match="does not fit architecture"):
+        min_mass(path)

@@ -47,6 +47,7 @@ FAST_NAMED = [
     "changed-diverged", "changed-row-digest",
     "soft-link", "external-link", "external-storage", "virtual-dataset", "compressed",
     "big-endian-float", "bool-tensor", "int32-weights", "num-classes-huge",
+    "unvalidated-wrong-shape",
 ]
 #: Classes whose every case every command must refuse (but PARTLY_REFUSED's).
 MUST_REFUSE_KINDS = {"structure", "hostile", "foreign dtype"}

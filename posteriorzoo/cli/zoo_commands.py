@@ -32,7 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "was derived: symmetries removed, multi-mode, ...) and a metadata summary. "
                     "Every "
                     "checkpoint is checked against its digests first (--no-verify skips "
-                    "this, e.g. to look at a damaged file).")
+                    "this, e.g. to look at a damaged file). It also says whether the stored "
+                    "tensors fit the registered architecture.")
     info.add_argument("zoo", type=Path, help="collection file (.h5)")
     add_json_option(info, "machine-readable JSON")
     add_no_verify_option(info)
@@ -122,6 +123,11 @@ def run_info(args: argparse.Namespace) -> int:
     options = f" {info['model_options']}" if info["model_options"] else ""
     print(f"{info['path']}")
     print(f"  architecture  {info['architecture']}{options} ({info['num_classes']} classes)")
+    fits = {True: "yes (its keys, shapes and kinds of number)",
+            False: f"NO: {info['architecture_problem']}; commands that build the network "
+                   "refuse this collection",
+            None: f"not checked: {info['architecture_problem']}"}
+    print(f"  fits model    {fits[info['fits_architecture']]}")
     print(f"  dataset       {info['dataset']}")
     print(f"  method        {info['method']}")
     modes = info["metadata"]["modes"]

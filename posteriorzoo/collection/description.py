@@ -8,7 +8,13 @@ from typing import Any
 import numpy as np
 
 from posteriorzoo._api import public
-from posteriorzoo.collection._open import Source, content_digest, opened, source_path
+from posteriorzoo.collection._open import (
+    Source,
+    architecture_fit,
+    content_digest,
+    opened,
+    source_path,
+)
 from posteriorzoo.provenance import record
 from posteriorzoo.results import CollectionResult, csv_text
 
@@ -41,6 +47,13 @@ class DescribeResult(CollectionResult):
         Seeds range, distinct seeds, modes, diverged count and min / median / max of test
         accuracy, test loss (nats) and wall time (seconds). ``seeds`` and ``modes`` are
         None when no checkpoint records one (imports of foreign files).
+    fits_architecture : bool or None
+        Whether the stored keys, shapes and dtypes fit the registered architecture (a
+        collection created with ``validate=False`` is not checked when it opens, and the
+        commands that build its network refuse it when they do not); None when the
+        architecture is not registered here.
+    architecture_problem : str or None
+        Why they do not fit, or why it cannot be told.
     """
 
     kind = "description"
@@ -49,6 +62,8 @@ class DescribeResult(CollectionResult):
     checkpoints: int
     tensors: list[dict[str, Any]]
     metadata: dict[str, Any]
+    fits_architecture: bool | None = None
+    architecture_problem: str | None = None
 
     @property
     def values_per_checkpoint(self) -> int:
@@ -57,7 +72,9 @@ class DescribeResult(CollectionResult):
     def payload(self) -> dict[str, Any]:
         return {"path": self.path, **self.attributes, "checkpoints": self.checkpoints,
                 "values_per_checkpoint": self.values_per_checkpoint,
-                "tensors": self.tensors, "metadata": self.metadata}
+                "tensors": self.tensors, "metadata": self.metadata,
+                "fits_architecture": self.fits_architecture,
+                "architecture_problem": self.architecture_problem}
 
     def tables(self) -> dict[str, str]:
         return {"tensors.csv": csv_text(
@@ -104,8 +121,9 @@ def describe(source: Source, *, verify: bool = True, command: str | None = None
             "wall_time_seconds": _summary(metadata["wall_time"]),
         }
         path = source_path(source)
+        fits, problem = architecture_fit(zoo)
         return DescribeResult(
-            str(path), attributes, len(zoo), tensors, summary,
+            str(path), attributes, len(zoo), tensors, summary, fits, problem,
             provenance=record("posteriorzoo info", command=command,
                               inputs={"collection": {"path": str(path),
                                                      "content_sha256": content_digest(zoo)}},

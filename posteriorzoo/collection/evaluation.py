@@ -16,7 +16,14 @@ import numpy as np
 import torch
 
 from posteriorzoo._api import public
-from posteriorzoo.collection._open import Source, content_digest, model_of, opened, source_path
+from posteriorzoo.collection._open import (
+    Source,
+    content_digest,
+    model_of,
+    opened,
+    require_architecture_fit,
+    source_path,
+)
 from posteriorzoo.data import ArrayDataset, Normalize, load_dataset
 from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.metrics import (
@@ -88,6 +95,7 @@ def member_probabilities(source: Source, images: torch.Tensor,
     check_integer("batch_size", batch_size, 1)
     check_choice("engine", engine, PREDICTION_ENGINES)
     with opened(source, verify=verify) as zoo:
+        require_architecture_fit(zoo)  # the kernels, too, compute the registered network
         if engine == "auto" and indices is None:
             from posteriorzoo.collection import _optunet_kernels
 

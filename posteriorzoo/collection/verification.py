@@ -15,7 +15,7 @@ from typing import Any
 import h5py
 
 from posteriorzoo._api import public
-from posteriorzoo.collection._open import Source, opened, source_path
+from posteriorzoo.collection._open import Source, architecture_fit, opened, source_path
 from posteriorzoo.errors import ChecksumError, PosteriorZooError, ZooFormatError
 from posteriorzoo.provenance import describe_input, record
 from posteriorzoo.results import CollectionResult, csv_text
@@ -55,6 +55,11 @@ class VerifyResult(CollectionResult):
         intact, but row i no longer holds mode i (``posteriorzoo reorder`` fixes it).
     first_out_of_order : int or None
         The first such row.
+    fits_architecture : bool or None
+        Whether the stored keys, shapes and dtypes fit the registered architecture; None
+        when it is not registered here. Not damage when they do not (a collection
+        created with ``validate=False``), but a finding: the commands that build the
+        network (canonicalize, min-mass, mmd, diagnose, evaluation) refuse it.
     problems : list of str
         Everything wrong, one line each (empty when the collection is OK).
     findings : list of str
@@ -74,6 +79,7 @@ class VerifyResult(CollectionResult):
     manifest: str = "absent"
     rows_out_of_order: int = 0
     first_out_of_order: int | None = None
+    fits_architecture: bool | None = None
     problems: list[str] = field(default_factory=list)
     findings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -87,8 +93,9 @@ class VerifyResult(CollectionResult):
         findings = "".join(f"; {finding}" for finding in self.findings)
         if self.ok:
             records = f" and {self.records} training records" if self.records else ""
+            fits = "; tensors fit the architecture" if self.fits_architecture else ""
             return (f"{self.path}: OK, {self.checkpoints} checkpoints{records} verified "
-                    f"(digests match; manifest {self.manifest}){findings}")
+                    f"(digests match{fits}; manifest {self.manifest}){findings}")
         return f"{self.path}: CORRUPT: " + "; ".join(self.problems) + findings
 
     def payload(self) -> dict[str, Any]:
@@ -98,7 +105,8 @@ class VerifyResult(CollectionResult):
                 "metadata_mismatches": self.metadata_mismatches,
                 "records": self.records, "record_mismatches": self.record_mismatches,
                 "manifest": self.manifest, "rows_out_of_order": self.rows_out_of_order,
-                "first_out_of_order": self.first_out_of_order, "problems": self.problems,
+                "first_out_of_order": self.first_out_of_order,
+                "fits_architecture": self.fits_architecture, "problems": self.problems,
                 "findings": self.findings, "notes": self.notes}
 
     def tables(self) -> dict[str, str]:
@@ -157,6 +165,7 @@ def verify(source: Source, *, progress: bool = False, command: str | None = None
         _check_digests(zoo, result, progress)
         _check_records(zoo, result)
         _check_row_order(zoo, result)
+        _check_architecture(zoo, result)
     digest = _check_manifest(path, result)
     result.provenance = record("posteriorzoo verify", command=command,
                                inputs={"collection": describe_input(path, digest)})
@@ -248,6 +257,18 @@ def _check_row_order(zoo: Zoo, report: VerifyResult) -> None:
     if ordering.unknown:
         report.notes.append(f"{ordering.unknown} row(s) have no mode_id: their order is "
                             "not checked")
+
+
+def _check_architecture(zoo: Zoo, report: VerifyResult) -> None:
+    """Whether the stored tensors fit the registered architecture (a collection created
+    with ``validate=False`` was not checked when it opened)."""
+    report.fits_architecture, why = architecture_fit(zoo)
+    if report.fits_architecture is None:
+        report.notes.append(f"whether the tensors fit architecture {zoo.architecture!r} is "
+                            f"not checked: {why}")
+    elif not report.fits_architecture:
+        report.findings.append(f"the tensors do not fit architecture {zoo.architecture!r} "
+                               f"({why}): commands that build the network refuse it")
 
 
 def _check_manifest(path: Path, report: VerifyResult) -> str | None:

@@ -44,6 +44,7 @@ import torch
 
 from posteriorzoo import outputs
 from posteriorzoo._api import public
+from posteriorzoo._faults import fault_point
 from posteriorzoo.dtypes import as_numpy, numpy_dtype
 from posteriorzoo.errors import (
     InvalidOptionError,
@@ -330,6 +331,7 @@ def _writer(path: Path, fd: int, final_path: Path | None = None) -> Zoo:
     SWMR mode, so no moment of an append leaves it marked as written outside SWMR.
     """
     handle = open_h5(path, "a")
+    fault_point("zoo-opened")
     try:
         return Zoo(path, handle, lock_fd=fd, final_path=final_path)
     except BaseException:
@@ -460,6 +462,7 @@ def _rebuild_from_committed(path: Path) -> int:
                                    chunks=(_METADATA_CHUNK_ROWS,), dtype=ROW_DIGEST_DTYPE)
                 _create_records(new, records)
                 new.create_dataset("committed", data=np.array([count], dtype=np.int64))
+            fault_point("zoo-rebuilt")
             os.replace(temporary, path)
         except BaseException:
             os.close(fd)

@@ -1004,15 +1004,18 @@ class Zoo:
             for key in self._keys:
                 dataset = self._datasets[key]
                 dataset.resize(stop, axis=0)
+                fault_point("zoo-resized")
                 arrays = blocks[key]
                 if sum(array.nbytes for array in arrays) <= _STACK_BYTES:
                     dataset[start:stop] = np.stack(arrays)
                 else:  # large tensors: one write each rather than a stacked copy
                     for offset, array in enumerate(arrays):
                         dataset[start + offset] = array
+                fault_point("zoo-tensor-written")
             table = self._file[METADATA]
             table.resize(stop, axis=0)
             table[start:stop] = rows
+            fault_point("zoo-rows-written")
             digests = self._file[ROW_DIGESTS]
             digests.resize(stop, axis=0)
             digests[start:stop] = np.array([row_digest(row).encode() for row in rows],
@@ -1024,6 +1027,7 @@ class Zoo:
                 table = self._file[MODE_RECORDS]
                 first = table.shape[0]
                 table.resize(first + len(records), axis=0)
+                fault_point("zoo-records-resized")
                 table[first:] = records
             # The commit point: data first, then the count that makes it visible.
             self._file.flush()
@@ -1042,6 +1046,7 @@ class Zoo:
         self._file.close()
         lock, self._lock_fd = self._lock_fd, None  # start() owns it, and releases it if it fails
         self._file, self._lock_fd = start(self.path, lock)
+        fault_point("zoo-opened")
         group = self._file[STATE_GROUP]
         self._datasets = {key: group[key] for key in self._keys}
 
@@ -1088,6 +1093,7 @@ class Zoo:
         and raises NoSpaceError (or OSError).
         """
         try:
+            fault_point("zoo-close")
             error = close_or_abandon(self._file)
             if error is not None:
                 raise write_failure(self.path, error, METADATA_MARGIN) from None
