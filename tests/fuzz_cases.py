@@ -12,7 +12,7 @@ in one way. The cases fall into the classes the reliability issue names:
   tensor big-endian, boolean, integer where the model has floats, complex; a
   ``num_classes`` no network can have; and, refused only where they matter
   (:data:`PARTLY_REFUSED`), a float16 tensor, a wrong shape or integer weights under
-  ``validated=False``;
+  ``validated=False``, a metadata string that is not UTF-8;
 - ``bitflip``: one bit flipped at a byte offset.
 """
 
@@ -302,6 +302,7 @@ PARTLY_REFUSED: dict[str, frozenset[str]] = {
     "float16-tensor": frozenset(),
     "unvalidated-wrong-shape": NETWORK_COMMANDS,
     "unvalidated-int-weights": NETWORK_COMMANDS,
+    "non-utf8-metadata": frozenset({"export", "export-all"}),
 }
 
 
@@ -320,6 +321,7 @@ def foreign_dtype_cases() -> dict[str, Craft]:
         "num-classes-zero": _num_classes(0),
         "unvalidated-wrong-shape": _unvalidated_wrong_shape,
         "unvalidated-int-weights": _retyped("fc.bias", "<i4", validated=False),
+        "non-utf8-metadata": _non_utf8_metadata,
     }
 
 

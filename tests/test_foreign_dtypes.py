@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -22,7 +23,14 @@ from fuzz_cases import foreign_dtype_cases
 from safetensors.torch import save_file
 from zoo_helpers import assert_one_line_error, checkpoint, run
 
-from posteriorzoo.collection import describe, import_checkpoints, min_mass, verify
+from posteriorzoo.collection import (
+    describe,
+    export_all,
+    export_checkpoint,
+    import_checkpoints,
+    min_mass,
+    verify,
+)
 from posteriorzoo.errors import PosteriorZooError, ZooFormatError, ZooSchemaError
 from posteriorzoo.zoo import create_zoo, open_zoo
 
@@ -190,3 +198,27 @@ def test_commands_that_build_the_network_refuse_a_wrong_shape(pristine, tmp_path
     assert not list(tmp_path.glob("out*"))
     with pytest.raises(ZooFormatError, match="does not fit architecture"):
         min_mass(path)
+
+
+# ---------------------------------------------------------------------- 5 non-UTF-8 text
+def test_export_of_non_utf8_metadata_is_one_line(pristine, tmp_path, capsys):
+    path = crafted(pristine, tmp_path, "non-utf8-metadata")
+    out = tmp_path / "out"
+    refused_cleanly(capsys, tmp_path, ["export", path, "0", "--out", out], "'source'",
+                    "not UTF-8")
+    refused_cleanly(capsys, tmp_path, ["export", path, "--all", "--out", out], "'source'")
+    with pytest.raises(ZooFormatError, match="checkpoint 0's metadata 'source'"):
+        export_checkpoint(path, 0, out)
+    with pytest.raises(ZooFormatError, match="not UTF-8"):
+        export_all(path, out)
+    assert not out.exists()
+    export_checkpoint(path, 1, out)  # the other rows are text: exported as they are
+    assert out.is_file()
+
+
+def test_export_from_a_file_name_that_is_not_utf8(pristine, tmp_path):
+    """A file name's bytes need not be UTF-8; the header's label is made text."""
+    path = tmp_path / os.fsdecode(b"\xff.h5")
+    shutil.copyfile(pristine, path)
+    export_checkpoint(path, 0, tmp_path / "one.safetensors")
+    assert (tmp_path / "one.safetensors").is_file()

@@ -47,7 +47,7 @@ FAST_NAMED = [
     "changed-diverged", "changed-row-digest",
     "soft-link", "external-link", "external-storage", "virtual-dataset", "compressed",
     "big-endian-float", "bool-tensor", "int32-weights", "num-classes-huge",
-    "unvalidated-wrong-shape",
+    "unvalidated-wrong-shape", "non-utf8-metadata",
 ]
 #: Classes whose every case every command must refuse (but PARTLY_REFUSED's).
 MUST_REFUSE_KINDS = {"structure", "hostile", "foreign dtype"}

@@ -104,7 +104,7 @@ class ExportResult(CollectionResult):
 def _checkpoint_bytes(zoo: Zoo, index: int) -> bytes:
     """Checkpoint ``index`` of ``zoo`` as safetensors bytes, with its describing header."""
     state = {key: tensor.contiguous() for key, tensor in zoo.state_dict(index).items()}
-    row = zoo.metadata_dict(index)
+    row = _text_row(zoo, index)
     header = {
         "format": CHECKPOINT_FORMAT,
         "architecture": zoo.architecture,
@@ -115,9 +115,38 @@ def _checkpoint_bytes(zoo: Zoo, index: int) -> bytes:
         "state_keys": json.dumps(zoo.state_keys),
         "index": str(index),
         "metadata": schema.canonical_json(row),
-        "source_collection": zoo.path.name,
+        # A file name need not be UTF-8 (its bytes come back as surrogates); the header's
+        # text must be, and the name is only a label here.
+        "source_collection": os.fsencode(zoo.path.name).decode("utf-8", errors="replace"),
     }
     return _sorted_header(save_safetensors_bytes(state, metadata=header))
+
+
+def _text_row(zoo: Zoo, index: int) -> dict[str, Any]:
+    """Metadata row ``index`` as a dict, refused unless its text columns are UTF-8.
+
+    A safetensors header holds text only, so bytes that are not UTF-8 (the API stores a
+    ``bytes`` value as it is) cannot be exported as they are stored, and replacing them
+    would export a row other than the one its digest covers.
+    """
+    try:
+        return zoo.metadata_dict(index)
+    except UnicodeDecodeError:
+        row = zoo.stored_metadata()[index]
+        column = next(name for name in row.dtype.names if row.dtype[name].kind == "S"
+                      and not _is_utf8(bytes(row[name])))
+        raise ZooFormatError(
+            f"{zoo.path}: checkpoint {index % len(zoo)}'s metadata {column!r} is not UTF-8 "
+            f"text ({bytes(row[column])[:40]!r}); a safetensors header holds text only, so "
+            "it cannot be exported") from None
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _sorted_header(data: bytes) -> bytes:
