@@ -89,6 +89,12 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_unexpected_create_repo_answer_is_one_line": ("upload", "hub fake endpoint"),
         "test_fake_hub_download_errors_are_one_line": ("download", "hub fake endpoint"),
         "test_fake_hub_upload_errors_are_one_line": ("upload", "hub fake endpoint"),
+        "test_manifest_over_the_cap_is_one_line": ("download", "manifest size"),
+    },
+    "test_manifest.py": {
+        "test_a_manifest_over_the_cap_is_refused_unread": ("verify", "manifest size"),
+        "test_a_manifest_without_a_size_is_read_up_to_the_cap": ("verify", "manifest size"),
+        "test_a_long_bad_line_is_shown_cut_short": ("verify", "manifest size"),
     },
     "test_full_disk.py": {
         "test_full_disk[canonicalize]": ("canonicalize", "full disk"),
