@@ -23,6 +23,15 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_kill_at_random_moments": ("append", "kill inside append"),
         "test_kill_at_random_moments_many": ("append", "kill inside append"),
     },
+    "test_writer_contention.py": {
+        "test_declared_rows_beyond_one_append_are_refused_at_once": ("info, verify, import",
+                                                                     "declared size"),
+        "test_rows_of_one_interrupted_append_are_never_read_and_cut_off_by_a_rebuild": (
+            "verify, import", "declared size"),
+        "test_an_append_while_another_writer_holds_the_collection_is_busy": (
+            "import-into", "concurrent append"),
+        "test_two_imports_at_once": ("import-into", "concurrent append"),
+    },
     "test_row_order.py": {
         "test_verify_reports_rows_out_of_mode_order": ("verify", "rows out of order"),
         "test_reorder_respects_the_output_policy": ("reorder", "output policy"),
