@@ -28,6 +28,8 @@ import csv
 import hashlib
 import io
 import json
+import math
+import numbers
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +41,7 @@ from posteriorzoo.errors import UnknownNameError
 if TYPE_CHECKING:
     import pandas
 
-__all__ = ["CollectionResult", "csv_text", "flat_record"]
+__all__ = ["CollectionResult", "csv_text", "flat_record", "strict_json"]
 
 #: Longest file or method name a repr shows (longer ones are cut).
 _REPR_NAME = 40
@@ -62,6 +64,28 @@ def csv_text(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
         writer.writerow([repr(value) if isinstance(value, float) else value
                          for value in row])
     return buffer.getvalue()
+
+
+def strict_json(value: Any, **options: Any) -> str:
+    """``value`` as strict JSON text (RFC 8259), what a result's ``--json`` prints.
+
+    ``json.dumps`` writes NaN and the infinities as the bare words ``NaN`` and
+    ``Infinity``, which no strict parser reads; here they become ``null``, the value an
+    unavailable number has everywhere in the results. Anything else that is not JSON
+    becomes its ``str``. ``options`` go to ``json.dumps`` (``indent``).
+    """
+    return json.dumps(_finite(value), allow_nan=False, default=str, **options)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite number in it replaced by None."""
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
 
 
 def flat_record(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -186,8 +210,9 @@ class CollectionResult:
         return {"kind": self.kind, "provenance": self.provenance, **self.payload()}
 
     def to_json(self) -> str:
-        """:meth:`to_dict` as indented JSON text."""
-        return json.dumps(self.to_dict(), indent=1, default=str) + "\n"
+        """:meth:`to_dict` as indented, strict JSON text (:func:`strict_json`: a NaN or
+        infinite number is ``null``)."""
+        return strict_json(self.to_dict(), indent=1) + "\n"
 
     def write_into(self, folder: str | os.PathLike) -> dict[str, Path]:
         """Write the JSON and the tables into an existing folder; returns name -> path.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -32,6 +33,7 @@ from posteriorzoo.collection import (
     verify,
 )
 from posteriorzoo.errors import PosteriorZooError, ZooFormatError, ZooSchemaError
+from posteriorzoo.results import strict_json
 from posteriorzoo.zoo import create_zoo, open_zoo
 
 COUNT = 6
@@ -222,3 +224,31 @@ def test_export_from_a_file_name_that_is_not_utf8(pristine, tmp_path):
     shutil.copyfile(pristine, path)
     export_checkpoint(path, 0, tmp_path / "one.safetensors")
     assert (tmp_path / "one.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------- 6 strict JSON
+def _strict(text: str) -> object:
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"not strict JSON: bare {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_info_json_is_strict_with_a_nan_recipe(pristine, tmp_path, capsys):
+    path = tmp_path / "zoo.h5"
+    shutil.copyfile(pristine, path)
+    with h5py.File(path, "r+") as handle:
+        handle.attrs["recipe"] = '{"lr": NaN, "clip": Infinity, "decay": -Infinity}'
+    code, out, err = run(capsys, "info", path, "--json")
+    assert code == 0 and err == ""
+    assert _strict(out)["recipe"] == {"lr": None, "clip": None, "decay": None}
+    code, out, _ = run(capsys, "info", path)
+    assert "lr     NaN" in out  # the text keeps what is stored
+    code, out, _ = run(capsys, "verify", path, "--json", "--no-progress")
+    assert code == 0 and _strict(out)[0]["ok"] is True
+    assert _strict(describe(path).to_json())["recipe"]["lr"] is None
+
+
+def test_strict_json_keeps_finite_numbers():
+    value = {"a": [1.5, math.nan, (math.inf, 2)], "b": {"c": -math.inf}, "d": True, "e": 3}
+    assert _strict(strict_json(value)) == {"a": [1.5, None, [None, 2]], "b": {"c": None},
+                                           "d": True, "e": 3}

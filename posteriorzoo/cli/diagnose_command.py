@@ -92,13 +92,14 @@ def _print(result) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from posteriorzoo.collection import diagnose
+    from posteriorzoo.results import strict_json
 
     results = [diagnose(path, predictions=not args.no_predictions,
                         data_dir=None if args.data_dir is None else str(args.data_dir),
                         verify=not args.no_verify, command=args.command_line)
                for path in args.zoos]
     if args.json:
-        print(json.dumps([result.to_dict() for result in results], indent=1, default=str))
+        print(strict_json([result.to_dict() for result in results], indent=1))
         return 0
     for result in results:
         _print(result)

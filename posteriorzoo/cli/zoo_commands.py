@@ -33,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "Every "
                     "checkpoint is checked against its digests first (--no-verify skips "
                     "this, e.g. to look at a damaged file). It also says whether the stored "
-                    "tensors fit the registered architecture.")
+                    "tensors fit the registered architecture. --json prints strict JSON: a "
+                    "NaN or infinite number (e.g. in a recipe) is null.")
     info.add_argument("zoo", type=Path, help="collection file (.h5)")
     add_json_option(info, "machine-readable JSON")
     add_no_verify_option(info)
@@ -186,6 +187,7 @@ def recipe_lines(recipe: dict[str, Any], indent: int) -> list[str]:
 def run_verify(args: argparse.Namespace) -> int:
     from posteriorzoo.collection import verify
     from posteriorzoo.errors import PosteriorZooError
+    from posteriorzoo.results import strict_json
 
     failed, reports = 0, []
     for path in args.zoos:
@@ -206,7 +208,7 @@ def run_verify(args: argparse.Namespace) -> int:
             print(f"posteriorzoo verify: error: {report.summary()}", file=sys.stderr)
             failed += 1
     if args.json:
-        print(json.dumps(reports, indent=1, default=str))
+        print(strict_json(reports, indent=1))
     return 2 if failed else 0
 
 
