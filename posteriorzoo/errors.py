@@ -63,6 +63,11 @@ class CanonicalOverflowError(NonFiniteWeightsError):
         return f"{self.problem}; with {self.way_out[2]} {self.way_out[3]}"
 
 
+class ModelBuildError(PosteriorZooError):
+    """A registered model's factory raised an error, or returned something that is not a
+    ``torch.nn.Module``; the message names the model and the plugin that registered it."""
+
+
 class ZooBusyError(PosteriorZooError):
     """Another process holds the collection open for writing."""
 

@@ -23,6 +23,15 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_kill_at_random_moments": ("append", "kill inside append"),
         "test_kill_at_random_moments_many": ("append", "kill inside append"),
     },
+    "test_writer_contention.py": {
+        "test_declared_rows_beyond_one_append_are_refused_at_once": ("info, verify, import",
+                                                                     "declared size"),
+        "test_rows_of_one_interrupted_append_are_never_read_and_cut_off_by_a_rebuild": (
+            "verify, import", "declared size"),
+        "test_an_append_while_another_writer_holds_the_collection_is_busy": (
+            "import-into", "concurrent append"),
+        "test_two_imports_at_once": ("import-into", "concurrent append"),
+    },
     "test_row_order.py": {
         "test_verify_reports_rows_out_of_mode_order": ("verify", "rows out of order"),
         "test_reorder_respects_the_output_policy": ("reorder", "output policy"),
@@ -89,6 +98,12 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_unexpected_create_repo_answer_is_one_line": ("upload", "hub fake endpoint"),
         "test_fake_hub_download_errors_are_one_line": ("download", "hub fake endpoint"),
         "test_fake_hub_upload_errors_are_one_line": ("upload", "hub fake endpoint"),
+        "test_manifest_over_the_cap_is_one_line": ("download", "manifest size"),
+    },
+    "test_manifest.py": {
+        "test_a_manifest_over_the_cap_is_refused_unread": ("verify", "manifest size"),
+        "test_a_manifest_without_a_size_is_read_up_to_the_cap": ("verify", "manifest size"),
+        "test_a_long_bad_line_is_shown_cut_short": ("verify", "manifest size"),
     },
     "test_full_disk.py": {
         "test_full_disk[canonicalize]": ("canonicalize", "full disk"),

@@ -21,6 +21,7 @@ import h5py
 import numpy as np
 import pytest
 
+from posteriorzoo.collection import verify
 from posteriorzoo.reference import reference_path
 from posteriorzoo.zoo import create_zoo, open_zoo, upgrade_zoo
 from posteriorzoo.zoo.schema import HDF5_FORMAT
@@ -223,7 +224,9 @@ def test_a_file_of_the_newest_formats_is_rewritten_within_the_bounds(tmp_path):
     before = ours(old)
     with open_zoo(old) as zoo:
         digests = zoo.digests
+    assert any("upgrade_zoo" in note for note in verify(old).notes)
     assert "newer than v110" in upgrade_zoo(old)
+    assert not any("upgrade_zoo" in note for note in verify(old).notes)
     after = ours(old)
     assert after.pop("/")["attrs"].pop("hdf5_format") == "v110"
     assert before.pop("/")["attrs"] == {k: v for k, v in ours(old)["/"]["attrs"].items()

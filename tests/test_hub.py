@@ -34,7 +34,13 @@ from posteriorzoo.hub import download, upload, verify_snapshot
 from posteriorzoo.hub import fetch as fetch_module
 from posteriorzoo.hub import publish as publish_module
 from posteriorzoo.zoo import create_zoo
-from posteriorzoo.zoo.manifest import MANIFEST_NAME, read_manifest, sha256_file, write_manifest
+from posteriorzoo.zoo.manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    read_manifest,
+    sha256_file,
+    write_manifest,
+)
 
 REPO = "org/zoo"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -845,6 +851,31 @@ def test_non_utf8_manifest_is_one_line(run_cli, hub: FakeHub, tmp_path: Path) ->
 
 
 NOT_UTF8 = b"\xff\xfe\x00 not text " + bytes(range(128, 256))
+
+
+@pytest.mark.parametrize("listed", [True, False],
+                         ids=["refused-from-the-file-list", "refused-when-read"])
+def test_manifest_over_the_cap_is_one_line(run_cli, hub: FakeHub, tmp_path: Path,
+                                           listed: bool) -> None:
+    hub.files["sub/" + MANIFEST_NAME] = b"0" * (MAX_MANIFEST_BYTES + 1)
+    new, existing = tmp_path / "new", tmp_path / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    if listed:  # a dry run, and a download into a folder holding files, list them first
+        runs = [["--dry-run"], ["--out", str(existing)]]
+    else:  # the cache and a new folder are not listed first: the manifest is fetched
+        runs = [[], ["--out", str(new)], ["--out", str(existing)]]
+        hub.fail["tree:main"] = (404, b'{"error": "no listing by branch name today"}')
+    for argv in runs:
+        code, out, err = run_cli("download", REPO, *argv)
+        assert code == 2 and out == "" and len(err) == 1, err
+        assert f"{MAX_MANIFEST_BYTES + 1:,} bytes, over the limit of " \
+               f"{MAX_MANIFEST_BYTES:,}" in err[0] and len(err[0]) < 500, err
+        assert ".partial-" not in err[0]
+    assert (transfers(hub) == []) == listed  # listed: refused before any file was fetched
+    assert not new.exists()
+    assert files_under(existing) == {"keep.txt": b"mine"}
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
 def test_non_utf8_manifest_beside_a_collection_is_reported(

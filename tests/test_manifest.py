@@ -5,13 +5,19 @@ from __future__ import annotations
 import hashlib
 import shutil
 import subprocess
+import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import pytest
+from zoo_helpers import assert_one_line_error, run
 
 from posteriorzoo.errors import ChecksumError, ZooFormatError
+from posteriorzoo.zoo import create_zoo
 from posteriorzoo.zoo.manifest import (
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    SHOWN_LINE_CHARACTERS,
     read_manifest,
     sha256_file,
     verify_manifest,
@@ -128,3 +134,91 @@ def test_sha256sum_accepts_the_manifest(folder: Path) -> None:
     _flip_byte(folder / "a.h5")
     failed = subprocess.run(["sha256sum", "-c", MANIFEST_NAME], cwd=folder, capture_output=True)
     assert failed.returncode != 0
+
+
+# ---------------------------------------------------------------------- hostile manifests
+#: Longest error line a hostile manifest may cause: a path, a reason and a cut quote.
+LONGEST_ERROR_LINE = 1000
+
+
+def _collection(path: Path) -> Path:
+    """A small real collection (an MLP zoo of two checkpoints) for ``verify``."""
+    rng = np.random.default_rng(0)
+    states = [{"layers.0.weight": rng.normal(size=(4, 2)).astype("float32"),
+               "layers.0.bias": rng.normal(size=4).astype("float32"),
+               "layers.1.weight": rng.normal(size=(1, 4)).astype("float32"),
+               "layers.1.bias": rng.normal(size=1).astype("float32")} for _ in range(2)]
+    with create_zoo(path, architecture="mlp", dataset="blobs", method="de",
+                    model_options={"widths": [2, 4, 1]}, template=states[0]) as zoo:
+        zoo.append_many(states)
+    return path
+
+
+def _state(folder: Path) -> dict[str, tuple[int, int]]:
+    """Size and modification time of every file under ``folder`` (a sparse gigabyte is
+    not hashed)."""
+    return {p.relative_to(folder).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _peak_bytes(call) -> tuple[BaseException, int]:
+    """The error ``call`` raises and the peak of Python memory allocated meanwhile."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(ZooFormatError) as raised:
+            call()
+        return raised.value, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("size", [MAX_MANIFEST_BYTES + 1, 100 * 2**20, 2**30],
+                         ids=["cap-plus-one", "100MiB", "1GiB"])
+def test_a_manifest_over_the_cap_is_refused_unread(tmp_path: Path, capsys, size: int) -> None:
+    collection = _collection(tmp_path / "a.h5")
+    manifest = tmp_path / MANIFEST_NAME
+    with open(manifest, "wb") as handle:
+        handle.truncate(size)  # sparse: costs the test neither disk nor memory
+    before = _state(tmp_path)
+    code, out, err = run(capsys, "verify", collection)
+    assert_one_line_error(code, err, f"{size:,} bytes, over the limit of "
+                                     f"{MAX_MANIFEST_BYTES:,}")
+    assert len(err.strip()) < LONGEST_ERROR_LINE
+    error, peak = _peak_bytes(lambda: read_manifest(manifest))
+    assert "over the limit" in str(error)
+    assert peak < 2**20  # refused by its size: not a byte of it was read
+    assert _state(tmp_path) == before
+
+
+def test_a_manifest_without_a_size_is_read_up_to_the_cap(tmp_path: Path) -> None:
+    (tmp_path / MANIFEST_NAME).symlink_to("/dev/zero")  # endless, and its size says 0
+    error, peak = _peak_bytes(lambda: verify_manifest(tmp_path))
+    assert f"more than {MAX_MANIFEST_BYTES:,} bytes (not read further)" in str(error)
+    assert peak < 3 * MAX_MANIFEST_BYTES
+    assert len(str(error)) < LONGEST_ERROR_LINE
+
+
+@pytest.mark.parametrize("line", ["x" * 3_000_000, "\0" * 1_000_000,
+                                  "0" * 64 + " " + "n" * 500, "\U0001f600" * 300],
+                         ids=["3M-characters", "1M-nul-bytes", "one-space-long-name",
+                              "emoji"])
+def test_a_long_bad_line_is_shown_cut_short(tmp_path: Path, capsys, line: str) -> None:
+    collection = _collection(tmp_path / "a.h5")
+    manifest = tmp_path / MANIFEST_NAME
+    manifest.write_text(f"{'0' * 64}  a.h5\n{line}\n", encoding="utf-8")
+    before = _state(tmp_path)
+    code, out, err = run(capsys, "verify", collection)
+    assert_one_line_error(code, err, f"{MANIFEST_NAME}:2: not a sha256sum line: ",
+                          f"... ({len(line):,} characters)")
+    assert len(err.strip()) < LONGEST_ERROR_LINE
+    error, peak = _peak_bytes(lambda: read_manifest(manifest))
+    quoted = str(error).split("not a sha256sum line: ", 1)[1]
+    assert quoted == f"{repr(line)[:SHOWN_LINE_CHARACTERS]}... ({len(line):,} characters)"
+    assert peak < 3 * MAX_MANIFEST_BYTES
+    assert _state(tmp_path) == before
+
+
+def test_a_short_bad_line_is_shown_whole(tmp_path: Path) -> None:
+    (tmp_path / MANIFEST_NAME).write_text("just some text\n")
+    with pytest.raises(ZooFormatError, match=r":1: not a sha256sum line: 'just some text'$"):
+        read_manifest(tmp_path / MANIFEST_NAME)

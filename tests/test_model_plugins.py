@@ -454,6 +454,149 @@ def test_the_ray_backend_passes_the_plugins(folder, monkeypatch):
     assert [p.sources for p in passed] == [(module,), (module,)]
 
 
+#: A plugin whose factory breaks when PZ_TEST_BREAK says how: returns None, or raises.
+BREAKABLE = '''\
+import os
+
+from torch import nn
+
+from posteriorzoo.models import register
+
+
+@register({model!r}, num_classes=10, input_shape=(1, 28, 28), description="test plugin",
+          options={{"hidden": 8}})
+def build(num_classes, hidden):
+    if os.environ.get("PZ_TEST_BREAK") == "none":
+        return None
+    if os.environ.get("PZ_TEST_BREAK") == "raise":
+        raise RuntimeError("no GPU kernel for this layer")
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, hidden), nn.ReLU(),
+                         nn.Linear(hidden, num_classes))
+'''
+#: What each way of breaking says, after the model's name and its module.
+BROKEN = {"none": "its factory returned None, not a torch.nn.Module",
+          "raise": "could not be built: its factory raised RuntimeError: no GPU kernel for "
+                   "this layer"}
+
+
+def train_spec(folder: Path, model: str, modes: int = 2) -> Path:
+    spec = folder / "spec.toml"
+    spec.write_text(textwrap.dedent(f'''\
+        recipe = "optunet-mnist"
+        dataset = "digits"
+        modes = {modes}
+        [recipe_overrides]
+        architecture = "{model}"
+        epochs = 1
+        crop_padding = 0
+        batch_size = 128
+        '''))
+    return spec
+
+
+def no_workers(monkeypatch) -> None:
+    """Starting the worker pool fails the test: the model is checked before it starts."""
+    from train_zoo.backends import local
+
+    def refused(*_, **__):
+        raise AssertionError("a worker started: the model was not checked before")
+
+    monkeypatch.setattr(local.LocalBackend, "run", refused)
+
+
+@pytest.mark.parametrize("how", sorted(BROKEN))
+def test_a_factory_that_fails_is_one_line_before_any_worker(folder, monkeypatch, capsys,
+                                                            how):
+    """A factory returning None, or raising, was a traceback (from the workers when they
+    were the first to build the model)."""
+    from posteriorzoo.errors import ModelBuildError
+
+    module, model = write_plugin(folder, BREAKABLE)
+    spec = train_spec(folder, model)
+    monkeypatch.setenv("PZ_TEST_BREAK", how)
+    no_workers(monkeypatch)
+    before = sorted(path.name for path in folder.iterdir())
+    line = one_line_error(capsys, main(["--models", module, "train", str(spec), "--out",
+                                        str(folder / "zoo.h5"), "--workers", "2",
+                                        "--no-progress"]))
+    assert f"model '{model}' (registered by module '{module}')" in line
+    assert BROKEN[how] in line
+    assert sorted(path.name for path in folder.iterdir() if path.name != "__pycache__") \
+        == sorted(name for name in before if name != "__pycache__")  # no file, no partial
+    with pytest.raises(ModelBuildError) as caught:
+        build(model)
+    assert str(caught.value).startswith(f"model '{model}' (registered by module '{module}')")
+    assert BROKEN[how] in str(caught.value)
+
+
+def test_resuming_with_a_factory_that_fails_is_one_line_before_any_worker(
+        folder, monkeypatch, capsys):
+    """An existing collection was resumed without building the model in this process:
+    the workers were the first to fail."""
+    from posteriorzoo.hashing import sha256_file
+
+    module, model = write_plugin(folder, BREAKABLE)
+    load_models(module)
+    existing = small_collection(folder / "zoo.h5", model)
+    digest = sha256_file(existing)
+    spec = train_spec(folder, model, modes=5)
+    monkeypatch.setenv("PZ_TEST_BREAK", "raise")
+    no_workers(monkeypatch)
+    line = one_line_error(capsys, main(["--models", module, "train", str(spec), "--out",
+                                        str(existing), "--workers", "2", "--no-progress"]))
+    assert f"model '{model}'" in line and BROKEN["raise"] in line
+    assert sha256_file(existing) == digest
+    assert not [path for path in folder.iterdir() if ".partial-" in path.name]
+
+
+@pytest.mark.parametrize(("arguments", "refusal"), [
+    ({"input_shape": (-1, 0)}, "input_shape (-1, 0) is refused: every dimension must be a "
+                               "positive integer"),
+    ({"input_shape": (1, 0, 28)}, "every dimension must be a positive integer"),
+    ({"input_shape": (True, 28, 28)}, "every dimension must be a positive integer"),
+    ({"input_shape": ()}, "an input shape is a non-empty tuple of positive integers"),
+    ({"num_classes": 0}, "num_classes must be a positive integer or None, not 0"),
+    ({"num_classes": -3}, "num_classes must be a positive integer or None, not -3"),
+    ({"num_classes": True}, "num_classes must be a positive integer or None, not True"),
+])
+def test_register_refuses_a_bad_input_shape_or_num_classes(folder, arguments, refusal):
+    from posteriorzoo.errors import InvalidOptionError
+
+    options = {"num_classes": 10, "input_shape": (1, 28, 28), **arguments}
+    with pytest.raises(InvalidOptionError) as caught:
+        registry.register("pz-bad-registration", description="bad", **options)(
+            lambda num_classes: torch.nn.Linear(784, num_classes))
+    assert str(caught.value).startswith("model 'pz-bad-registration': ")
+    assert refusal in str(caught.value)
+    assert "pz-bad-registration" not in registry._REGISTRY
+
+
+def test_a_plugin_declaring_a_bad_input_shape_is_one_line_before_training(folder,
+                                                                          monkeypatch,
+                                                                          capsys):
+    module, model = write_plugin(folder, PLUGIN.replace("input_shape=(1, 28, 28)",
+                                                        "input_shape=(-1, 0)"))
+    spec = train_spec(folder, model)
+    no_workers(monkeypatch)
+    line = one_line_error(capsys, main(["--models", module, "train", str(spec), "--out",
+                                        str(folder / "zoo.h5"), "--no-progress"]))
+    assert f"--models {module}" in line
+    assert f"model '{model}': input_shape (-1, 0) is refused" in line
+    assert not (folder / "zoo.h5").exists()
+    assert not [path for path in folder.iterdir() if ".partial-" in path.name]
+
+
+def test_an_input_shape_function_giving_no_shape_names_the_model(folder):
+    from posteriorzoo.errors import ModelBuildError
+    from posteriorzoo.models import input_shape
+
+    registry.register("pz-shape-rule", num_classes=10, input_shape=lambda options: (0, 28),
+                      description="bad rule")(lambda num_classes: torch.nn.Linear(28, 10))
+    with pytest.raises(ModelBuildError, match="model 'pz-shape-rule' .*: its input_shape "
+                                              "function gave \\(0, 28\\): every dimension"):
+        input_shape("pz-shape-rule")
+
+
 # ------------------------------------------------------------------------ symmetries
 
 

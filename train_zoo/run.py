@@ -151,6 +151,9 @@ def open_collection(spec: ZooSpec, out: str | os.PathLike, command: str | None =
 
 
 def _open_existing(spec: ZooSpec, out: Path, verify: bool) -> Zoo:
+    # The models are built here once, as for a new collection: a model of your own whose
+    # factory fails is one line from this process, not a traceback from every worker.
+    _template(spec)
     num_data = (len(load_training_data(spec.dataset, spec.data_dir).train)
                 if get_method(spec.method).options_need_data else None)  # BBB's KL weight
     recipe = spec.collection_recipe(num_data)

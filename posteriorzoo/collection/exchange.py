@@ -448,8 +448,15 @@ def import_checkpoints(
     taken_modes: set[int] = set()  # modes the collection or the inputs hold
     tensor_layout: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
     current = limits or ReadLimits()
+    writer: Zoo | None = None
     if exists:
-        with open_zoo(zoo_path, verify=verify) as zoo:
+        # The writer's lock first: a second writer of the collection is told it is busy
+        # before either reads anything, and nothing changes the file while this one reads
+        # it and its inputs (it is not written to before the first append).
+        writer = open_zoo(zoo_path, mode="r+", verify=verify)
+    try:
+        if writer is not None:
+            zoo = writer
             zoo.verify_all()  # nothing is appended to a corrupt collection
             attributes = {"architecture": zoo.architecture, "dataset": zoo.dataset,
                           "method": zoo.method, "num_classes": zoo.num_classes,
@@ -457,101 +464,107 @@ def import_checkpoints(
             tensor_layout = zoo.tensor_layout
             stored = set(zoo.digests)
             taken_modes = {int(mode) for mode in zoo.metadata["mode_id"] if mode >= 0}
-        given["model_options"] = dict(model_options) if model_options is not None else None
-        for key, value in given.items():
-            if value is not None and value != attributes[key]:
-                raise InvalidOptionError(f"{zoo_path} holds {key} {attributes[key]!r}, "
-                                         f"not {value!r}")
-        current = current.for_shapes(tensor_layout)
-    else:
-        check_output(zoo_path, inputs=files)
-        implied = release_task(files[0]) or {}
-        current = limits_for_architecture(
-            current, architecture or implied.get("architecture"),
-            num_classes if num_classes is not None else implied.get("num_classes"),
-            model_options)
+            given["model_options"] = dict(model_options) if model_options is not None else None
+            for key, value in given.items():
+                if value is not None and value != attributes[key]:
+                    raise InvalidOptionError(f"{zoo_path} holds {key} {attributes[key]!r}, "
+                                             f"not {value!r}")
+            current = current.for_shapes(tensor_layout)
+        else:
+            check_output(zoo_path, inputs=files)
+            implied = release_task(files[0]) or {}
+            current = limits_for_architecture(
+                current, architecture or implied.get("architecture"),
+                num_classes if num_classes is not None else implied.get("num_classes"),
+                model_options)
+        unchecked: list[str] = []  # inputs whose header records no digest (pass 1)
+        # Archive members are named "ARCHIVE:MEMBER"; their numbers may tell their modes.
+        archives = [f"{file.name}:" for file in files
+                    if sniff_format(file, current) != "safetensors"]
+        members: dict[str, list[str]] = {prefix: [] for prefix in archives}
+        member_mode: dict[str, int] = {}  # input name -> mode its name tells (after pass 1)
 
-    unchecked: list[str] = []  # inputs whose header records no digest (pass 1)
-    # Archive members are named "ARCHIVE:MEMBER"; their numbers may tell their modes.
-    archives = [f"{file.name}:" for file in files if sniff_format(file, current) != "safetensors"]
-    members: dict[str, list[str]] = {prefix: [] for prefix in archives}
-    member_mode: dict[str, int] = {}  # input name -> mode its name tells (after pass 1)
-
-    def review(name: str, header: Mapping[str, str], limits: ReadLimits) -> ReadLimits:
-        """Before the first input's tensors are read: bound them by its architecture."""
-        if tensor_layout is not None:
-            return limits  # already bounded by the known layout
-        try:
-            return limits_for_new_collection(
-                limits, files[0], header,
-                {"architecture": architecture, "dataset": dataset, "method": method,
-                 "num_classes": num_classes, "model_options": model_options})
-        except PosteriorZooError as error:
-            raise type(error)(f"{name}: {error}") from None
-
-    def prepare(name: str, state: dict[str, torch.Tensor], header: Mapping[str, str],
-                first_pass: bool = False) -> _Prepared:
-        assert tensor_layout is not None
-        if verify and not check_recorded_digest(state, header, name) and first_pass:
-            unchecked.append(name)
-        state = convert_floats(key_map.apply(state), dtype)
-        row = row_for_input(header, name, attributes["method"])
-        if name in member_mode and "mode_id" not in row:
-            row.update(mode_id=member_mode[name], sample_id=0)
-        check_against_layout(tensor_layout, state, name, diverged=bool(row.get("diverged", False)))
-        arrays = {key: as_numpy(state[key]) for key in tensor_layout}
-        return _Prepared(name, state, row, schema.checkpoint_digest(arrays, list(tensor_layout)))
-
-    # Pass 1: read and check everything, keep only the digests. The size bound tightens
-    # once the first checkpoint tells the architecture (read through ``bounds``).
-    bounds = [current]
-    template: dict[str, torch.Tensor] | None = None
-    count = 0
-    seen = set(stored)
-    new_count = 0
-    for name, state, header in tqdm(read_inputs(files, lambda: bounds[0], review),
-                                    desc="check", unit="ckpt", disable=not progress):
-        if tensor_layout is None:
-            attributes = collection_attributes(files[0], header, architecture, dataset,
-                                               method, num_classes, model_options)
-            template = in_model_order(convert_floats(key_map.apply(state), dtype), attributes)
-            tensor_layout = normalise_template(template)
+        def review(name: str, header: Mapping[str, str], limits: ReadLimits) -> ReadLimits:
+            """Before the first input's tensors are read: bound them by its architecture."""
+            if tensor_layout is not None:
+                return limits  # already bounded by the known layout
             try:
-                check_architecture(attributes["architecture"], tensor_layout,
-                                   attributes["num_classes"], attributes["model_options"])
-            except ZooSchemaError as error:
-                # Only a key that is missing or unexpected can be mended by renaming.
-                hint = "; a key map can rename keys" if " key " in str(error) else ""
-                raise ZooSchemaError(f"{name}: {error}{hint}") from None
-            bounds[0] = bounds[0].for_shapes(tensor_layout)
-        prepared = prepare(name, state, header, first_pass=True)
-        count += 1
-        archive = next((prefix for prefix in archives if name.startswith(prefix)), None)
-        if archive is not None:
-            members[archive].append(name[len(archive):])
-        elif int(prepared.row.get("mode_id", -1)) >= 0:
-            taken_modes.add(int(prepared.row["mode_id"]))
-        if prepared.digest not in seen:
-            seen.add(prepared.digest)
-            new_count += 1
-    if count == 0:
-        raise ZooFormatError("the inputs hold no safetensors checkpoints")
-    assert tensor_layout is not None
-    if unchecked:
-        others = f" and {len(unchecked) - 1} more" if len(unchecked) > 1 else ""
-        warnings.warn(f"{len(unchecked)} input checkpoint(s) record no SHA-256 of their "
-                      f"tensors ({unchecked[0]}{others}): imported without that check",
-                      stacklevel=2)
-    if attributes["method"] == "de":  # a member is a deep-ensemble member: its own mode
-        for archive, names in members.items():
-            modes = member_modes(archive[:-1], names, taken_modes)
-            member_mode.update({archive + member: mode for member, mode in modes.items()})
-            taken_modes.update(modes.values())
-    described = {f"input {i}": describe_input(file) for i, file in enumerate(files)}
+                return limits_for_new_collection(
+                    limits, files[0], header,
+                    {"architecture": architecture, "dataset": dataset, "method": method,
+                     "num_classes": num_classes, "model_options": model_options})
+            except PosteriorZooError as error:
+                raise type(error)(f"{name}: {error}") from None
+
+        def prepare(name: str, state: dict[str, torch.Tensor], header: Mapping[str, str],
+                    first_pass: bool = False) -> _Prepared:
+            assert tensor_layout is not None
+            if verify and not check_recorded_digest(state, header, name) and first_pass:
+                unchecked.append(name)
+            state = convert_floats(key_map.apply(state), dtype)
+            row = row_for_input(header, name, attributes["method"])
+            if name in member_mode and "mode_id" not in row:
+                row.update(mode_id=member_mode[name], sample_id=0)
+            check_against_layout(tensor_layout, state, name,
+                                 diverged=bool(row.get("diverged", False)))
+            arrays = {key: as_numpy(state[key]) for key in tensor_layout}
+            return _Prepared(name, state, row,
+                             schema.checkpoint_digest(arrays, list(tensor_layout)))
+
+        # Pass 1: read and check everything, keep only the digests. The size bound tightens
+        # once the first checkpoint tells the architecture (read through ``bounds``).
+        bounds = [current]
+        template: dict[str, torch.Tensor] | None = None
+        count = 0
+        seen = set(stored)
+        new_count = 0
+        for name, state, header in tqdm(read_inputs(files, lambda: bounds[0], review),
+                                        desc="check", unit="ckpt", disable=not progress):
+            if tensor_layout is None:
+                attributes = collection_attributes(files[0], header, architecture, dataset,
+                                                   method, num_classes, model_options)
+                template = in_model_order(convert_floats(key_map.apply(state), dtype), attributes)
+                tensor_layout = normalise_template(template)
+                try:
+                    check_architecture(attributes["architecture"], tensor_layout,
+                                       attributes["num_classes"], attributes["model_options"])
+                except ZooSchemaError as error:
+                    # Only a key that is missing or unexpected can be mended by renaming.
+                    hint = "; a key map can rename keys" if " key " in str(error) else ""
+                    raise ZooSchemaError(f"{name}: {error}{hint}") from None
+                bounds[0] = bounds[0].for_shapes(tensor_layout)
+            prepared = prepare(name, state, header, first_pass=True)
+            count += 1
+            archive = next((prefix for prefix in archives if name.startswith(prefix)), None)
+            if archive is not None:
+                members[archive].append(name[len(archive):])
+            elif int(prepared.row.get("mode_id", -1)) >= 0:
+                taken_modes.add(int(prepared.row["mode_id"]))
+            if prepared.digest not in seen:
+                seen.add(prepared.digest)
+                new_count += 1
+        if count == 0:
+            raise ZooFormatError("the inputs hold no safetensors checkpoints")
+        assert tensor_layout is not None
+        if unchecked:
+            others = f" and {len(unchecked) - 1} more" if len(unchecked) > 1 else ""
+            warnings.warn(f"{len(unchecked)} input checkpoint(s) record no SHA-256 of their "
+                          f"tensors ({unchecked[0]}{others}): imported without that check",
+                          stacklevel=2)
+        if attributes["method"] == "de":  # a member is a deep-ensemble member: its own mode
+            for archive, names in members.items():
+                modes = member_modes(archive[:-1], names, taken_modes)
+                member_mode.update({archive + member: mode for member, mode in modes.items()})
+                taken_modes.update(modes.values())
+        described = {f"input {i}": describe_input(file) for i, file in enumerate(files)}
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        raise
 
     # Pass 2: append in batches; each batch is committed atomically.
-    if exists:
-        zoo = open_zoo(zoo_path, mode="r+")
+    if writer is not None:
+        zoo = writer
     else:
         assert template is not None
         zoo = create_zoo(zoo_path, template=template, command=command, validate=True,

@@ -23,7 +23,7 @@ import filecmp
 import hashlib
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePosixPath
 
 from huggingface_hub import HfApi, constants, snapshot_download, try_to_load_from_cache
@@ -53,7 +53,7 @@ from posteriorzoo.hub.verify import (
     verify_snapshot,
 )
 from posteriorzoo.outputs import new_partial, publish
-from posteriorzoo.zoo.manifest import MANIFEST_NAME
+from posteriorzoo.zoo.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 
 REPO_TYPES = ("dataset", "model")
 #: Seconds to wait for the Hub's answer about each file (huggingface_hub's, env-configurable).
@@ -108,8 +108,12 @@ def download(
     Raises:
         HubError: the repository, revision or network is unavailable, the repository
             lists an unusable file name, or no file matches ``include`` (the message
-            says what to do).
+            says what to do); or its file list, when asked for it before the transfer
+            (into a ``local_dir`` holding files), lists a ``SHA256SUMS`` larger than a
+            manifest may be (:data:`~posteriorzoo.zoo.manifest.MAX_MANIFEST_BYTES`).
         ChecksumError: a file is corrupt, missing, or there is no manifest.
+        ZooFormatError: a fetched manifest is malformed, or larger than a manifest may be
+            (refused without being read whole).
         OutputExistsError: a file of ``local_dir`` differs from the repository's and
             ``overwrite`` is False.
         InvalidOptionError: ``local_dir`` is a file, or its parent folder is missing.
@@ -260,13 +264,30 @@ def _listed_files(repo_id: str, revision: str | None, patterns: list[str] | None
     if patterns is not None and not matching(selected, patterns):
         raise HubError(f"no file of {repo_type} '{repo_id}' matches {' '.join(patterns)}: "
                        "check the include patterns against the repository's file list")
+    sizes = {name: _listed_size(entries[name]) for name in selected}
+    _check_manifest_sizes(sizes, repo_id, repo_type)
+    return {name: (sizes[name], entries[name]) for name in selected}, commit
 
-    def size(entry: object) -> int | None:
-        lfs = getattr(entry, "lfs", None)
-        value = getattr(lfs, "size", None) if lfs is not None else getattr(entry, "size", None)
-        return value if isinstance(value, int) else None
 
-    return {name: (size(entries[name]), entries[name]) for name in selected}, commit
+def _listed_size(entry: object) -> int | None:
+    """The size in bytes the Hub's tree ``entry`` gives its file (None: none given)."""
+    lfs = getattr(entry, "lfs", None)
+    value = getattr(lfs, "size", None) if lfs is not None else getattr(entry, "size", None)
+    return value if isinstance(value, int) else None
+
+
+def _check_manifest_sizes(sizes: Mapping[str, int | None], repo_id: str,
+                          repo_type: str) -> None:
+    """Refuse, before it is fetched, a ``SHA256SUMS`` the Hub lists as larger than a
+    manifest may be (:data:`~posteriorzoo.zoo.manifest.MAX_MANIFEST_BYTES`: reading it
+    would refuse it anyway, after the transfer)."""
+    for name, size in sizes.items():
+        if PurePosixPath(name).name == MANIFEST_NAME and size is not None \
+                and size > MAX_MANIFEST_BYTES:
+            raise HubError(f"{repo_type} '{repo_id}' lists {name} of {size:,} bytes, over "
+                           f"the limit of {MAX_MANIFEST_BYTES:,} for a manifest (one short "
+                           "line per file), so it is not fetched: ask the repository owner "
+                           "to check it")
 
 
 def _cached_files(repo_id: str, revision: str | None, patterns: list[str] | None,
@@ -318,10 +339,12 @@ def _conflict(out: Path, name: str) -> OutputExistsError:
 
 def _precheck(out: Path, repo_id: str, revision: str | None, patterns: list[str] | None,
               repo_type: str, token: str | bool | None, overwrite: bool) -> None:
-    """Refuse, before any transfer, a file of ``out`` that differs from the repository's.
+    """Refuse, before any transfer, a file of ``out`` that differs from the repository's,
+    and a manifest the file list says is too large to be read.
 
     Asks the Hub for the repository's file list; when that fails, the download itself
-    reports why, and the fetched bytes are compared before anything is published.
+    reports why, the fetched bytes are compared before anything is published, and a
+    manifest is bounded when it is read.
     """
     if overwrite or is_offline() or not out.is_dir() or not any(out.iterdir()):
         return
@@ -331,7 +354,10 @@ def _precheck(out: Path, repo_id: str, revision: str | None, patterns: list[str]
             if hasattr(entry, "blob_id")}
     except handled_errors():
         return
-    for name in matching(entries, allow_patterns(patterns)):
+    selected = matching(entries, allow_patterns(patterns))
+    _check_manifest_sizes({name: _listed_size(entries[name]) for name in selected}, repo_id,
+                          repo_type)
+    for name in selected:
         if not is_safe_name(name):
             raise HubError(f"{repo_type} '{repo_id}' lists a file outside its folder, "
                            f"{name!r}: ask the repository owner to rename it")

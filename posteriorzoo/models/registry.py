@@ -21,7 +21,12 @@ from typing import Any
 from torch import nn
 
 from posteriorzoo._api import public
-from posteriorzoo.errors import InvalidOptionError, UnknownNameError
+from posteriorzoo.errors import (
+    InvalidOptionError,
+    ModelBuildError,
+    PosteriorZooError,
+    UnknownNameError,
+)
 
 __all__ = [
     "ModelEntry",
@@ -84,10 +89,58 @@ class ModelEntry:
         object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
 
     def shape_for(self, options: Mapping[str, Any]) -> tuple[int, ...]:
-        """Input shape (no batch axis) for fully resolved ``options``."""
-        if callable(self.input_shape):
-            return tuple(int(d) for d in self.input_shape(options))
-        return tuple(self.input_shape)
+        """Input shape (no batch axis) for fully resolved ``options``.
+
+        A shape function that fails or gives anything but positive integers raises
+        :class:`ModelBuildError` naming the model (a plugin's code, run here).
+        """
+        if not callable(self.input_shape):
+            return tuple(self.input_shape)
+        try:
+            shape = self.input_shape(options)
+        except PosteriorZooError:
+            raise
+        except Exception as error:
+            raise ModelBuildError(f"model {self.name!r}{self.provided_by()}: its input_shape "
+                                  f"function raised {_one_line(error)}") from None
+        problem = _shape_problem(shape)
+        if problem:
+            raise ModelBuildError(f"model {self.name!r}{self.provided_by()}: its input_shape "
+                                  f"function gave {_shown(shape)}: {problem}")
+        return tuple(int(d) for d in shape)
+
+    def provided_by(self) -> str:
+        """`` (registered by module 'my_models')``, or nothing for a built-in model."""
+        return "" if self.module is None else f" (registered by module {self.module!r})"
+
+
+#: Longest value a message about a registration shows.
+_SHOW = 60
+
+
+def _shown(value: object) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= _SHOW else text[:_SHOW - 3] + "..."
+
+
+def _one_line(error: BaseException) -> str:
+    """``Type: message`` on one line."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _shape_problem(shape: object) -> str | None:
+    """Why ``shape`` is no input shape (None if it is one): a non-empty tuple of
+    positive integers, ``(C, H, W)`` or ``(D,)``."""
+    if not isinstance(shape, tuple | list) or not shape:
+        return "an input shape is a non-empty tuple of positive integers, (C, H, W) or (D,)"
+    if not all(_is_positive_int(d) for d in shape):
+        return "every dimension must be a positive integer"
+    return None
 
 
 _REGISTRY: dict[str, ModelEntry] = {}
@@ -172,9 +225,33 @@ def register(
     -------
     callable
         The decorator; it returns the factory unchanged.
+
+    Raises
+    ------
+    InvalidOptionError
+        When called: an ``input_shape`` that is not a non-empty tuple of positive
+        integers, a ``num_classes`` that is neither a positive integer nor None. When
+        decorating: a name already registered (without ``replace``). What the factory
+        builds is checked by :func:`build` (:class:`ModelBuildError`).
     """
 
+    # Refused when registered, in the process that loads the plugin: a worker process
+    # would otherwise be the first to fail on them, with its traceback.
+    if not name:
+        raise InvalidOptionError("a model's name must not be empty")
+    if num_classes is not None and not _is_positive_int(num_classes):
+        raise InvalidOptionError(f"model {name!r}: num_classes must be a positive integer "
+                                 f"or None, not {_shown(num_classes)}")
+    if not callable(input_shape):
+        problem = _shape_problem(input_shape)
+        if problem:
+            raise InvalidOptionError(f"model {name!r}: input_shape {_shown(input_shape)} is "
+                                     f"refused: {problem}")
+
     def decorator(factory: Factory) -> Factory:
+        if not callable(factory):
+            raise InvalidOptionError(f"model {name!r}: register(...) decorates the "
+                                     f"function that builds the model, not {_shown(factory)}")
         if name in _REGISTRY and not replace:
             raise InvalidOptionError(f"model {name!r} is already registered")
         module, package = _provider(factory)
@@ -331,9 +408,24 @@ def build(name: str, num_classes: int | None = None, **options: Any) -> nn.Modul
     ------
     UnknownNameError
         Unknown model name or option name.
+    ModelBuildError
+        The factory raised an error that is not a :class:`PosteriorZooError` (which passes
+        unchanged: a factory's own refusal of an option), or returned something that is
+        not a ``torch.nn.Module``: one line naming the model and its plugin.
     """
     spec, n_out, merged = resolve(name, num_classes, options)
-    return spec.factory(num_classes=n_out, **merged)
+    try:
+        model = spec.factory(num_classes=n_out, **merged)
+    except PosteriorZooError:
+        raise
+    except Exception as error:
+        given = f" with options {_shown(dict(options))}" if options else ""
+        raise ModelBuildError(f"model {name!r}{spec.provided_by()}{given} could not be "
+                              f"built: its factory raised {_one_line(error)}") from None
+    if not isinstance(model, nn.Module):
+        raise ModelBuildError(f"model {name!r}{spec.provided_by()}: its factory returned "
+                              f"{_shown(model)}, not a torch.nn.Module")
+    return model
 
 
 @public

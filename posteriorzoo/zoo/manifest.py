@@ -8,32 +8,75 @@ too. Inside each collection, every checkpoint also carries its own digest (see
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 from posteriorzoo._api import public
+from posteriorzoo._streams import read_small_file
 from posteriorzoo.errors import ChecksumError, ZooFormatError
 from posteriorzoo.hashing import sha256_file
 
 MANIFEST_NAME = "SHA256SUMS"
+#: Largest manifest read, in bytes. A manifest lists the files of one folder of
+#: collections, one line of about 70 bytes plus the name each: a real one is a few lines,
+#: and 4 MiB holds tens of thousands of them. A larger one (from a hostile Hub or folder)
+#: is refused unread, so reading any manifest costs at most a few MB of memory.
+MAX_MANIFEST_BYTES = 4 * 2**20
+#: Most characters of a bad manifest line shown in an error, so that the message stays one
+#: readable line whatever the line holds.
+SHOWN_LINE_CHARACTERS = 200
+#: Where ``str.splitlines`` breaks lines (the line boundaries manifests have always been
+#: read with), found one at a time so that no list of every line is built.
+_LINE_BREAK = re.compile("\r\n|[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+def _lines(text: str) -> Iterator[str]:
+    """The lines of ``text``, as ``text.splitlines()`` gives them, one at a time."""
+    start = 0
+    for match in _LINE_BREAK.finditer(text):
+        yield text[start:match.start()]
+        start = match.end()
+    if start < len(text):
+        yield text[start:]
+
+
+def _shown(line: str) -> str:
+    """``line`` quoted for an error message, cut to :data:`SHOWN_LINE_CHARACTERS`
+    characters and an ellipsis when longer."""
+    quoted = repr(line[:SHOWN_LINE_CHARACTERS + 1])  # the slice keeps repr's work small
+    if len(quoted) <= SHOWN_LINE_CHARACTERS:
+        return quoted
+    return f"{quoted[:SHOWN_LINE_CHARACTERS]}... ({len(line):,} characters)"
 
 
 def read_manifest(path: str | Path) -> dict[str, str]:
-    """Parse a ``SHA256SUMS`` file into ``{file name: hex digest}``."""
+    """Parse a ``SHA256SUMS`` file into ``{file name: hex digest}``.
+
+    A manifest over :data:`MAX_MANIFEST_BYTES` is refused without being read, and an
+    error quotes at most :data:`SHOWN_LINE_CHARACTERS` characters of a bad line.
+    """
     entries: dict[str, str] = {}
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        raw = read_small_file(path, MAX_MANIFEST_BYTES, f"{path}: the manifest",
+                              " (a manifest holds one short line per file)")
     except FileNotFoundError as error:
         raise ZooFormatError(f"manifest not found: {path}") from error
+    except OSError as error:
+        raise ZooFormatError(f"{path}: cannot read the manifest: "
+                             f"{error.strerror or error}") from None
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ZooFormatError(f"{path}: not a sha256sum manifest (not UTF-8 text)") from None
-    for number, line in enumerate(lines, start=1):
+    del raw  # the text alone is kept while its lines are parsed
+    for number, line in enumerate(_lines(text), start=1):
         if not line.strip():
             continue
         digest, sep, name = line.partition("  ")
         name = name.lstrip("*")
         if not sep or len(digest) != 64 or not name:
-            raise ZooFormatError(f"{path}:{number}: not a sha256sum line: {line!r}")
+            raise ZooFormatError(f"{path}:{number}: not a sha256sum line: {_shown(line)}")
         entries[name] = digest.lower()
     return entries
 
