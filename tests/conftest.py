@@ -67,6 +67,7 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_archive_member_declared_too_large": ("import", "hostile archive"),
         "test_gzip_bombs_fail_fast_with_bounded_memory": ("import", "hostile archive"),
         "test_bad_key_maps_are_refused": ("import", "bad key map"),
+        "test_key_map_matching_time_is_bounded_in_total": ("import", "regex budget"),
         "test_altered_tensor_bytes_are_refused": ("import", "content"),
         "test_input_without_a_digest_imports_with_one_warning": ("import", "content"),
         "test_gzip_bomb_member_without_architecture_stays_small": ("import",

@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -42,6 +43,7 @@ from posteriorzoo.zoo import (
     read_release_archive,
     sniff_format,
 )
+from posteriorzoo.zoo import keymap as keymap_module
 
 GOOD = 70
 REPO = Path(__file__).resolve().parents[1]
@@ -489,6 +491,52 @@ def test_safe_key_maps_still_work():
     assert list(mapped) == ["l1_0.w", "fc.weight"]
     with pytest.raises(ZooFormatError, match="state key"):
         key_map.apply({"k" * 1000: torch.zeros(1)})
+
+
+#: A pattern the checks allow (3 repeats, none nested) that backtracks for about a second
+#: on a long key it does not match: harmless once, not on every key of a large header.
+SLOW_PATTERN = "a*a*a*$b"
+#: Long distinct keys, as many as an OptuNet-sized header (64 KiB + 1 KiB a tensor) holds.
+LONG_KEYS = ["a" * 250 + f"{number:06d}" for number in range(150)]
+
+
+@pytest.mark.parametrize("field, bound", [("rules", 1.0), ("drop", 1.0), ("rules", None)],
+                         ids=["rules", "drop", "rules-default-bound"])
+def test_key_map_matching_time_is_bounded_in_total(capsys, monkeypatch, work, field, bound):
+    if bound is not None:  # a smaller bound keeps the case short; the last one is real
+        monkeypatch.setattr(keymap_module, "MAX_MATCHING_SECONDS", bound)
+    bound = keymap_module.MAX_MATCHING_SECONDS
+    folder, _ = work
+    key_map = folder / "keys.json"
+    key_map.write_text(json.dumps({field: [[SLOW_PATTERN, ""]] if field == "rules"
+                                   else [SLOW_PATTERN]}))
+    foreign = folder / "foreign.safetensors"
+    save_file({key: torch.zeros(1) for key in LONG_KEYS}, str(foreign))
+    start = time.perf_counter()
+    re.search(SLOW_PATTERN, LONG_KEYS[0])
+    unbounded = len(LONG_KEYS) * (time.perf_counter() - start)
+    assert unbounded > 3 * bound  # without the bound, one pass over the keys takes long
+    before = snapshot(folder)
+    start = time.perf_counter()
+    code, _, err = run(capsys, "import", "--no-progress", "--architecture", "optunet",
+                       "--dataset", "mnist", "--method", "de", "--out", folder / "new.h5",
+                       foreign, "--key-map", key_map)
+    elapsed = time.perf_counter() - start
+    assert_one_line_error(code, err, f"key map {key_map}: its patterns took over {bound:g} s")
+    assert bound < elapsed < bound + 3  # refused within a few seconds of the bound
+    assert snapshot(folder) == before  # nothing written, the inputs unchanged
+
+
+def test_a_key_map_matches_each_distinct_key_once(monkeypatch):
+    monkeypatch.setattr(keymap_module, "MAX_MATCHING_SECONDS", 2.0)
+    key_map = KeyMap(rules=[(SLOW_PATTERN, "")])
+    state = {"a" * 160 + "x": torch.zeros(1)}
+    start = time.perf_counter()
+    key_map.apply(state)
+    once = time.perf_counter() - start
+    inputs = int(3 * 2.0 / once) + 1  # matched again on each, they would be refused
+    for _ in range(inputs):  # the inputs of one import share their keys
+        assert list(key_map.apply(state)) == list(state)
 
 
 # ---------------------------------------------------------------------- recorded digests

@@ -5,7 +5,9 @@ backtrack catastrophically is refused when the key map is built, not found out w
 import hangs: no backreferences, no nested quantifiers, a bounded number of repeats and
 a bounded length (see :func:`_check_pattern`). Keys themselves are at most
 :data:`~posteriorzoo.zoo.formats.MAX_KEY_LENGTH` characters, which bounds the work of
-every match.
+every match. A hostile input may still bring many keys, and a key map many patterns: the
+time of all the matches of one key map together is bounded too
+(:data:`MAX_MATCHING_SECONDS`), each distinct key being matched once.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import re._parser as sre_parse
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +33,17 @@ MAX_PATTERN_LENGTH = 300
 MAX_PATTERN_REPEATS = 3
 #: Largest key map file, bytes.
 MAX_KEY_MAP_BYTES = 2**20
+#: Most seconds all the pattern matches of one key map may take together (its drop
+#: patterns and rules, on every distinct key of every input). The pattern checks bound
+#: one match (at worst about a second, on a key of MAX_KEY_LENGTH characters), not how
+#: many keys and patterns meet. A real key map renames a model's few hundred keys in
+#: milliseconds, so 5 s leaves it a thousandfold room, and a hostile key map or input is
+#: refused within about a second past it.
+MAX_MATCHING_SECONDS = 5.0
+#: Most distinct keys whose new names a key map remembers: the inputs of one import share
+#: their keys (a model has at most a few thousand tensors), each matched once; the bound
+#: keeps a key map used for ever from growing without end.
+MAX_REMEMBERED_KEYS = 65_536
 
 
 def _is_repeat(op: object, av: object) -> bool:
@@ -125,7 +139,9 @@ class KeyMap:
 
     The structure is checked when a key map is built (:class:`ZooFormatError`), and so
     are the patterns: no backreferences, no nested quantifiers, at most
-    :data:`MAX_PATTERN_LENGTH` characters (see :func:`_check_pattern`).
+    :data:`MAX_PATTERN_LENGTH` characters (see :func:`_check_pattern`). All the matches
+    of one key map together may take at most :data:`MAX_MATCHING_SECONDS` (then
+    :meth:`apply` raises :class:`ZooFormatError`); each distinct key is matched once.
     """
 
     rename: dict[str, str] = field(default_factory=dict)
@@ -135,6 +151,13 @@ class KeyMap:
         default_factory=list, init=False, repr=False, compare=False)
     _compiled_drop: list[re.Pattern[str]] = field(
         default_factory=list, init=False, repr=False, compare=False)
+    #: What messages call the key map (its file, for :meth:`from_file`).
+    _what: str = field(default="key map", init=False, repr=False, compare=False)
+    #: Seconds its matches took so far, against :data:`MAX_MATCHING_SECONDS`.
+    _matching_seconds: float = field(default=0.0, init=False, repr=False, compare=False)
+    #: Keys matched so far -> their new names (None: dropped).
+    _mapped: dict[str, str | None] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._validate("key map")
@@ -173,6 +196,9 @@ class KeyMap:
         self.drop = drop
         self._compiled_rules = compiled_rules
         self._compiled_drop = [_check_pattern(pattern, what) for pattern in drop]
+        self._what = what
+        self._matching_seconds = 0.0
+        self._mapped = {}
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> KeyMap:
@@ -214,19 +240,45 @@ class KeyMap:
         return key_map
 
     def apply(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Return the state with renamed keys; two keys mapping to one name raise."""
+        """Return the state with renamed keys; two keys mapping to one name raise, and so
+        do matches that take the key map over :data:`MAX_MATCHING_SECONDS` in all."""
         result: dict[str, torch.Tensor] = {}
         for key, value in state.items():
             check_state_key(key, "state")
-            if any(pattern.search(key) for pattern in self._compiled_drop):
+            new = self._new_name(key)
+            if new is None:
                 continue
-            new = self.rename.get(key, key)
-            for pattern, replacement in self._compiled_rules:
-                new = pattern.sub(replacement, new)
-                if len(new) > MAX_KEY_LENGTH:
-                    raise ZooSchemaError(f"key map turns {key!r} into a key longer than "
-                                         f"{MAX_KEY_LENGTH} characters")
             if new in result:
                 raise ZooSchemaError(f"key map sends two keys to {new!r} (one is {key!r})")
             result[new] = value
         return result
+
+    def _new_name(self, key: str) -> str | None:
+        """``key``'s new name (None: dropped); a key already seen is not matched again."""
+        if key in self._mapped:
+            return self._mapped[key]
+        new: str | None = None
+        if not any(self._timed(pattern.search, key) for pattern in self._compiled_drop):
+            new = self.rename.get(key, key)
+            for pattern, replacement in self._compiled_rules:
+                new = self._timed(pattern.sub, replacement, new)
+                if len(new) > MAX_KEY_LENGTH:
+                    raise ZooSchemaError(f"key map turns {key!r} into a key longer than "
+                                         f"{MAX_KEY_LENGTH} characters")
+        if len(self._mapped) < MAX_REMEMBERED_KEYS:
+            self._mapped[key] = new
+        return new
+
+    def _timed(self, match: Any, *args: Any) -> Any:
+        """``match(*args)`` (a pattern's search or sub), its time counted against
+        :data:`MAX_MATCHING_SECONDS`, the bound on all the key map's matches together."""
+        start = time.perf_counter()
+        found = match(*args)
+        self._matching_seconds += time.perf_counter() - start
+        if self._matching_seconds > MAX_MATCHING_SECONDS:
+            raise ZooFormatError(
+                f"{self._what}: its patterns took over {MAX_MATCHING_SECONDS:g} s matching "
+                f"{len(self._mapped) + 1} key(s), the limit for one key map (several repeats "
+                "backtrack for long on long keys that do not match): anchor the patterns "
+                "with ^, or use fewer repeats")
+        return found
