@@ -493,6 +493,29 @@ def test_safe_key_maps_still_work():
         key_map.apply({"k" * 1000: torch.zeros(1)})
 
 
+@pytest.mark.parametrize("size", [keymap_module.MAX_KEY_MAP_BYTES + 1, 2**30],
+                         ids=["cap-plus-one", "1GiB-sparse"])
+def test_a_key_map_over_the_cap_is_refused_unread(capsys, work, size):
+    folder, zoo = work
+    key_map = folder / "keys.json"
+    with open(key_map, "wb") as handle:
+        handle.truncate(size)  # sparse: costs the test neither disk nor memory
+    good = folder / "good.safetensors"
+    save_file(checkpoint(5), str(good))
+    before = {path.name: path.stat().st_mtime_ns for path in folder.iterdir()}
+    code, _, err = run(capsys, "import", "--no-progress", "--out", zoo, good, "--key-map", key_map)
+    assert_one_line_error(code, err, f"{size:,} bytes, over the limit of "
+                                     f"{keymap_module.MAX_KEY_MAP_BYTES:,}")
+    tracemalloc.start()
+    try:
+        with pytest.raises(ZooFormatError, match="a key map is a short JSON file"):
+            KeyMap.from_file(key_map)
+        assert tracemalloc.get_traced_memory()[1] < 2**20  # refused by its size, unread
+    finally:
+        tracemalloc.stop()
+    assert {path.name: path.stat().st_mtime_ns for path in folder.iterdir()} == before
+
+
 #: A pattern the checks allow (3 repeats, none nested) that backtracks for about a second
 #: on a long key it does not match: harmless once, not on every key of a large header.
 SLOW_PATTERN = "a*a*a*$b"

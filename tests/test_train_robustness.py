@@ -18,7 +18,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,7 @@ from posteriorzoo.zoo import create_zoo, open_zoo
 from train_zoo import Recipe, get_recipe, load_spec, make_spec
 from train_zoo.backends import LocalBackend, SerialBackend
 from train_zoo.run import train_collection
+from train_zoo.spec import MAX_SPEC_BYTES
 from train_zoo.torch_engine import initial_model
 
 TRAIN = [sys.executable, "-m", "posteriorzoo", "train"]
@@ -188,6 +191,67 @@ def test_bad_spec_in_a_real_process(tmp_path):
     assert "checkpoints" in one_error_line(done.stderr)
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.toml"]
+
+
+def _endless_fifo(path: Path) -> None:
+    """A named pipe at ``path`` whose writer (a daemon thread) writes a valid spec and then
+    comment bytes until its reader goes away."""
+    os.mkfifo(path)
+
+    def write() -> None:
+        with contextlib.suppress(BrokenPipeError), open(path, "wb") as pipe:
+            pipe.write(spec_text().encode())
+            while True:
+                pipe.write(b"#" * 65536)
+
+    threading.Thread(target=write, daemon=True).start()
+
+
+def _sizes(folder: Path) -> dict[str, tuple[int, int] | None]:
+    """Every entry of ``folder``, a regular file's size and modification time (a sparse
+    gigabyte is not read)."""
+    return {entry.name: (entry.stat().st_size, entry.stat().st_mtime_ns)
+            if entry.is_file() and not entry.is_fifo() else None
+            for entry in folder.iterdir()}
+
+
+@pytest.mark.parametrize("source", ["dev-zero", "cap-plus-one", "1GiB-sparse", "fifo"])
+def test_a_spec_over_the_cap_is_refused_before_parsing(source, tmp_path, capsys):
+    spec = tmp_path / "big.toml"
+    if source == "dev-zero":
+        spec = Path("/dev/zero")
+    elif source == "cap-plus-one":  # a valid spec, then a comment past the cap
+        text = spec_text().encode()
+        spec.write_bytes(text + b"#" * (MAX_SPEC_BYTES + 1 - len(text)))
+    elif source == "1GiB-sparse":
+        with open(spec, "wb") as handle:
+            handle.truncate(2**30)
+    (tmp_path / "other.h5").write_bytes(b"an unrelated file")
+    for attempt in ("cli", "api"):
+        if source == "fifo":
+            spec.unlink(missing_ok=True)
+            _endless_fifo(spec)
+        before = _sizes(tmp_path)
+        out = tmp_path / "new.h5"
+        if attempt == "cli":
+            code = main(["train", str(spec), "--out", str(out), "--backend", "serial",
+                         "--engine", "torch", "--no-progress"])
+            line = one_error_line(capsys.readouterr().err)
+            assert code == 2 and line.startswith("posteriorzoo train: error:")
+            assert f"over the limit of {MAX_SPEC_BYTES:,}" in line or \
+                f"more than {MAX_SPEC_BYTES:,} bytes" in line, line
+            assert len(line) < 500
+        else:
+            tracemalloc.start()
+            try:
+                with pytest.raises(PosteriorZooError, match="a spec is a short TOML file"):
+                    load_spec(spec)
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            assert peak < 3 * MAX_SPEC_BYTES  # read at most the cap and a byte
+        assert not out.exists()
+        assert _sizes(tmp_path) == before  # nothing written, the spec unchanged
 
 
 @pytest.mark.parametrize("option, value", [

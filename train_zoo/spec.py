@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posteriorzoo._streams import read_small_file
 from posteriorzoo.errors import (
     InvalidOptionError,
     PosteriorZooError,
@@ -67,6 +68,10 @@ MAX_SEED = 2**32 - 1
 #: Output classes: the last layer holds num_classes x features weights (ImageNet-21k has
 #: 21,841 classes).
 MAX_CLASSES = 100_000
+#: Largest spec file, bytes. A spec is a short TOML file (the shipped ones are under 2 kB);
+#: a larger one, or an endless one (``/dev/zero``, a pipe), is refused after reading at
+#: most this much, before parsing.
+MAX_SPEC_BYTES = 2**20
 
 _SPEC_KEYS = {"name", "recipe", "architecture", "dataset", "method", "checkpoints", "modes",
               "samples_per_mode", "base_seed", "num_classes", "data_dir", "recipe_overrides",
@@ -305,13 +310,15 @@ def load_spec(path: str | os.PathLike) -> ZooSpec:
 
     Raises a :class:`~posteriorzoo.errors.PosteriorZooError` (one line that starts with
     the path and names the offending key) for a missing, unreadable, non-UTF-8 or
-    malformed file and for any value of the wrong type or out of range.
+    malformed file, one over :data:`MAX_SPEC_BYTES` (read no further), and for any value
+    of the wrong type or out of range.
     """
     path = Path(path)
     if path.is_dir():
         raise ZooFormatError(f"{path}: is a folder, not a spec file")
     try:
-        raw = path.read_bytes()
+        raw = read_small_file(path, MAX_SPEC_BYTES, f"{path}: the spec file",
+                              " (a spec is a short TOML file)")
     except FileNotFoundError:
         raise ZooFormatError(f"{path}: no such spec file") from None
     except OSError as error:

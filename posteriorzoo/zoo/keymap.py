@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from posteriorzoo._streams import read_small_file
 from posteriorzoo.errors import ZooFormatError, ZooSchemaError
 from posteriorzoo.zoo.formats import MAX_KEY_LENGTH, check_state_key, load_json
 
@@ -206,14 +207,10 @@ class KeyMap:
         path = Path(path)
         what = f"key map {path}"
         try:
-            size = path.stat().st_size
-            if not path.is_file():
+            if path.exists() and not path.is_file():
                 raise ZooFormatError(f"{what}: not a file")
-            with open(path, "rb") as handle:  # bounded even if the file grows meanwhile
-                text = handle.read(MAX_KEY_MAP_BYTES + 1)
-            size = max(size, len(text))
-            if size > MAX_KEY_MAP_BYTES:
-                raise ZooFormatError(f"{what}: {size} bytes; the limit is {MAX_KEY_MAP_BYTES}")
+            text = read_small_file(path, MAX_KEY_MAP_BYTES, what,
+                                   " (a key map is a short JSON file)")
         except FileNotFoundError:
             raise ZooFormatError(f"key map not found: {path}") from None
         except OSError as error:
