@@ -17,8 +17,6 @@ The moments are chosen two ways:
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import random
 import signal
@@ -32,9 +30,8 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from zoo_helpers import checkpoint
+from zoo_helpers import checkpoint, run_quietly
 
-from posteriorzoo.cli import main
 from posteriorzoo.collection import export_checkpoint
 from posteriorzoo.zoo import create_zoo, open_zoo
 
@@ -43,7 +40,7 @@ WRITER = textwrap.dedent(
     """
     import sys
     sys.path.insert(0, {tests!r})
-    from zoo_helpers import checkpoint
+    from zoo_helpers import checkpoint, run_quietly
     from posteriorzoo.zoo import open_zoo
 
     path, rounds = sys.argv[1], int(sys.argv[2])
@@ -78,18 +75,11 @@ def _writer(folder: Path) -> Path:
     return script
 
 
-def _command(*argv: object) -> tuple[int, str]:
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
-        code = main([str(a) for a in argv])
-    return code, stderr.getvalue()
-
-
 def assert_intact_and_appendable(path: Path, at_least: int) -> int:
     """What every kill must leave: readable by the commands, exactly the committed
     checkpoints, and a next writer that appends after them. Returns the count."""
     for argv in (("info", path), ("verify", path, "--no-progress")):
-        code, err = _command(*argv)
+        code, err = run_quietly(*argv)
         assert code == 0, (argv[0], err)
     with open_zoo(path, verify=True) as zoo:
         count = len(zoo)

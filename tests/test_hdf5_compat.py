@@ -9,17 +9,16 @@ Without those packages the tests skip, saying so.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import h5py
-import numpy as np
 import pytest
+from zoo_helpers import run_quietly
 
 from posteriorzoo.collection import verify
 from posteriorzoo.reference import reference_path
@@ -29,8 +28,9 @@ from posteriorzoo.zoo.schema import HDF5_FORMAT
 OLD_PYTHON = Path("/usr/bin/python3")
 SHIPPED = sorted(reference_path("de").parent.glob("*.h5"))
 
-# Runs under Debian's Python with its h5py: every object of each file, as JSON.
-OLD_READER = r"""
+# Every object of each file, as JSON: run by Debian's Python with its h5py (HDF5 1.10),
+# and by this environment's.
+READER = r"""
 import hashlib, json, sys
 import h5py
 import numpy as np
@@ -63,32 +63,17 @@ print(json.dumps({"hdf5": h5py.version.hdf5_version,
 """
 
 
-def _value(item: object) -> object:
-    """Our reading of a value, in the old reader's JSON terms."""
-    if isinstance(item, bytes):
-        return item.decode("utf-8", "backslashreplace")
-    if isinstance(item, np.ndarray):
-        return [_value(x) for x in item.tolist()]
-    if isinstance(item, np.generic):
-        return item.item()
-    return item
+def reading(python: str, paths: list[Path]) -> dict:
+    """What the reader script says of ``paths`` when ``python`` runs it: Debian's old
+    one, or this environment's (the same code on both sides of the comparison)."""
+    result = subprocess.run([python, "-c", READER, *map(str, paths)], capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
 
 
 def ours(path: Path) -> dict[str, dict]:
-    """Every object of ``path`` as read by this environment's h5py, as the old reader
-    describes it (a JSON round trip, so tuples and lists compare equal)."""
-    found: dict[str, dict] = {}
-    with h5py.File(path, "r", locking=False) as handle:
-        def visit(name: str, item: object) -> None:
-            entry: dict = {"attrs": {k: _value(item.attrs[k]) for k in sorted(item.attrs)}}
-            if isinstance(item, h5py.Dataset):
-                data = np.ascontiguousarray(item[()])
-                entry.update(dtype=item.dtype.descr, shape=list(item.shape),
-                             sha256=hashlib.sha256(data.tobytes()).hexdigest())
-            found[name] = entry
-        visit("/", handle)
-        handle.visititems(visit)
-    return json.loads(json.dumps(found))
+    return reading(sys.executable, [path])["files"][str(path)]
 
 
 def _old_h5py_version() -> str | None:
@@ -108,22 +93,13 @@ needs_hdf5_tools = pytest.mark.skipif(
     reason="Debian's hdf5-tools (h5ls, h5dump) are not installed (.ci/run installs them)")
 
 
-def old_reading(paths: list[Path]) -> dict[str, dict]:
-    result = subprocess.run([str(OLD_PYTHON), "-c", OLD_READER, *map(str, paths)],
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    answer = json.loads(result.stdout)
-    assert answer["hdf5"].startswith("1.10")
-    return answer["files"]
-
-
 def assert_old_reader_agrees(paths: list[Path]) -> None:
-    read = old_reading(paths)
-    for path in paths:
-        theirs, mine = read[str(path)], ours(path)
-        assert set(theirs) == set(mine), path
-        for name in mine:
-            assert theirs[name] == mine[name], (path, name)
+    theirs, mine = reading(str(OLD_PYTHON), paths), reading(sys.executable, paths)
+    assert theirs["hdf5"].startswith("1.10") and not mine["hdf5"].startswith("1.10")
+    for path in map(str, paths):
+        assert set(theirs["files"][path]) == set(mine["files"][path]), path
+        for name, entry in mine["files"][path].items():
+            assert theirs["files"][path][name] == entry, (path, name)
 
 
 def assert_tools_read(path: Path) -> None:
@@ -155,12 +131,8 @@ def test_every_shipped_collection_records_its_format_bound():
 
 def _cli(*argv: object) -> None:
     """Run a command in this process; fail with its stderr unless it exits 0."""
-    from posteriorzoo.cli import main
-
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
-        code = main([str(a) for a in argv])
-    assert code == 0, stderr.getvalue()[-2000:]
+    code, err = run_quietly(*argv)
+    assert code == 0, err[-2000:]
 
 
 SPEC = """recipe = "optunet-mnist"
@@ -246,7 +218,7 @@ def test_a_file_of_the_newest_formats_is_unreadable_by_hdf5_1_10_until_rewritten
     written with the newest formats; once rewritten it can."""
     old = tmp_path / "old.h5"
     _latest_format_copy(reference_path("laplace"), old)
-    result = subprocess.run([str(OLD_PYTHON), "-c", OLD_READER, str(old)],
+    result = subprocess.run([str(OLD_PYTHON), "-c", READER, str(old)],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode != 0 and "bad version number" in result.stderr
     upgrade_zoo(old)

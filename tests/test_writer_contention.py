@@ -13,9 +13,7 @@ two appends at once.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import resource
 import subprocess
 import sys
@@ -24,9 +22,8 @@ from pathlib import Path
 
 import h5py
 import pytest
-from zoo_helpers import checkpoint
+from zoo_helpers import checkpoint, run_quietly
 
-from posteriorzoo.cli import main
 from posteriorzoo.collection import export_checkpoint, verify
 from posteriorzoo.zoo import create_zoo, open_zoo
 from posteriorzoo.zoo.layout import MAX_APPEND_ROWS
@@ -57,13 +54,6 @@ def _exports(folder: Path, seeds: range) -> list[Path]:
     return files
 
 
-def _command(*argv: object) -> tuple[int, str]:
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
-        code = main([str(a) for a in argv])
-    return code, stderr.getvalue()
-
-
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -79,7 +69,7 @@ def test_declared_rows_beyond_one_append_are_refused_at_once(rows, tmp_path):
     for argv in (("info", path), ("verify", path, "--no-progress"),
                  ("import", "--out", path, *inputs, "--no-progress")):
         clock = time.perf_counter()
-        code, err = _command(*argv)
+        code, err = run_quietly(*argv)
         assert time.perf_counter() - clock < 10, argv[0]  # it hung for minutes before
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and "declares" in lines[0], (argv[0], err)
@@ -101,7 +91,7 @@ def test_rows_of_one_interrupted_append_are_never_read_and_cut_off_by_a_rebuild(
     assert peak_mib < 700, peak_mib  # torch and numba take about 350 MiB of it
     inputs = _exports(tmp_path, range(10, 12))
     clock = time.perf_counter()
-    code, err = _command("import", "--out", path, *inputs, "--no-progress")
+    code, err = run_quietly("import", "--out", path, *inputs, "--no-progress")
     assert code == 0, err
     assert time.perf_counter() - clock < 30
     with open_zoo(path, verify=True) as zoo:
@@ -117,7 +107,7 @@ def test_an_append_while_another_writer_holds_the_collection_is_busy(tmp_path):
     inputs = _exports(tmp_path, range(10, 11))
     with open_zoo(path, mode="r+"):
         before = _sha(path)
-        code, err = _command("import", "--out", path, *inputs, "--no-progress")
+        code, err = run_quietly("import", "--out", path, *inputs, "--no-progress")
         assert code == 2 and err.strip().splitlines() == [err.strip()] and BUSY in err, err
         assert _sha(path) == before
 

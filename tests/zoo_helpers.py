@@ -49,6 +49,20 @@ def run(capsys, *argv):
     return code, out, err
 
 
+def run_quietly(*argv) -> tuple[int, str]:
+    """Run the CLI in this process without pytest's capsys (e.g. in a module-scoped
+    fixture); return (exit code, stderr)."""
+    import contextlib
+    import io
+
+    from posteriorzoo.cli import main
+
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        code = main([str(a) for a in argv])
+    return code, stderr.getvalue()
+
+
 def assert_one_line_error(code, err, *fragments):
     """Exit code 2 and exactly one line on stderr containing every fragment."""
     assert code == 2
