@@ -12,6 +12,7 @@ from zoo_helpers import checkpoint
 
 from posteriorzoo.collection import verify
 from posteriorzoo.errors import (
+    InvalidOptionError,
     NonFiniteWeightsError,
     OutputExistsError,
     UnknownNameError,
@@ -226,3 +227,15 @@ def test_string_metadata_columns_are_str(tmp_path):
         assert rows["source"][0] == "né ici" and isinstance(rows["method"][0], str)
         assert rows["method"][0] == "de" and len(rows["sha256"][0]) == 64
         assert zoo.stored_metadata()["source"][0] == "né ici".encode()
+
+
+def test_create_zoo_never_replaces_a_folder(tmp_path):
+    folder = tmp_path / "zoo.h5"
+    folder.mkdir()
+    (folder / "kept").write_text("x")
+    for overwrite in (False, True):
+        with pytest.raises(InvalidOptionError, match="is a folder"):
+            create_zoo(folder, architecture="optunet", dataset="digits", method="de",
+                       num_classes=10, template=checkpoint(0), overwrite=overwrite)
+    assert (folder / "kept").read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["zoo.h5"]

@@ -177,6 +177,8 @@ def create_zoo(
         check_architecture(architecture, tensor_layout, num_classes, model_options)
     if not path.parent.is_dir():
         raise InvalidOptionError(f"{path}: the folder {path.parent} does not exist")
+    if path.is_dir():  # overwrite replaces a file, never a folder
+        raise InvalidOptionError(f"{path}: is a folder; a collection is a file")
     if path.exists() and not overwrite:
         raise OutputExistsError(f"{path}: already exists (open it with mode='r+' to append)")
     try:
