@@ -1,7 +1,15 @@
 """The fast engine's evaluation of a trained network (train_zoo.fast.evaluate) against the
 torch engine's (train_zoo.torch_engine.evaluate), which the trainer ran on both splits of
-every checkpoint: the same loss to float32 rounding, the same accuracy, the torch path
-itself for what the kernels do not take, and checkpoints that do not change."""
+every checkpoint: the same loss and accuracy to float32 rounding, the torch path itself
+for what the kernels do not take, and checkpoints that do not change.
+
+Tolerances: the loss within ``rounding_bounds.evaluation_bounds`` (the forward pass's
+worst-case bound for the values at hand, carried by the cross-entropy, plus its own
+rounding and the float32 sums over the split: 0.13% to 0.63% of the loss here; measured
+differences, with AVX-512 and AVX2, below 1e-7 of it), the number of correct examples
+within the count of examples whose two largest logits lie within that bound of each
+other (0 to 74 here; the accuracies measured are equal, but another instruction set may
+round such an example the other way)."""
 
 from __future__ import annotations
 
@@ -10,6 +18,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from rounding_bounds import evaluation_bounds
 
 from posteriorzoo.models import build
 from train_zoo import make_spec, train_checkpoints
@@ -40,8 +49,9 @@ def test_fast_evaluation_gives_the_torch_engines_numbers(digits, architecture, s
     for split in (digits.train, digits.test):
         loss, accuracy = fast_evaluate(model, split, batch_size=300)   # a partial batch
         expected_loss, expected_accuracy = torch_evaluate(model, split)
-        assert loss == pytest.approx(expected_loss, rel=1e-5)
-        assert accuracy == expected_accuracy
+        loss_bound, flips = evaluation_bounds(model, split)
+        assert abs(loss - expected_loss) <= loss_bound
+        assert abs(accuracy - expected_accuracy) * len(split) <= flips + 1e-9
 
 
 def test_what_the_kernels_do_not_take_is_evaluated_by_torch(digits):
@@ -71,7 +81,10 @@ def test_fast_engine_checkpoints_are_those_of_its_training_and_metrics_its_evalu
         for key, value in model.state_dict().items():
             assert np.array_equal(result.state[key], value.numpy())   # bit for bit
         model.eval()
-        assert result.metrics["test_loss"] == pytest.approx(
-            torch_evaluate(model, digits.test)[0], rel=1e-5)
-        assert result.metrics["test_accuracy"] == torch_evaluate(model, digits.test)[1]
-        assert result.metrics["train_accuracy"] == torch_evaluate(model, digits.train)[1]
+        for split in ("train", "test"):
+            dataset = getattr(digits, split)
+            loss, accuracy = torch_evaluate(model, dataset)
+            loss_bound, flips = evaluation_bounds(model, dataset)
+            assert abs(result.metrics[f"{split}_loss"] - loss) <= loss_bound
+            assert abs(result.metrics[f"{split}_accuracy"] - accuracy) * len(dataset) \
+                <= flips + 1e-9

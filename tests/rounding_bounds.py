@@ -1,0 +1,335 @@
+"""Rounding-error bounds that hold on any CPU, for the numerical tests' tolerances.
+
+Two float32 implementations of one computation (torch's kernels and the numba ones, or
+one library's AVX-512 and AVX2 code paths) sum in different orders, with or without FMA,
+in differently sized blocks: their results differ, but both lie within the classical
+worst-case bound of the exact result (Higham, *Accuracy and Stability of Numerical
+Algorithms*, 2nd ed., section 3.1). A sum or dot product of ``k`` terms, computed in any
+order, with or without FMA, has
+
+    |fl(sum t_i) - sum t_i| <= gamma(k) * sum |t_i|,   gamma(k) = k u / (1 - k u),
+
+with ``u`` the unit roundoff: :data:`U32` = 2^-24 in float32, :data:`U64` = 2^-53 in
+float64. For a network the bound follows layer by layer: a layer adds
+``gamma(k) * |W| |x|`` and carries its input's error through ``|W|``; ReLU, max pooling
+and averaging are 1-Lipschitz. :func:`optunet_forward_bounds` evaluates it for the values
+at hand (to first order in ``u``), so a tolerance built from it is the analysis itself,
+with no CPU's rounding in it. These bounds are loose (the observed differences are
+100-10,000 times smaller, because roundings partly cancel) but far below what a wrong
+formula changes.
+
+Weight gradients are the exception (:func:`gradient_rtol`): their reductions over a
+batch cancel so strongly that the worst case is half the result's scale. Their tolerance
+is ``gamma(k)`` of the result's scale instead (the reduction's length times the unit
+roundoff), with the measured margin stated. A training run adds one such rounding per
+step (:func:`step_bound`, :func:`compare_runs`).
+
+A ReLU input or a max-pool arg-max that lies within the bound of its switching point may
+legitimately be decided differently by two implementations; the bounds hold only while
+both take the same branches. :func:`optunet_forward_bounds` counts the decisions that
+are that close (``near_switch``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+from torch.nn.modules.utils import _pair
+
+U32 = 2.0 ** -24   # float32 unit roundoff
+U64 = 2.0 ** -53   # float64 unit roundoff
+
+
+def gamma(k: int, u: float = U32) -> float:
+    """Higham's ``gamma_k = k u / (1 - k u)``: the relative bound of a ``k``-term sum."""
+    if k * u >= 1:
+        raise ValueError(f"gamma({k}) is unbounded at u = {u}")
+    return k * u / (1 - k * u)
+
+
+def _conv_terms(conv: nn.Conv2d) -> int:
+    """Terms of one output of ``conv``: its kernel over one group, plus the bias."""
+    kh, kw = conv.kernel_size
+    return conv.in_channels // conv.groups * kh * kw + (conv.bias is not None)
+
+
+def _conv(conv: nn.Conv2d, x: torch.Tensor, weight: torch.Tensor,
+          bias: torch.Tensor | None) -> torch.Tensor:
+    return F.conv2d(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+
+
+def _pool(pool: nn.MaxPool2d, x: torch.Tensor, indices: bool = False):
+    return F.max_pool2d(x, pool.kernel_size, pool.stride, pool.padding, pool.dilation,
+                        pool.ceil_mode, return_indices=indices)
+
+
+def _head(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The Linear layers after the trunk: OptuNet's ``fc``; OptuNet-v1's ``fc1``, ``fc2``."""
+    return [("fc", model.fc)] if hasattr(model, "fc") else [("fc1", model.fc1),
+                                                             ("fc2", model.fc2)]
+
+
+@dataclass
+class ForwardBounds:
+    """The float64 forward pass of an OptuNet-shaped network and its rounding bounds.
+
+    ``logits`` ``(B, K)`` are the network's values (float64 arithmetic on the float32
+    weights: exact to float64 rounding); ``error`` bounds ``|logits_1 - logits_2|``
+    elementwise between the two sides :func:`optunet_forward_bounds` describes, and
+    ``absolute`` is the network with ``|W|`` on ``|x|`` (the scale of the terms).
+    ``near_switch`` ``(B,)`` counts each example's decisions that lie within their bound
+    of switching: ReLU inputs ``0 < |c| <= error(c)`` and max-pool windows whose two
+    largest values differ, by at most the sum of their bounds. (An exact tie is routed
+    to the window's first maximum by both sides: identical patches give identical values
+    in an implementation that sums every output in the same order.)
+    """
+
+    logits: torch.Tensor
+    error: torch.Tensor
+    absolute: torch.Tensor
+    near_switch: torch.Tensor
+
+
+def optunet_forward_bounds(model: nn.Module, images: torch.Tensor,
+                           delta: dict[str, torch.Tensor] | None = None,
+                           implementations: int = 2) -> ForwardBounds:
+    """Bounds on two float32 forward passes of an OptuNet-shaped ``model`` (conv1, ReLU,
+    max pool, conv2, ReLU, global average pool, one or two Linear layers; dropout off)
+    on the same ``images``, each by its own implementation, with weights that differ by
+    ``delta`` (``{name: w_1 - w_2}``; none: the same weights).
+
+    Each side rounds by at most ``gamma(k_l) * A_l`` at layer ``l`` (``A`` the network
+    with ``|W|`` on ``|x|``, ``k_l`` the layer's terms: conv1's and conv2's kernels over
+    a group, the average pool's positions, the head's inputs; each plus its bias), and a
+    layer carries its input's error through ``|W|``; ``delta`` adds ``|dW| A`` at its
+    layer. ``implementations`` counts the sides that round (2: two implementations
+    against each other; 1: one against the exact result). First order in ``u`` and in
+    ``delta``; valid while both sides take the same branches (``near_switch`` all 0).
+    """
+    delta = delta or {}
+    weights = {name: value.detach().double() for name, value in model.named_parameters()}
+    if model.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
+        raise ValueError("the bound is for the deterministic forward pass (eval mode)")
+    near = torch.zeros(len(images), dtype=torch.int64)
+
+    def layer(name: str, terms: int, apply, value, a, e):
+        weight, bias = weights[f"{name}.weight"], weights.get(f"{name}.bias")
+        out = apply(value, weight, bias)
+        a_out = apply(a, weight.abs(), None if bias is None else bias.abs())
+        e_out = implementations * gamma(terms) * a_out + apply(e, weight.abs(), None)
+        if f"{name}.weight" in delta:
+            d_bias = delta.get(f"{name}.bias")
+            e_out = e_out + apply(a, delta[f"{name}.weight"].detach().double().abs(),
+                                  None if d_bias is None else d_bias.detach().double().abs())
+        return out, a_out, e_out
+
+    def relu(value, e):
+        nonlocal near
+        near += ((value != 0) & (value.abs() <= e)).flatten(1).sum(1)
+        return torch.relu(value)
+
+    x = images.detach().double()
+    a, e = x.abs(), torch.zeros_like(x)
+    conv1, conv2, pool = model.conv1, model.conv2, model.pool1
+    value, a, e = layer("conv1", _conv_terms(conv1),
+                        lambda v, w, b: _conv(conv1, v, w, b), x, a, e)
+    value = relu(value, e)
+    # max pool: the two largest of each window must be apart by more than their bounds
+    (kh, kw), (sh, sw) = _pair(pool.kernel_size), _pair(pool.stride or pool.kernel_size)
+    if _pair(pool.padding) == (0, 0) and _pair(pool.dilation) == (1, 1):
+        top, where = value.unfold(2, kh, sh).unfold(3, kw, sw).flatten(-2).topk(2, dim=-1)
+        bounds = e.unfold(2, kh, sh).unfold(3, kw, sw).flatten(-2).gather(-1, where)
+        gap = top[..., 0] - top[..., 1]
+        near += ((gap > 0) & (gap <= bounds.sum(-1))).flatten(1).sum(1)
+    value, a, e = _pool(pool, value), _pool(pool, a), _pool(pool, e)
+    value, a, e = layer("conv2", _conv_terms(conv2),
+                        lambda v, w, b: _conv(conv2, v, w, b), value, a, e)
+    value = relu(value, e)
+    positions = value.shape[2] * value.shape[3]   # the average pool: P terms, one division
+    value, a, e = value.mean((2, 3)), a.mean((2, 3)), e.mean((2, 3))
+    e = e + implementations * gamma(positions + 1) * a
+    head = _head(model)
+    for i, (name, linear) in enumerate(head):
+        value, a, e = layer(name, linear.in_features + (linear.bias is not None),
+                            lambda v, w, b: F.linear(v, w, b), value, a, e)
+        if i < len(head) - 1:
+            value = relu(value, e)
+    return ForwardBounds(value, e, a, near)
+
+
+def cross_entropy_rounding(logits: torch.Tensor, implementations: int = 2) -> float:
+    """A bound on the difference between implementations' float32 mean cross-entropy of
+    the *same* float32 ``logits`` ``(B, K)``, from their rounding alone.
+
+    Per example ``log sum_k exp(z_k - m) + m - z_y``: K exponentials (each within
+    2 ulp = 4u of exact, what libm, SLEEF and torch's vectorised ``exp`` promise in
+    float32), their K-term sum, one logarithm (4u of its value) and two subtractions (u
+    of ``|m|`` and of ``|z_y|``): at most ``(K + 8) u + 4 u (max |z| + log K)``; the mean
+    over B examples adds ``gamma(B)`` of the largest loss, ``2 max |z| + log K``.
+    """
+    b, k = logits.shape
+    z = float(logits.detach().abs().max())
+    per_example = (k + 8) * U32 + 4 * U32 * (z + math.log(k))
+    return implementations * (per_example + gamma(b) * (2 * z + math.log(k)))
+
+
+def cross_entropy_bound(model: nn.Module, images: torch.Tensor,
+                        delta: dict[str, torch.Tensor] | None = None) -> float:
+    """A bound on the difference between two implementations' float32 mean
+    cross-entropy of an OptuNet-shaped ``model`` on a batch (weights differing by
+    ``delta``): the logits' bound carried by the loss (its gradient in the logits is
+    ``p - e_y``, of 1-norm at most 2: ``|dL| <= mean_n 2 max_k |dz_nk|``) plus the
+    loss's own rounding (:func:`cross_entropy_rounding`)."""
+    bounds = optunet_forward_bounds(model, images, delta)
+    return (2 * float(bounds.error.max(1).values.mean())
+            + cross_entropy_rounding(bounds.logits.float()))
+
+
+def optunet_gradient_terms(model: nn.Module, images: torch.Tensor) -> int:
+    """The roundings on the longest path to a weight gradient of an OptuNet-shaped
+    network's mean cross-entropy on a batch of ``B`` images.
+
+    conv1's weight gradient sums one product per example and pooled position (the
+    arg-max of each window: ``B * Hp * Wp`` terms; the other positions add exact zeros),
+    after the forward reductions (conv1's and conv2's kernels, the average pool, the
+    head), the softmax (K + 8) and the backward ones before it (the head's sums over its
+    outputs, conv2's input gradient over its output channels and kernel, the max pool's
+    overlapping windows).
+    """
+    conv1, conv2, pool = model.conv1, model.conv2, model.pool1
+    with torch.no_grad():
+        c1 = conv1(images)
+        pooled = pool(c1)
+        c2 = conv2(pooled)
+    batch, _, hp, wp = pooled.shape
+    kh2, kw2 = conv2.kernel_size
+    (kh, kw), (sh, sw) = _pair(pool.kernel_size), _pair(pool.stride or pool.kernel_size)
+    head = [linear for _, linear in _head(model)]
+    forward = (_conv_terms(conv1) + _conv_terms(conv2) + c2.shape[2] * c2.shape[3] + 1
+               + sum(linear.in_features + 1 for linear in head))
+    softmax = head[-1].out_features + 8
+    backward = (sum(linear.out_features for linear in head)
+                + conv2.out_channels // conv2.groups * kh2 * kw2
+                + math.ceil(kh / sh) * math.ceil(kw / sw) + batch * hp * wp)
+    return forward + softmax + backward
+
+
+def evaluation_bounds(model: nn.Module, dataset, delta: dict[str, torch.Tensor] | None = None
+                      ) -> tuple[float, int]:
+    """How far two implementations' ``(mean loss, correct examples)`` of an OptuNet-shaped
+    ``model`` on a whole ``dataset`` (normalised, unaugmented: the trainer's evaluation)
+    may be apart, their weights differing by ``delta``: the loss by the logits' bound
+    carried by the cross-entropy, its own rounding and float32 sums over evaluation
+    batches (``gamma(len(dataset))`` of the mean loss); the number of correct examples by
+    the examples whose two largest logits lie within the sum of their bounds (only those
+    can change their arg-max)."""
+    from posteriorzoo.data import iterate_batches
+    from train_zoo.data import eval_transform
+
+    images, labels = next(iter(iterate_batches(dataset, len(dataset), seed=0, epoch=0,
+                                               transform=eval_transform(dataset),
+                                               shuffle=False)))
+    bounds = optunet_forward_bounds(model, images, delta)
+    top, where = bounds.logits.topk(2, dim=1)
+    close = (top[:, 0] - top[:, 1]) <= bounds.error.gather(1, where).sum(1)
+    mean_loss = float(F.cross_entropy(bounds.logits, labels))
+    loss = (2 * float(bounds.error.max(1).values.mean())
+            + cross_entropy_rounding(bounds.logits.float()) + gamma(len(labels)) * mean_loss)
+    return loss, int(close.sum())
+
+
+# ------------------------------------------------------------------ training runs
+def gradient_rtol(model: nn.Module, images: torch.Tensor) -> float:
+    """The tolerance of two implementations' float32 weight gradients (mean
+    cross-entropy of an OptuNet-shaped ``model`` on a batch), relative to each tensor's
+    largest entry: ``gamma(k)``, ``k`` the roundings on the longest path to a weight
+    gradient (:func:`optunet_gradient_terms`: 4,319 for a batch of 64, of which conv1's
+    weight gradient sums ``64 * 8 * 8`` products), 2.6e-4 at batch 64, 4.4e-5 at batch 8.
+
+    The strict worst case is ``gamma(k)`` of the sum of the terms' *absolute values*,
+    about 100 times the tensor's largest entry here (the batch's contributions cancel):
+    a bound of half the scale, which would test nothing. Taken on the result's scale it
+    is the reduction's length times the unit roundoff; the roundings of blocked sums
+    partly cancel, and the measured difference (the kernels against torch, AVX-512 and
+    AVX2 alike) is 2.9e-6 of the scale at most, 1/89 of this tolerance.
+    """
+    return gamma(optunet_gradient_terms(model, images))
+
+
+def step_bound(lr: float, rtol: float, grads: dict, weights: dict, factor: float = 1.0
+               ) -> dict[str, float]:
+    """Per tensor, how far two implementations' weights after one SGD step from the same
+    weights may be apart: their gradients differ by ``rtol`` of the gradients' scale
+    (``grads``: either side's), the update scales that by ``factor * lr`` (``1 +
+    momentum`` with Nesterov), and each side rounds its result once (``u |w|``, with
+    ``weights`` the result; the update's arithmetic is IEEE operations in a fixed order,
+    bit-identical given the same gradient)."""
+    return {key: factor * lr * rtol * float(np.abs(grads[key]).max())
+            + 2 * U32 * float(np.abs(weights[key]).max()) for key in grads}
+
+
+def model_at(spec, index: int, state: dict[str, np.ndarray]) -> nn.Module:
+    """Checkpoint ``index``'s architecture of ``spec`` with the weights ``state``."""
+    from train_zoo import checkpoint_seeds
+    from train_zoo.torch_engine import initial_model
+
+    model = initial_model(spec, checkpoint_seeds(spec.base_seed, index).init)
+    model.load_state_dict({key: torch.from_numpy(np.asarray(value))
+                           for key, value in state.items()})
+    return model
+
+
+def compare_runs(spec, index: int, data, weights_a: list[dict], steps_a: list[tuple],
+                 weights_b: list[dict], steps_b: list[tuple]) -> list[int]:
+    """Compare two SGD runs of checkpoint ``index`` of ``spec`` (an OptuNet-shaped
+    Deep-Ensemble spec) by two implementations, step by step, from what their callbacks
+    saw: the weights after each step (``weights_*``) and ``(index, epoch, step, lr,
+    loss)`` (``steps_*``). Returns the steps at which they legitimately part.
+
+    Before each step the runs' weights differ by ``delta``. The step's loss may differ by
+    :func:`cross_entropy_bound` at that ``delta`` (the loss is continuous across a ReLU
+    or max-pool switch: no step is excused). The step's *change* of the weights'
+    difference may be at most :func:`step_bound` with :func:`gradient_rtol` (the update
+    ``w_before - w_after`` standing for ``lr`` times the gradient, weight decay
+    included), unless the batch has a decision within its bound of switching at those
+    weights (``near_switch``), which may route a gradient differently: then the runs
+    part, and later steps start from the weights each run reached. Measured (the fast
+    engine against torch on digits, 20 runs of 338 steps at batch 8): a step of a run
+    that follows changes the difference by at most 0.44 of its bound; a switching step
+    by 14-2,000 times its bound, and every such step had a decision that close.
+    """
+    from posteriorzoo.data import iterate_batches
+    from train_zoo import checkpoint_seeds
+    from train_zoo.data import train_transform
+    from train_zoo.torch_engine import initial_model
+
+    recipe, seeds = spec.recipe, checkpoint_seeds(spec.base_seed, index)
+    before_b = {key: value.numpy() for key, value in
+                initial_model(spec, seeds.init).state_dict().items()}
+    before_a, parting = before_b, []
+    batches = (batch for epoch in range(recipe.epochs) for batch in iterate_batches(
+        data.train, recipe.batch_size, seed=seeds.data, epoch=epoch,
+        transform=train_transform(recipe, data.train)))
+    steps = zip(batches, weights_a, weights_b, steps_a, steps_b, strict=True)
+    for step, ((images, _), after_a, after_b, info_a, info_b) in enumerate(steps, 1):
+        assert tuple(info_a[:4]) == tuple(info_b[:4]), (step, info_a, info_b)
+        model = model_at(spec, index, before_b)
+        delta = {key: torch.from_numpy(before_a[key].astype(np.float64) - value)
+                 for key, value in before_b.items()}
+        loss_bound = cross_entropy_bound(model, images, delta)
+        assert abs(info_a[4] - info_b[4]) <= loss_bound, (step, info_a, info_b, loss_bound)
+        updates = {key: before_b[key] - after_b[key] for key in after_b}
+        bound = step_bound(1.0, gradient_rtol(model, images), updates, after_b)
+        change = {key: np.abs((after_a[key].astype(np.float64) - after_b[key])
+                              - delta[key].numpy()).max() for key in after_b}
+        if any(change[key] > bound[key] for key in bound):
+            near = optunet_forward_bounds(model, images, delta).near_switch
+            assert near.sum() > 0, (step, change, bound)
+            parting.append(step)
+        before_a, before_b = after_a, after_b
+    return parting
