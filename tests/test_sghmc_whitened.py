@@ -352,17 +352,24 @@ def test_cold_rounds_record_their_steps_and_sample_from_one_start():
                                                   sghmc.MAX_STEP))
         assert all(0 < t < 100 for t in item["kinetic_temperatures"])   # finite: ran
     assert cold["start_chain"] == int(np.argmin(last["mean_losses"]))
-    # the best chain settles: two segments fit in 449 steps, and from the trained digits
-    # network after one epoch its loss falls faster than the tolerance
+    # the best chain settles, segment by segment (two fit in 449 steps), while its mean
+    # loss falls by at least the tolerance. Whether the second segment runs depends on
+    # how far a stochastic chain's loss fell, which float32 rounding moves from one
+    # instruction set to another (with AVX-512 it ran, under AVX2 the first segment
+    # fell less than the tolerance); the rule itself is checked on any outcome here
+    # (and both ways in test_settling_stops_when_the_loss_stops_falling)
     settling = cold["settling"]
-    assert settling["steps"] == 300 and len(settling["mean_losses"]) == 2
-    assert not settling["settled"]
-    assert settling["mean_losses"][1] < settling["mean_losses"][0] < min(last["mean_losses"])
     size = sum(value.size for value in results[0].state.values())   # no buffers
     num_data = len(load_training_data("digits").train)
     assert settling["tolerance"] == pytest.approx(math.sqrt(size / 2) / num_data)
+    losses = settling["mean_losses"]
+    assert 1 <= len(losses) <= 2 and settling["steps"] == 150 * len(losses)
+    falls = np.array([min(last["mean_losses"]), *losses[:-1]]) - np.array(losses)
+    assert np.all(falls[:-1] >= settling["tolerance"])   # every segment but the last fell
+    assert settling["settled"] == bool(falls[-1] < settling["tolerance"])
+    assert settling["settled"] or len(losses) == 2       # it stops settled or at the limit
     assert [chain["steps"] for chain in record["chains"]] == [90, 90]
-    base = results[0].steps - 2 * 400 - 2 * 2 * 150 - 300 - 2 * 90
+    base = results[0].steps - 2 * 400 - 2 * 2 * 150 - settling["steps"] - 2 * 90
     assert base > 0
 
 
