@@ -26,8 +26,9 @@ Tolerances (why, in short):
   test asks 0.8). Averaging beats one pass by Jensen's inequality: the predictive's NLL
   (S = 30) is at most the mean of the same 30 passes' NLLs (0.28-0.30 against 0.34-0.37
   for EMP, 0.34 against 0.40 for ECMP, with AVX-512 and AVX2), up to a float32 rounding
-  slack of 9e-4 derived in the test. The best of 10 other single passes is no bound:
-  it was 0.276 against an average of 0.301 under AVX2.
+  slack of 9e-4 derived in the test. The best single pass is no bound: under AVX2 the
+  best of the 30 passes scored 0.276 against their average's 0.301, and the best of 10
+  other passes beat the average on the machine that reported it (0.286 against 0.302).
 """
 
 from __future__ import annotations
@@ -396,7 +397,8 @@ def test_training_on_digits_lowers_the_loss_and_averaging_beats_one_pass(variant
     -log), whatever the training reached, up to float32 rounding; and strictly below it
     by more than that rounding, since the draws change the prediction. (Beating the
     *best* of 10 other passes, as this test once asked, is a property of the draws, not
-    of the method: 0.302 against 0.286 on one CPU, 0.28 against 0.30 on another.)"""
+    of the method: the average scored 0.302 against 0.286 on one CPU, 0.28 against 0.30
+    on another.)"""
     train_x, train_y, test_x, test_y = _digits()
     model, state = _state("resnet", "bn+out", variant)
 
