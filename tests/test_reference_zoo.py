@@ -6,12 +6,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rounding_bounds import U32, evaluation_bounds, model_at
 
 from posteriorzoo.collection import verify
 from posteriorzoo.errors import UnknownNameError, ZooFormatError
 from posteriorzoo.reference import COLLECTIONS, METHODS, SPECS, open_reference, reference_path
 from posteriorzoo.zoo import verify_manifest
 from train_zoo import checkpoint_seeds, load_spec, train_checkpoints
+from train_zoo.data import load_training_data
 
 ROOT = Path(__file__).resolve().parent.parent
 FASHION = Path("/usr/share/datasets/fashion-mnist")
@@ -109,22 +111,80 @@ def test_target_and_ensemble_share_no_checkpoint():
         assert not set(target.metadata["sha256"]) & set(ensemble.metadata["sha256"])
 
 
+def _fast_engine_bits_reason() -> str | None:
+    """Why the fast engine may give other bits here than on the machine that trained the
+    shipped zoo, or None where it gives the same.
+
+    The fast engine is numba kernels of IEEE-754 float32 operations in a fixed order,
+    compiled without fast-math (LLVM neither reassociates nor contracts them; a vector
+    lane computes what the scalar code would), its fused multiply-adds through
+    ``llvm.fma`` (correctly rounded on every CPU: an instruction, or libm's ``fmaf``),
+    its exponentials and logarithms from the C library's ``expf``/``logf``; the data
+    pipeline is integer indexing and one table lookup per pixel, the initial weights
+    torch's serial uniform draws. Each of those is the same function of its inputs on
+    every x86-64 CPU with FMA (every AVX2 and AVX-512 CPU: glibc picks its FMA variants
+    of ``expf``/``logf`` there) as long as numba does not call Intel's SVML vector math,
+    whose results depend on the instruction set. Measured: the same bits with AVX-512
+    and under ``make test-avx2``'s AVX2 settings.
+    """
+    import platform
+
+    import llvmlite.binding as llvm
+    import numba
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"a {platform.machine()} CPU, not x86-64"
+    if platform.libc_ver()[0] != "glibc":
+        return f"another C library ({platform.libc_ver()[0] or 'unknown'}) than glibc"
+    if not llvm.get_host_cpu_features().get("fma", False):
+        return "a CPU without FMA (glibc's expf/logf take their other variants)"
+    if numba.config.USING_SVML:
+        return "numba uses SVML, whose vector math differs between instruction sets"
+    return None
+
+
 @needs_reference
 @pytest.mark.skipif(not FASHION.is_dir(), reason="Fashion-MNIST is not installed "
                     "(apt-get install dataset-fashion-mnist)")
 def test_a_shipped_checkpoint_is_reproduced_by_the_trainer():
+    """Checkpoint 3 of the Deep Ensemble, retrained by the fast engine that made it
+    (60 epochs of Fashion-MNIST: 56,250 SGD steps), gives the stored weights bit for bit
+    wherever the fast engine computes the same bits (:func:`_fast_engine_bits_reason`).
+
+    Nothing weaker can be promised elsewhere: training is chaotic where a ReLU input or a
+    max-pool arg-max lies within rounding of switching (tests/test_fast_engine.py: 3 runs
+    in 20 of 338 steps meet such a step), so two runs that differ by one rounding part
+    somewhere in 56,250 steps, and no final-weight tolerance follows from an error
+    analysis. There the test is skipped, saying why; that another instruction set
+    follows the same run step by step within the analysed bound is
+    tests/test_instruction_sets.py's check."""
+    reason = _fast_engine_bits_reason()
+    if reason is not None:
+        pytest.skip(f"the fast engine may legitimately give other bits here: {reason}")
     spec = load_spec(ROOT / SPECS["de"])
     with open_reference("de") as zoo:
         row = int(np.flatnonzero(zoo.metadata["mode_id"] == 3)[0])
         stored = zoo.arrays(row)
-        source = zoo.metadata_dict(row)["source"]
-        accuracy = zoo.metadata_dict(row)["test_accuracy"]
-    engine = source.rsplit("engine ", 1)[1]
-    result = train_checkpoints(spec, [3], engine=engine)[0]
+        metadata = zoo.metadata_dict(row)
+    engine = metadata["source"].rsplit("engine ", 1)[1]
+    assert engine == "fast"
+    data = load_training_data(spec.dataset, spec.data_dir)
+    result = train_checkpoints(spec, [3], data, engine=engine)[0]
+    assert result.state.keys() == stored.keys()
     for key, value in stored.items():
-        scale = float(np.abs(value).max())
-        np.testing.assert_allclose(result.state[key], value, rtol=0, atol=1e-5 * scale)
-    assert result.metrics["test_accuracy"] == pytest.approx(accuracy, abs=2e-3)
+        assert np.array_equal(result.state[key], value), key
+    # The stored metrics came from the evaluation of the day the zoo was made, today's
+    # from train_zoo.fast.evaluate: on the same weights the loss within the two
+    # implementations' bound (the forward pass's rounding carried by the cross-entropy,
+    # plus the float32 storage of the stored value: u of it), the number of correct
+    # examples within the count of those whose two largest logits lie within that bound.
+    # Measured: accuracy equal, loss 2.7e-8 apart (AVX-512 and AVX2).
+    model = model_at(spec, 3, result.state)
+    loss_bound, flips = evaluation_bounds(model, data.test)
+    assert abs(result.metrics["test_loss"] - metadata["test_loss"]) <= (
+        loss_bound + U32 * metadata["test_loss"])
+    assert abs(result.metrics["test_accuracy"] - metadata["test_accuracy"]) * len(
+        data.test) <= flips + 1e-9
 
 
 @pytest.mark.slow
