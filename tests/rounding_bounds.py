@@ -333,3 +333,110 @@ def compare_runs(spec, index: int, data, weights_a: list[dict], steps_a: list[tu
             parting.append(step)
         before_a, before_b = after_a, after_b
     return parting
+
+
+# ------------------------------------------------------------------ Rank-1 networks
+def _window_near(value: torch.Tensor, e: torch.Tensor, pool: nn.MaxPool2d) -> torch.Tensor:
+    """Per example, the max-pool windows of ``value`` whose two largest entries differ by
+    at most the sum of their bounds ``e`` (without padding or dilation; else none)."""
+    (kh, kw), (sh, sw) = _pair(pool.kernel_size), _pair(pool.stride or pool.kernel_size)
+    if _pair(pool.padding) != (0, 0) or _pair(pool.dilation) != (1, 1):
+        return torch.zeros(len(value), dtype=torch.int64)
+    top, where = value.unfold(2, kh, sh).unfold(3, kw, sw).flatten(-2).topk(2, dim=-1)
+    bounds = e.unfold(2, kh, sh).unfold(3, kw, sw).flatten(-2).gather(-1, where)
+    gap = top[..., 0] - top[..., 1]
+    return ((gap > 0) & (gap <= bounds.sum(-1))).flatten(1).sum(1)
+
+
+def rank1_forward_bounds(model: nn.Module, images: torch.Tensor, r: dict[str, torch.Tensor],
+                         s: dict[str, torch.Tensor], bias: torch.Tensor,
+                         delta: dict[str, torch.Tensor] | None = None,
+                         implementations: int = 2) -> ForwardBounds:
+    """:func:`optunet_forward_bounds` for a Rank-1 OptuNet (``train_zoo.methods.rank1``):
+    example ``n`` runs every layer as ``y = r_n * (W (s_n * x)) + b_n``, with ``r``,
+    ``s`` ``{layer: (B, channels)}`` for ``conv1``, ``conv2`` and ``fc`` and ``bias``
+    ``(B, classes)`` the head's per-example bias (the model's own ``fc.bias`` unused).
+
+    A layer's output is a ``k``-term sum (its kernel over a group, or the head's inputs)
+    scaled twice (``s`` on the input and ``r`` on the output, or ``r s`` on the
+    unscaled sum as the fast engine's kernel does), the head's plus one bias: each side
+    rounds by at most ``gamma(k + 3) * A`` with ``A = |r| (|W| (|s| |x|)) + |b|``, and a
+    layer carries its input's error through ``|r| |W| |s|``. ``delta`` (side 1 minus
+    side 2) may hold the weights' differences (``"conv1.weight"``, ...), the factors'
+    (``"r.conv1"``, ``"s.conv1"``, ...: ``(B, channels)``) and the bias's (``"bias"``),
+    each entering to first order as ``|dr| |W| |s| A_in`` etc. ``near_switch`` as in
+    :func:`optunet_forward_bounds`.
+    """
+    delta = delta or {}
+    weights = {name: value.detach().double() for name, value in model.named_parameters()}
+    count = len(images)
+    near = torch.zeros(count, dtype=torch.int64)
+
+    def per_example(factor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return factor.detach().double().reshape(count, -1, *([1] * (like.dim() - 2)))
+
+    def layer(name: str, terms: int, apply, value, a, e, head_bias=None):
+        weight = weights[f"{name}.weight"]
+        s_in, r_out = per_example(s[name], value), None
+        out = apply(s_in * value, weight)
+        r_out = per_example(r[name], out)
+        out = r_out * out
+        inner = apply(s_in.abs() * a, weight.abs())
+        a_out = r_out.abs() * inner
+        e_out = r_out.abs() * apply(s_in.abs() * e, weight.abs())
+        if f"{name}.weight" in delta:
+            e_out = e_out + r_out.abs() * apply(s_in.abs() * a,
+                                                delta[f"{name}.weight"].detach().double().abs())
+        if f"r.{name}" in delta:
+            e_out = e_out + per_example(delta[f"r.{name}"], out).abs() * inner
+        if f"s.{name}" in delta:
+            e_out = e_out + r_out.abs() * apply(per_example(delta[f"s.{name}"], value).abs()
+                                                * a, weight.abs())
+        if head_bias is not None:
+            out = out + head_bias.detach().double()
+            a_out = a_out + head_bias.detach().double().abs()
+            if "bias" in delta:
+                e_out = e_out + delta["bias"].detach().double().abs()
+        e_out = e_out + implementations * gamma(terms + 3) * a_out
+        return out, a_out, e_out
+
+    def relu(value, e):
+        nonlocal near
+        near += ((value != 0) & (value.abs() <= e)).flatten(1).sum(1)
+        return torch.relu(value)
+
+    if not (hasattr(model, "fc") and hasattr(model, "conv1")) or model.fc.bias is None:
+        raise ValueError("the bound is for OptuNet's Rank-1 network (conv1, conv2, fc)")
+    conv1, conv2, pool, fc = model.conv1, model.conv2, model.pool1, model.fc
+    x = images.detach().double()
+    a, e = x.abs(), torch.zeros_like(x)
+    value, a, e = layer("conv1", _conv_terms(conv1),
+                        lambda v, w: _conv(conv1, v, w, None), x, a, e)
+    value = relu(value, e)
+    near += _window_near(value, e, pool)
+    value, a, e = _pool(pool, value), _pool(pool, a), _pool(pool, e)
+    value, a, e = layer("conv2", _conv_terms(conv2),
+                        lambda v, w: _conv(conv2, v, w, None), value, a, e)
+    value = relu(value, e)
+    positions = value.shape[2] * value.shape[3]
+    value, a, e = value.mean((2, 3)), a.mean((2, 3)), e.mean((2, 3))
+    e = e + implementations * gamma(positions + 1) * a
+    value, a, e = layer("fc", fc.in_features, lambda v, w: F.linear(v, w), value, a, e,
+                        head_bias=bias)
+    return ForwardBounds(value, e, a, near)
+
+
+def rank1_cross_entropy_bound(bounds: ForwardBounds) -> float:
+    """The mean cross-entropy's bound for :func:`rank1_forward_bounds` (as
+    :func:`cross_entropy_bound`: the logits' bound carried by the loss, plus its own
+    rounding)."""
+    return (2 * float(bounds.error.max(1).values.mean())
+            + cross_entropy_rounding(bounds.logits.float()))
+
+
+def rank1_gradient_rtol(model: nn.Module, images: torch.Tensor) -> float:
+    """:func:`gradient_rtol` for a Rank-1 OptuNet on ``images`` (the tiled batch): the
+    roundings on the longest path to a gradient (:func:`optunet_gradient_terms`) plus,
+    for each of the three layers, its two scalings forward and two backward, and the
+    factors' own chain rule (``eps`` and softplus' derivative): 14 more."""
+    return gamma(optunet_gradient_terms(model, images) + 14)
