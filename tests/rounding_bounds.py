@@ -97,7 +97,8 @@ class ForwardBounds:
 
 def optunet_forward_bounds(model: nn.Module, images: torch.Tensor,
                            delta: dict[str, torch.Tensor] | None = None,
-                           implementations: int = 2) -> ForwardBounds:
+                           implementations: int = 2,
+                           head_mask: torch.Tensor | None = None) -> ForwardBounds:
     """Bounds on two float32 forward passes of an OptuNet-shaped ``model`` (conv1, ReLU,
     max pool, conv2, ReLU, global average pool, one or two Linear layers; dropout off)
     on the same ``images``, each by its own implementation, with weights that differ by
@@ -110,11 +111,17 @@ def optunet_forward_bounds(model: nn.Module, images: torch.Tensor,
     layer. ``implementations`` counts the sides that round (2: two implementations
     against each other; 1: one against the exact result). First order in ``u`` and in
     ``delta``; valid while both sides take the same branches (``near_switch`` all 0).
+
+    ``head_mask`` ``(B, features)``: a training pass's dropout, the same mask (its
+    ``0`` and ``1 / (1 - p)`` entries) multiplying the last Linear layer's input on both
+    sides; the product is one more rounding (``u`` of ``|m| A``).
     """
     delta = delta or {}
     weights = {name: value.detach().double() for name, value in model.named_parameters()}
-    if model.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
-        raise ValueError("the bound is for the deterministic forward pass (eval mode)")
+    if (head_mask is None and model.training
+            and any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())):
+        raise ValueError("the bound is for the deterministic forward pass (eval mode) or "
+                         "a training pass with its dropout mask (head_mask)")
     near = torch.zeros(len(images), dtype=torch.int64)
 
     def layer(name: str, terms: int, apply, value, a, e):
@@ -155,11 +162,85 @@ def optunet_forward_bounds(model: nn.Module, images: torch.Tensor,
     e = e + implementations * gamma(positions + 1) * a
     head = _head(model)
     for i, (name, linear) in enumerate(head):
+        if i == len(head) - 1 and head_mask is not None:
+            value, a, e = _masked(value, a, e, head_mask, implementations)
         value, a, e = layer(name, linear.in_features + (linear.bias is not None),
                             lambda v, w, b: F.linear(v, w, b), value, a, e)
         if i < len(head) - 1:
             value = relu(value, e)
     return ForwardBounds(value, e, a, near)
+
+
+def _masked(value: torch.Tensor, a: torch.Tensor, e: torch.Tensor, mask: torch.Tensor,
+            implementations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A dropout mask's product: exact values times ``mask``, the error carried by
+    ``|mask|`` plus one rounding per side."""
+    mask = mask.detach().double()
+    a = a * mask.abs()
+    return value * mask, a, e * mask.abs() + implementations * U32 * a
+
+
+def mlp_forward_bounds(model: nn.Module, images: torch.Tensor,
+                       delta: dict[str, torch.Tensor] | None = None,
+                       implementations: int = 2,
+                       head_mask: torch.Tensor | None = None) -> ForwardBounds:
+    """:func:`optunet_forward_bounds` for ``posteriorzoo``'s MLP (``layers.i`` Linear
+    layers, ReLU after each but the last, dropout on the last one's input: ``head_mask``):
+    layer ``l`` rounds by at most ``gamma(in_l + 1) |W| |x| + |b|`` per side, carried
+    through ``|W|``."""
+    delta = delta or {}
+    if (head_mask is None and model.training
+            and any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())):
+        raise ValueError("the bound is for the deterministic forward pass (eval mode) or "
+                         "a training pass with its dropout mask (head_mask)")
+    value = images.detach().double().flatten(1)
+    a, e = value.abs(), torch.zeros_like(value)
+    near = torch.zeros(len(images), dtype=torch.int64)
+    layers = list(model.layers)
+    for i, linear in enumerate(layers):
+        if i == len(layers) - 1 and head_mask is not None:
+            value, a, e = _masked(value, a, e, head_mask, implementations)
+        weight = linear.weight.detach().double()
+        bias = None if linear.bias is None else linear.bias.detach().double()
+        out = F.linear(value, weight, bias)
+        a_out = F.linear(a, weight.abs(), None if bias is None else bias.abs())
+        e_out = (implementations * gamma(linear.in_features + (bias is not None)) * a_out
+                 + F.linear(e, weight.abs()))
+        key = f"layers.{i}"
+        if f"{key}.weight" in delta:
+            d_bias = delta.get(f"{key}.bias")
+            e_out = e_out + F.linear(a, delta[f"{key}.weight"].detach().double().abs(),
+                                     None if d_bias is None else d_bias.detach().double().abs())
+        value, a, e = out, a_out, e_out
+        if i < len(layers) - 1:
+            near += ((value != 0) & (value.abs() <= e)).sum(1)
+            value = torch.relu(value)
+    return ForwardBounds(value, e, a, near)
+
+
+def mlp_gradient_terms(model: nn.Module, images: torch.Tensor) -> int:
+    """:func:`optunet_gradient_terms` for the MLP: the forward reductions (each layer's
+    inputs and bias), the softmax (K + 8), the backward sums over the later layers'
+    outputs, and the first layer's weight gradient over the batch's ``B`` examples."""
+    layers = list(model.layers)
+    forward = sum(linear.in_features + 1 for linear in layers)
+    softmax = layers[-1].out_features + 8
+    backward = sum(linear.out_features for linear in layers[1:]) + len(images)
+    return forward + softmax + backward
+
+
+def forward_bounds(model: nn.Module, images: torch.Tensor,
+                   delta: dict[str, torch.Tensor] | None = None, implementations: int = 2,
+                   head_mask: torch.Tensor | None = None) -> ForwardBounds:
+    """:func:`mlp_forward_bounds` for an MLP, else :func:`optunet_forward_bounds`."""
+    bounds = mlp_forward_bounds if hasattr(model, "layers") else optunet_forward_bounds
+    return bounds(model, images, delta, implementations, head_mask)
+
+
+def gradient_terms(model: nn.Module, images: torch.Tensor) -> int:
+    """:func:`mlp_gradient_terms` for an MLP, else :func:`optunet_gradient_terms`."""
+    terms = mlp_gradient_terms if hasattr(model, "layers") else optunet_gradient_terms
+    return terms(model, images)
 
 
 def cross_entropy_rounding(logits: torch.Tensor, implementations: int = 2) -> float:
@@ -181,11 +262,11 @@ def cross_entropy_rounding(logits: torch.Tensor, implementations: int = 2) -> fl
 def cross_entropy_bound(model: nn.Module, images: torch.Tensor,
                         delta: dict[str, torch.Tensor] | None = None) -> float:
     """A bound on the difference between two implementations' float32 mean
-    cross-entropy of an OptuNet-shaped ``model`` on a batch (weights differing by
+    cross-entropy of an OptuNet-shaped ``model`` (or an MLP) on a batch (weights differing by
     ``delta``): the logits' bound carried by the loss (its gradient in the logits is
     ``p - e_y``, of 1-norm at most 2: ``|dL| <= mean_n 2 max_k |dz_nk|``) plus the
     loss's own rounding (:func:`cross_entropy_rounding`)."""
-    bounds = optunet_forward_bounds(model, images, delta)
+    bounds = forward_bounds(model, images, delta)
     return (2 * float(bounds.error.max(1).values.mean())
             + cross_entropy_rounding(bounds.logits.float()))
 
@@ -222,19 +303,19 @@ def optunet_gradient_terms(model: nn.Module, images: torch.Tensor) -> int:
 def evaluation_bounds(model: nn.Module, dataset, delta: dict[str, torch.Tensor] | None = None
                       ) -> tuple[float, int]:
     """How far two implementations' ``(mean loss, correct examples)`` of an OptuNet-shaped
-    ``model`` on a whole ``dataset`` (normalised, unaugmented: the trainer's evaluation)
-    may be apart, their weights differing by ``delta``: the loss by the logits' bound
-    carried by the cross-entropy, its own rounding and float32 sums over evaluation
-    batches (``gamma(len(dataset))`` of the mean loss); the number of correct examples by
-    the examples whose two largest logits lie within the sum of their bounds (only those
-    can change their arg-max)."""
+    ``model`` (or an MLP: :func:`forward_bounds`) on a whole ``dataset`` (normalised,
+    unaugmented: the trainer's evaluation) may be apart, their weights differing by
+    ``delta``: the loss by the logits' bound carried by the cross-entropy, its own
+    rounding and float32 sums over evaluation batches (``gamma(len(dataset))`` of the
+    mean loss); the number of correct examples by the examples whose two largest logits
+    lie within the sum of their bounds (only those can change their arg-max)."""
     from posteriorzoo.data import iterate_batches
     from train_zoo.data import eval_transform
 
     images, labels = next(iter(iterate_batches(dataset, len(dataset), seed=0, epoch=0,
                                                transform=eval_transform(dataset),
                                                shuffle=False)))
-    bounds = optunet_forward_bounds(model, images, delta)
+    bounds = forward_bounds(model, images, delta)
     top, where = bounds.logits.topk(2, dim=1)
     close = (top[:, 0] - top[:, 1]) <= bounds.error.gather(1, where).sum(1)
     mean_loss = float(F.cross_entropy(bounds.logits, labels))
