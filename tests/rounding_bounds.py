@@ -521,3 +521,54 @@ def rank1_gradient_rtol(model: nn.Module, images: torch.Tensor) -> float:
     for each of the three layers, its two scalings forward and two backward, and the
     factors' own chain rule (``eps`` and softplus' derivative): 14 more."""
     return gamma(optunet_gradient_terms(model, images) + 14)
+
+
+# ------------------------------------------------------------------ softmax outputs
+#: Below float32's normal range a probability is absolute, not relative, rounding: the
+#: report's kernels stop their exponential at exp(-87) ~ 1.6e-38, torch's underflows to
+#: subnormals; 2^-124 (4.7e-38) covers either side's difference there.
+UNDERFLOW = 2.0 ** -124
+
+
+def softmax_rounding(logits: torch.Tensor, spread: torch.Tensor | float = 0.0
+                     ) -> torch.Tensor:
+    """One float32 softmax's relative rounding per entry (``(B, K)``), of logits whose
+    exact values are ``logits`` (float64) and which may be off by ``spread`` more: the
+    shift ``z_k - m`` (``u |z_k - m|``), the exponential (2 ulp, ``4 u``, what libm, SLEEF
+    and torch promise; the report's kernels' Cephes ``expf`` measured 1.4 u), the sum of
+    K positive terms (``gamma(K - 1)`` plus the terms' errors weighted by ``p``) and the
+    division (``u``)."""
+    k = logits.shape[1]
+    shift = (logits.max(1, keepdim=True).values - logits) + spread
+    p = torch.softmax(logits, 1)
+    weighted = (p * shift).sum(1, keepdim=True)
+    return (4 * U32 + U32 * shift) + (4 * U32 + U32 * weighted + gamma(k - 1)) + U32
+
+
+def softmax_bounds(bounds: ForwardBounds) -> torch.Tensor:
+    """A bound ``(B, K)`` on ``|p_1 - p_2|`` between two implementations' float32 softmax
+    outputs of the logits :func:`optunet_forward_bounds` describes (two sides, logits
+    ``E = max_k error`` apart at most: each within ``E / 2`` of the exact ``z``).
+
+    Each side's softmax of its own logits, in exact arithmetic, is within
+    ``p (e^E - 1)`` of the exact ``p`` (``p_k(z + d) / p_k(z)`` lies in
+    ``[e^(-2 max|d|), e^(2 max|d|)]``), and its float32 softmax within
+    ``p e^E r (1 + r)`` of that (:func:`softmax_rounding` ``r``); plus
+    :data:`UNDERFLOW` absolute. The forward bound holds whichever way a ReLU or max-pool
+    decision near its switch goes (both are 1-Lipschitz), so no example is left out.
+    """
+    spread = bounds.error.max(1, keepdim=True).values
+    p = torch.softmax(bounds.logits, 1)
+    r = softmax_rounding(bounds.logits, spread)
+    return 2 * p * (torch.expm1(spread) + torch.exp(spread) * r * (1 + r)) + 2 * UNDERFLOW
+
+
+def softmax_sum_bound(bounds: ForwardBounds) -> torch.Tensor:
+    """Per example (``(B,)``), how far one side's float32 softmax outputs may sum from 1:
+    its exact-arithmetic softmax sums to 1, its rounding is ``r`` of each entry
+    (:func:`softmax_rounding`), each entry at most ``p e^E``, plus :data:`UNDERFLOW` per
+    entry."""
+    spread = bounds.error.max(1, keepdim=True).values
+    p = torch.softmax(bounds.logits, 1)
+    r = softmax_rounding(bounds.logits, spread)
+    return (p * torch.exp(spread) * r * (1 + r)).sum(1) + bounds.logits.shape[1] * UNDERFLOW
