@@ -13,6 +13,14 @@ import os
 
 import pytest
 
+import posteriorzoo._numba
+
+# In this process the numba kernels compile in whichever test first uses them (a fresh
+# cache, as in CI's clone or make test-avx2), and the one-time notice of that compilation
+# would add a line to that test's stderr, failing whichever one-line-error test it happens
+# to be. The notice itself is tested in subprocesses (test_cli_startup); here it is off.
+posteriorzoo._numba._registered = True
+
 # test module -> test function (or one of its parameters, "test[id]") -> (command, class)
 PROBES: dict[str, dict[str, tuple[str, str]]] = {
     "test_append_kills.py": {      # each parameter is a probe: one kill point or seed
