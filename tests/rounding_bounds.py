@@ -572,3 +572,23 @@ def softmax_sum_bound(bounds: ForwardBounds) -> torch.Tensor:
     p = torch.softmax(bounds.logits, 1)
     r = softmax_rounding(bounds.logits, spread)
     return (p * torch.exp(spread) * r * (1 + r)).sum(1) + bounds.logits.shape[1] * UNDERFLOW
+
+
+def assert_metrics_within_bounds(ours, theirs, data) -> None:
+    """Two engines' stored metrics of one produced checkpoint (``.state``: numpy arrays,
+    ``.metrics``: ``{split}_loss`` and ``{split}_accuracy``) on the train and test splits of
+    ``data``: the losses within :func:`evaluation_bounds` at ``theirs``' weights with the
+    weights' difference, the accuracies apart by at most the examples whose decision lies
+    within rounding."""
+    from posteriorzoo.models import build
+
+    model = build("optunet")
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in theirs.state.items()})
+    delta = {key: torch.from_numpy(ours.state[key].astype(np.float64) - value)
+             for key, value in theirs.state.items()}
+    for split in ("train", "test"):
+        dataset = getattr(data, split)
+        loss, flips = evaluation_bounds(model, dataset, delta)
+        assert abs(ours.metrics[f"{split}_loss"] - theirs.metrics[f"{split}_loss"]) <= loss
+        assert abs(ours.metrics[f"{split}_accuracy"]
+                   - theirs.metrics[f"{split}_accuracy"]) * len(dataset) <= flips + 1e-9
