@@ -574,16 +574,17 @@ def softmax_sum_bound(bounds: ForwardBounds) -> torch.Tensor:
     return (p * torch.exp(spread) * r * (1 + r)).sum(1) + bounds.logits.shape[1] * UNDERFLOW
 
 
-def assert_metrics_within_bounds(ours, theirs, data) -> None:
+def assert_metrics_within_bounds(ours, theirs, data, model: nn.Module | None = None) -> None:
     """Two engines' stored metrics of one produced checkpoint (``.state``: numpy arrays,
     ``.metrics``: ``{split}_loss`` and ``{split}_accuracy``) on the train and test splits of
-    ``data``: the losses within :func:`evaluation_bounds` at ``theirs``' weights with the
-    weights' difference, the accuracies apart by at most the examples whose decision lies
-    within rounding."""
-    from posteriorzoo.models import build
+    ``data``: the losses within :func:`evaluation_bounds` at ``theirs``' weights (``model``
+    holding them; default an OptuNet loaded with them) with the weights' difference, the
+    accuracies apart by at most the examples whose decision lies within rounding."""
+    if model is None:
+        from posteriorzoo.models import build
 
-    model = build("optunet")
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in theirs.state.items()})
+        model = build("optunet")
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in theirs.state.items()})
     delta = {key: torch.from_numpy(ours.state[key].astype(np.float64) - value)
              for key, value in theirs.state.items()}
     for split in ("train", "test"):

@@ -43,9 +43,9 @@ import numpy as np
 import pytest
 import torch
 from rounding_bounds import (
+    assert_metrics_within_bounds,
     compare_runs,
     cross_entropy_bound,
-    evaluation_bounds,
     gamma,
     gradient_rtol,
     model_at,
@@ -481,15 +481,8 @@ def _assert_same_run(spec, index: int, data: TrainingData, fast, reference,
     for key in reference.state:
         assert fast.state[key].dtype == np.float32
         assert np.array_equal(fast.state[key], fast_log.weights[-1][key])
-    final = model_at(spec, index, reference.state)
-    delta = {key: torch.from_numpy(fast.state[key].astype(np.float64) - value)
-             for key, value in reference.state.items()}
-    for split in ("train", "test"):
-        dataset = getattr(data, split)
-        loss, flips = evaluation_bounds(final, dataset, delta)
-        assert abs(fast.metrics[f"{split}_loss"] - reference.metrics[f"{split}_loss"]) <= loss
-        assert abs(fast.metrics[f"{split}_accuracy"] - reference.metrics[f"{split}_accuracy"]
-                   ) * len(dataset) <= flips + 1e-9, split
+    assert_metrics_within_bounds(fast, reference, data,
+                                 model_at(spec, index, reference.state))
     assert fast.diverged == reference.diverged
     return parting
 

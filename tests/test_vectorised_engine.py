@@ -41,8 +41,8 @@ import numpy as np
 import pytest
 import torch
 from rounding_bounds import (
+    assert_metrics_within_bounds,
     cross_entropy_rounding,
-    evaluation_bounds,
     forward_bounds,
     gamma,
     gradient_terms,
@@ -270,15 +270,8 @@ def test_matches_torch_engine(case, trained, data):
         print(f"{case} checkpoint {ref.index}: {result}, max |w_vec - w_torch| = "
               f"{max_difference(ref.state, vec.state):.2e}")
         assert len(result["parting"]) <= vec.steps // 10, result
-        final = model_at(spec, ref.index, ref.state).eval()
-        delta = {key: torch.from_numpy(vec.state[key].astype(np.float64) - value)
-                 for key, value in ref.state.items()}
-        for split in ("train", "test"):
-            dataset = getattr(data, split)
-            loss, flips = evaluation_bounds(final, dataset, delta)
-            assert abs(vec.metrics[f"{split}_loss"] - ref.metrics[f"{split}_loss"]) <= loss
-            assert abs(vec.metrics[f"{split}_accuracy"] - ref.metrics[f"{split}_accuracy"]
-                       ) * len(dataset) <= flips + 1e-9
+        assert_metrics_within_bounds(vec, ref, data,
+                                     model_at(spec, ref.index, ref.state).eval())
 
 
 def test_weights_moved(trained):
