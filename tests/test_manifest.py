@@ -8,12 +8,11 @@ import subprocess
 import tracemalloc
 from pathlib import Path
 
-import numpy as np
 import pytest
+from test_hub import make_h5
 from zoo_helpers import assert_one_line_error, run
 
 from posteriorzoo.errors import ChecksumError, ZooFormatError
-from posteriorzoo.zoo import create_zoo
 from posteriorzoo.zoo.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -141,19 +140,6 @@ def test_sha256sum_accepts_the_manifest(folder: Path) -> None:
 LONGEST_ERROR_LINE = 1000
 
 
-def _collection(path: Path) -> Path:
-    """A small real collection (an MLP zoo of two checkpoints) for ``verify``."""
-    rng = np.random.default_rng(0)
-    states = [{"layers.0.weight": rng.normal(size=(4, 2)).astype("float32"),
-               "layers.0.bias": rng.normal(size=4).astype("float32"),
-               "layers.1.weight": rng.normal(size=(1, 4)).astype("float32"),
-               "layers.1.bias": rng.normal(size=1).astype("float32")} for _ in range(2)]
-    with create_zoo(path, architecture="mlp", dataset="blobs", method="de",
-                    model_options={"widths": [2, 4, 1]}, template=states[0]) as zoo:
-        zoo.append_many(states)
-    return path
-
-
 def _state(folder: Path) -> dict[str, tuple[int, int]]:
     """Size and modification time of every file under ``folder`` (a sparse gigabyte is
     not hashed)."""
@@ -175,7 +161,7 @@ def _peak_bytes(call) -> tuple[BaseException, int]:
 @pytest.mark.parametrize("size", [MAX_MANIFEST_BYTES + 1, 100 * 2**20, 2**30],
                          ids=["cap-plus-one", "100MiB", "1GiB"])
 def test_a_manifest_over_the_cap_is_refused_unread(tmp_path: Path, capsys, size: int) -> None:
-    collection = _collection(tmp_path / "a.h5")
+    collection = make_h5(tmp_path / "a.h5", 0)
     manifest = tmp_path / MANIFEST_NAME
     with open(manifest, "wb") as handle:
         handle.truncate(size)  # sparse: costs the test neither disk nor memory
@@ -203,7 +189,7 @@ def test_a_manifest_without_a_size_is_read_up_to_the_cap(tmp_path: Path) -> None
                          ids=["3M-characters", "1M-nul-bytes", "one-space-long-name",
                               "emoji"])
 def test_a_long_bad_line_is_shown_cut_short(tmp_path: Path, capsys, line: str) -> None:
-    collection = _collection(tmp_path / "a.h5")
+    collection = make_h5(tmp_path / "a.h5", 0)
     manifest = tmp_path / MANIFEST_NAME
     manifest.write_text(f"{'0' * 64}  a.h5\n{line}\n", encoding="utf-8")
     before = _state(tmp_path)
