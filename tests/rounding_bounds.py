@@ -593,3 +593,76 @@ def assert_metrics_within_bounds(ours, theirs, data, model: nn.Module | None = N
         assert abs(ours.metrics[f"{split}_loss"] - theirs.metrics[f"{split}_loss"]) <= loss
         assert abs(ours.metrics[f"{split}_accuracy"]
                    - theirs.metrics[f"{split}_accuracy"]) * len(dataset) <= flips + 1e-9
+
+
+# ------------------------------------------------------------------ deep networks
+#: Roundings of one BatchNorm output in evaluation mode: ``var + eps``, its reciprocal
+#: square root (2 ulp), the product with the weight, ``mean * scale``, ``bias - that``,
+#: ``x * scale`` and the final sum.
+BATCHNORM_ROUNDINGS = 8
+
+
+def forward_terms(model: nn.Module, inputs: torch.Tensor) -> int:
+    """An upper bound on the roundings along the longest path of ``model``'s forward pass
+    on ``inputs`` (evaluation mode), for any network built from torch's layers: the sum,
+    over every module the pass runs, of one output's roundings. A convolution or Linear
+    layer sums its kernel over a group plus the bias; BatchNorm
+    (:data:`BATCHNORM_ROUNDINGS`, plus two sums over the batch and positions per output
+    in training mode); an average pool its window plus the division; ReLU, max pooling,
+    flattening and dropout in evaluation mode are exact. Every module with children may
+    add its branches once (a residual block's sum; a ``Sequential`` adds nothing).
+    Parallel branches (a shortcut convolution) are counted too, so this exceeds the
+    longest path. A leaf module of another kind raises: its roundings are unknown here.
+
+    Its ``gamma`` is the relative tolerance of two float32 implementations of the pass on
+    the *result's* scale (:func:`deep_rtol`), as :func:`gradient_rtol` is for gradients.
+    """
+    exact = (nn.ReLU, nn.MaxPool2d, nn.Flatten, nn.Identity, nn.Dropout)
+    terms = 0
+
+    def count(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        nonlocal terms
+        x = args[0]
+        if isinstance(module, nn.modules.conv._ConvNd):
+            kernel = math.prod(module.kernel_size)
+            terms += module.in_channels // module.groups * kernel + (module.bias is not None)
+        elif isinstance(module, nn.Linear):
+            terms += module.in_features + (module.bias is not None)
+        elif isinstance(module, nn.modules.batchnorm._BatchNorm):
+            terms += BATCHNORM_ROUNDINGS
+            if module.training or not module.track_running_stats:
+                terms += 2 * x.numel() // x.shape[1]
+        elif isinstance(module, (nn.AdaptiveAvgPool2d, nn.AvgPool2d)):
+            terms += x.shape[-1] * x.shape[-2] // (output.shape[-1] * output.shape[-2]) + 1
+        elif isinstance(module, nn.Sequential):
+            pass   # composes its children (an empty one is an identity shortcut)
+        elif len(list(module.children())) > 0:
+            terms += 1
+        elif not isinstance(module, exact):
+            raise ValueError(f"forward_terms: no rounding count for {type(module).__name__}")
+
+    handles = [module.register_forward_hook(count) for module in model.modules()]
+    try:
+        with torch.no_grad():
+            model(inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return terms
+
+
+def deep_rtol(model: nn.Module, inputs: torch.Tensor, extra: int = 0) -> float:
+    """The tolerance of two float32 implementations' outputs of a deep ``model`` (a
+    ResNet) on ``inputs``, relative to the output's largest entry: ``gamma(k)`` with ``k``
+    the roundings on the longest path (:func:`forward_terms`; ``extra`` for what follows
+    the pass, e.g. a sum over the data set). ``2 * deep_rtol`` bounds the difference of
+    two implementations, each within it of the exact result.
+
+    The worst-case bound of :func:`optunet_forward_bounds` (``gamma(k) |W| |x|``, layer
+    by layer) holds here too but tests nothing: through the 20 layers of a ResNet-18 the
+    absolute-value network ``|W_L| ... |W_1| |x|`` exceeds the logits by a factor of
+    10^11 (width 4, measured), because each layer's sum cancels. On the result's scale it
+    is the longest reduction's length times the unit roundoff, the convention of
+    :func:`gradient_rtol`; each test states its measured margin.
+    """
+    return gamma(forward_terms(model, inputs) + extra)

@@ -16,7 +16,16 @@ import math
 import numpy as np
 import pytest
 import torch
-from rounding_bounds import U32, U64, gamma, optunet_forward_bounds, optunet_gradient_terms
+from rounding_bounds import (
+    U32,
+    U64,
+    cross_entropy_rounding,
+    deep_rtol,
+    gamma,
+    gradient_rtol,
+    optunet_forward_bounds,
+    optunet_gradient_terms,
+)
 from torch import nn
 from torch.func import functional_call, hessian, jacrev, vjp, vmap
 
@@ -324,7 +333,16 @@ def test_optunet_rows_equal_the_generic_rows_per_example():
                                                                  (image.unsqueeze(0),)), params)
         grads = [flatten(pullback(v.unsqueeze(0))[0]) for v in cotangents]
         reference.append(torch.stack(grads))
-    torch.testing.assert_close(rows, torch.stack(reference), rtol=1e-5, atol=1e-6)
+    # Each row is one example's backward pass (a vector-Jacobian product) in float32 by
+    # two implementations, so each tensor's part lies within gradient_rtol at batch 1 of
+    # its largest entry (the roundings on the longest path, as in test_fast_engine):
+    # 1.1e-5 here. Measured at most 2.7% of it (conv2; the head's rows agree exactly):
+    # a margin of 36.
+    rtol, expected = gradient_rtol(model, x[:1]), torch.stack(reference)
+    for piece in _slices(params):
+        scale = expected[..., piece].abs().amax(-1, keepdim=True)
+        ratio = ((rows[..., piece] - expected[..., piece]).abs() / (rtol * scale)).max()
+        assert ratio <= 1, (piece, float(ratio))
 
 
 def test_layer_formula_path_refuses_what_it_does_not_implement():
@@ -785,6 +803,47 @@ def test_oracle_marglik_prior_precision_and_sampling(digits_optunet):
         assert (variance / expected - 1).abs().max() < z * math.sqrt(2 / draws)
 
 
+def _kfac_tolerances(model: nn.Module, x: torch.Tensor, ours: torch.Tensor, state
+                     ) -> tuple[float, float]:
+    """How far laplace-torch's last-layer KFAC precision and log evidence may lie from
+    ours, from rounding alone: ``(elementwise bound on P, bound on the log evidence)``.
+
+    Each side runs the ResNet's forward pass in float32, in batches of its own (32
+    against 50 and 46: other blocking, other roundings), so the features and logits
+    differ by ``2 deep_rtol`` of their scale (:func:`deep_rtol`: 2,170 roundings on the
+    longest path, 1.3e-4). The factors ``A = sum_n a_n a_n^T`` (``a = [features, 1]``,
+    non-negative after the ReLU and the average pool) and ``G = sum_n diag(p_n) - p_n
+    p_n^T`` sum N = 96 terms of one sign per entry, so ``gamma(N)`` of the entry; the
+    softmax adds ``K + 8`` roundings, the Kronecker product, a scale and the prior's sum
+    4: ``2 gamma(2,170 + 96 + 18 + 4)`` of the largest entry, 2.7e-4.
+
+    The log evidence ``log p(D | theta) - (log det P - log det P_0) / 2 - delta |theta|^2
+    / 2``: the summed log-likelihood moves by N times the cross-entropy's bound (the
+    logits' difference carried by the loss, :func:`cross_entropy_rounding`); ``log det
+    P`` by ``tr(P^-1 dP) <= sum |P^-1| |dP|`` with ``|dP|`` the bound above, plus
+    laplace-torch's float32 eigendecompositions of the factors (backward stable:
+    eigenvalues of a factor perturbed by ``gamma(p^2)`` of its norm, ``p`` its order:
+    ``tr(P^-1) * 2 gamma(33^2 + 10^2) * ||P - delta I||_2``); ``delta |theta|^2`` and
+    ``D log delta`` by ``gamma(D + 1)`` of themselves.
+    """
+    classes = model.fc.out_features
+    rtol = 2 * deep_rtol(model, x, extra=len(x) + classes + 8 + 4)
+    precision_bound = rtol * float(ours.abs().max())
+    with torch.no_grad():
+        logits = model(x)
+    loglik = len(x) * (2 * rtol * float(logits.abs().max()) + cross_entropy_rounding(logits))
+    inverse = torch.linalg.inv(ours)
+    delta, dimension = state.prior_precision, len(ours)
+    eigen = 2 * gamma(model.fc.in_features ** 2 + classes ** 2)
+    curvature = float(torch.linalg.matrix_norm(
+        ours - delta * torch.eye(dimension, dtype=ours.dtype), 2))
+    log_det = (float(inverse.abs().sum()) * precision_bound
+               + float(inverse.diagonal().sum()) * eigen * curvature)
+    scatter = delta * float(state.mean @ state.mean)
+    prior = 2 * gamma(dimension + 1) * (scatter + dimension * abs(math.log(delta)))
+    return precision_bound, loglik + (log_det + prior) / 2
+
+
 def test_oracle_last_layer_kfac():
     lt = _oracle()
     from laplace.curvature import BackPackGGN, CurvlinopsGGN
@@ -795,20 +854,32 @@ def test_oracle_last_layer_kfac():
     state = laplace.init(model, params, buffers, [(x[:50], y[:50]), (x[50:], y[50:])], 96,
                          structure="last-layer-kfac")
     ours = laplace.posterior_precision(state)
+    # Rounding bounds (_kfac_tolerances): the precision 2.7e-4 of its largest entry, and
+    # the evidence 0.37 of its 232 (the log-determinant's sensitivity dominates).
+    # Measured: 1.4e-6 and 6.3e-7 of the largest entry (BackPACK, Curvlinops), 1.6e-5 on
+    # the evidence: margins of 190, 430 and 24,000. A wrong factor moves entries by far
+    # more: the bias column left out or means for sums by all of them, G's outer
+    # product dropped by its share, p ~ 0.1 here (10%).
+    precision_bound, evidence_bound = _kfac_tolerances(model, x, ours, state)
     for backend in (BackPackGGN, CurvlinopsGGN):
         la = lt.Laplace(model, "classification", subset_of_weights="last_layer",
                         hessian_structure="kron", backend=backend,
                         prior_precision=state.prior_precision)
         la.fit(_loader(x, y, 32))
         theirs = la.posterior_precision.to_matrix().double()
-        assert float((theirs - ours).abs().max() / ours.abs().max()) < 1e-5, backend
+        assert float((theirs - ours).abs().max()) <= precision_bound, backend
         if backend is BackPackGGN:
+            # laplace-torch maximises the evidence over log delta by 100 Adam steps of
+            # 0.1 from delta = 1: it stops within a fraction of its step of the optimum,
+            # ours (a fixed point to float64 precision) lies at it. Half its step, 0.05,
+            # is asked; measured 0.0036. A prior precision off by a factor of 2 (0.69)
+            # or the evidence without its log-determinant is far outside.
             la.optimize_prior_precision(pred_type="glm", method="marglik",
                                         prior_structure="scalar")
             assert abs(math.log(float(la.prior_precision) / state.prior_precision)) < 0.05
             la.prior_precision = state.prior_precision
             evidence = float(la.log_marginal_likelihood())
-            assert state.log_evidence == pytest.approx(evidence, rel=1e-5)
+            assert abs(state.log_evidence - evidence) <= evidence_bound
     # and the samplers agree in distribution: compare per-coordinate variances
     draws = 3000
     theirs_draws = la.sample(draws, generator=torch.Generator().manual_seed(1)).double()
