@@ -20,9 +20,10 @@ which hold on any x86-64 CPU (:func:`_compare_emp_runs`):
   ``k`` the roundings on the longest path to a weight gradient: 3,295 at a batch of 48,
   4,319 at 64: 2.0e-4 and 2.6e-4), and on each side the L2 term's three roundings (the
   factor, the product, the sum: ``gamma(3)`` of ``2 lambda |theta| + |g|``). A step whose
-  batch holds a ReLU input or max-pool arg-max within rounding of switching
-  (``near_switch``) may route an example's gradient differently: there the runs may
-  part (later steps compare each run's own weights).
+  batch holds a ReLU input or max-pool arg-max within one pass's rounding of switching
+  at either run's weights (``near_switch``; the weights' difference is accounted for by
+  the exact gradients at each) may route an example's gradient differently: there the
+  runs may part (later steps compare each run's own weights); no count is promised.
 
 Measured, with AVX-512 and under ``make test-avx2``'s AVX2 settings alike: every loss at
 most 0.19% of its bound; every gradient at most 16% of it, the largest being single-ulp
@@ -219,7 +220,12 @@ def _compare_emp_runs(run_a: list[_Step], run_b: list[_Step]) -> dict[str, objec
                      + 2 * gamma(3) * (2 * factor * torch.maximum(theta_a.abs(),
                                                                   theta_b.abs()) + largest))
             worst = max(worst, float((change / bound).max()))
-        near = int(optunet_forward_bounds(model, b.images, delta).near_switch.sum())
+        # The exact gradients are taken at each run's own weights, so a decision that the
+        # weights' difference moves is accounted for; what is left can only come from a
+        # decision that one run's float32 pass takes otherwise than the exact pass at its
+        # own weights: one within that pass's rounding of switching.
+        near = sum(int(optunet_forward_bounds(_folded_model(x.state, x.indices), b.images)
+                       .near_switch.sum()) for x in (a, b))
         clear += near == 0
         if worst > 1:
             assert near > 0, (number, worst)
@@ -283,11 +289,11 @@ def test_a_mode_on_the_fast_engine_trains_as_on_torch(variant: str, monkeypatch)
     assert len(run_plain) == 2 * math.ceil(len(digits.train) / 64)
     result = _compare_emp_runs(run_fast, run_plain)
     print(f"{variant}: {result}")
-    # Parting is a rare event: it needs a decision that the two runs actually round to
-    # different sides (most steps have one within the worst-case bound: 41-42 of 44 here,
-    # yet measured none parting; fast-engine runs part at one step in 338 in 3 runs of 20),
-    # while a wrong gradient, L2 term or scatter parts every step (measured: 44 of 44).
-    assert len(result["parting"]) <= len(run_plain) // 10, result
+    # A step may part only where a decision lies within rounding of switching
+    # (_compare_emp_runs asserts it); how many do is not promised (measured none). Steps
+    # without one (2-3 of 44 here) hold the gradients to their bound; the check of every
+    # step is test_kernel_gradients_equal_autograd_through_the_fold (the examples near a
+    # switch left out).
     # each sample is its run's final state folded at the sample's draw (the same draws)
     for run, results in ((run_fast, fast), (run_plain, plain)):
         samples = emp.sample(build("optunet"), run[-1].after,

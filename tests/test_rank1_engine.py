@@ -25,8 +25,10 @@ A training run is compared step by step (:func:`_compare_rank1_runs`), as
 annealing; every step's loss terms within their bounds at the two runs' states; every
 step's gradient differing from the other run's by what their states' difference explains
 (float64 gradients at both) plus the rounding above, unless the step's batch has a
-decision within rounding of switching, where the runs may part (rarely: a tenth of the
-steps at most). Measured (AVX-512 and ``make test-avx2``'s AVX2 settings): see each test.
+decision within one pass's rounding of switching at either run's state (the states'
+difference is accounted for by the exact gradients at each), where the runs may part; no
+count of such steps is promised. Measured (AVX-512 and ``make test-avx2``'s AVX2
+settings): see each test.
 """
 
 from __future__ import annotations
@@ -296,7 +298,13 @@ def _compare_rank1_runs(run_a: list[_Step], run_b: list[_Step]) -> dict[str, obj
                 bound = (rtol * float(network[part][name].abs().max())
                          + 2 * gamma(2) * largest)
                 worst = max(worst, float((change / bound).max()))
-        near = int(bounds.near_switch.sum())
+        # The exact gradients are taken at each run's own state, so a decision that the
+        # states' difference moves is accounted for; what is left can only come from a
+        # decision that one run's float32 pass takes otherwise than the exact pass at its
+        # own state: one within that pass's rounding of switching.
+        near = sum(int(rank1_forward_bounds(_model(x.state.weights), images, r, s, bias)
+                       .near_switch.sum())
+                   for x, r, s, bias in ((a, r_a, s_a, bias_a), (b, r_b, s_b, bias_b)))
         clear += near == 0
         if worst > 1:
             assert near > 0, (number, worst)
@@ -353,8 +361,8 @@ def test_a_mode_on_the_fast_engine_trains_as_on_torch(monkeypatch):
     """The same spec on both engines: the same noise and batches, every step within its
     rounding bound (:func:`_compare_rank1_runs`: measured, AVX-512 / AVX2 alike, the
     terms at most 0.6% of their bounds, the gradients 6.3%: a margin of 16; no step
-    parting, though all 44 have a decision within the worst-case bound of switching; a
-    kernel gradient times 1 + 1e-3 parts 41-44 steps of 44), and the
+    parting, though all 44 have a decision within one pass's worst-case bound of
+    switching, where a kernel gradient times 1 + 1e-3 parts all 44), and the
     samples are the runs' final states folded at the same draws, whose metrics agree
     within the evaluation's bounds at the samples' difference."""
     runs = _record_steps(monkeypatch)
@@ -378,10 +386,11 @@ def test_a_mode_on_the_fast_engine_trains_as_on_torch(monkeypatch):
     assert fast[0].steps == plain[0].steps == len(runs["fast"]) == len(runs["torch"]) > 0
     result = _compare_rank1_runs(runs["fast"], runs["torch"])
     print(result)
-    # Parting needs a decision that the runs actually round to different sides (most
-    # steps have one within the worst-case bound, yet none parted here), while a wrong
-    # gradient parts every step.
-    assert len(result["parting"]) <= fast[0].steps // 10, result
+    # A step may part only where a decision lies within rounding of switching
+    # (_compare_rank1_runs asserts it); how many do is not promised. At this batch every
+    # step has such a decision (result["clear"] == 0), so a wrong kernel gradient is
+    # caught by the single step on clear images (test_a_step_on_the_kernel_equals_the_
+    # torch_step), not here.
     for final, results in ((final_fast, fast), (final_plain, plain)):
         samples = rank1.sample(build("optunet"), final,
                                generator_for(checkpoint_seeds(spec.base_seed, 0).sample), 2)

@@ -18,16 +18,18 @@ which hold on any x86-64 CPU (:func:`_compare`), not by their final weights:
   explains (float64 gradients at both, with the same mask) plus ``gamma(k)`` of each
   tensor's largest entry, ``k`` the roundings on the longest path to a weight gradient
   (OptuNet at a batch of 64: 4,321, 2.6e-4; the MLP: 896, 5.3e-5), unless the step's
-  batch has a ReLU input or max-pool arg-max within rounding of switching
-  (``near_switch``), where the runs may part (rarely: a tenth of the steps at most);
+  batch has a ReLU input or max-pool arg-max within one pass's rounding of switching at
+  either run's weights (``near_switch`` without the weights' difference, which the
+  exact gradients at each run's own weights account for), where the runs may part;
+  no count of such steps is promised, and the test asserts that some steps have none;
 * the final metrics within ``evaluation_bounds`` at the final weights' difference.
 
 Measured (22 steps per checkpoint; AVX-512 / ``make test-avx2``'s AVX2 settings): the
 updates bit-identical; losses at most 0.23% / 0.22% of their bounds, gradients at most
 3.9% / 4.0% (a margin of 25); no step parting; the final weights 4.5e-8 / 3.0e-8 (OptuNet)
-and 1.8e-7 / 2.1e-7 (MLP) apart. A vectorised gradient times 1 + 1e-3 parts every step of
-the OptuNet runs (all 22 have a decision within the worst-case bound of switching) and
-exceeds the bound 19-fold at the first MLP step without one (step 7); a weight decay times
+and 1.8e-7 / 2.1e-7 (MLP) apart. Steps with a decision within rounding of switching: 14-21
+of 22 (OptuNet), 6-10 (MLP). A vectorised gradient times 1 + 1e-3 exceeds the bound 3.9-40
+fold at every run's steps without one; a weight decay times
 1 + 1e-3 changes the update's bits at the first step. Replaying the dropout masks from
 another noise seed moves the MC-dropout weights by 7e-3.
 """
@@ -207,7 +209,7 @@ def _compare(spec: ZooSpec, index: int, vector: list[_Step], reference: list[_St
     assert len(vector) == len(reference) > 0
     parting: list[int] = []
     ratios = {"loss": 0.0, "gradient": 0.0}
-    previous = None
+    previous, rounding_near = None, 0
     for number, (v, r) in enumerate(zip(vector, reference, strict=True), 1):
         assert torch.equal(v.images, r.images) and torch.equal(v.labels, r.labels), number
         assert v.lr == r.lr
@@ -240,12 +242,20 @@ def _compare(spec: ZooSpec, index: int, vector: list[_Step], reference: list[_St
             change = ((v.grads[key].double() - grad.double())
                       - (exact_v[key] - exact_r[key])).abs().max()
             worst = max(worst, float(change) / (rtol * float(exact_r[key].abs().max())))
+        # The exact gradients are taken at each run's own weights, so a decision that
+        # the weights' difference moves is accounted for; what is left can only come
+        # from a decision that one run's float32 pass takes otherwise than the exact
+        # pass at its own weights: one within that pass's rounding of switching.
+        near = sum(int(forward_bounds(_model(spec, index, weights, mask=None), r.images,
+                                      head_mask=v.mask).near_switch.sum())
+                   for weights in (v.before, r.before))
+        rounding_near += near > 0
         if worst > 1:
-            assert int(bounds.near_switch.sum()) > 0, (number, worst)
+            assert near > 0, (number, worst)
             parting.append(number)
         else:
             ratios["gradient"] = max(ratios["gradient"], worst)
-    return {"parting": parting, **ratios}
+    return {"parting": parting, "rounding_near": rounding_near, **ratios}
 
 
 @pytest.mark.parametrize("case", list(SPECS))
@@ -269,7 +279,9 @@ def test_matches_torch_engine(case, trained, data):
         result = _compare(spec, ref.index, vector_runs[m], torch_runs[m])
         print(f"{case} checkpoint {ref.index}: {result}, max |w_vec - w_torch| = "
               f"{max_difference(ref.state, vec.state):.2e}")
-        assert len(result["parting"]) <= vec.steps // 10, result
+        # The check has teeth only at steps without such a decision: some must be left
+        # (4-16 of 22 here).
+        assert result["rounding_near"] < vec.steps, result
         assert_metrics_within_bounds(vec, ref, data,
                                      model_at(spec, ref.index, ref.state).eval())
 
