@@ -13,9 +13,85 @@ Tolerances (why, in short):
 * Closed-form KL vs Monte Carlo, and the reparameterised gradient vs the analytic
   gradient of the expected loss: the Monte Carlo side is an average of independent terms
   whose standard error is known; the test allows 5 standard errors per entry.
-* Fast path vs torch path: both compute in float32 and sum in different orders; as in
-  ``test_fast_engine.py``, every tensor is compared on its own scale
-  (``|fast - torch| <= 1e-5 * max|torch|``), the loss to ``1e-5`` relative.
+* Fast path (``FastBBB``, numba) vs torch path (``bbb.elbo_and_grad``, ``bbb.update``):
+  both compute in float32 in different orders, so every comparison is bounded by an
+  error analysis that holds on any x86-64 CPU (``tests/rounding_bounds.py``: Higham's
+  ``gamma(k) = k u / (1 - k u)`` for a k-term reduction in any order, ``u = 2^-24``;
+  torch's, SLEEF's and libm's float32 exp, log and log1p within 2 ulp = 4u, numpy's
+  float32 exp 2.52 ulp by its release notes, taken as 6u), evaluated for the values at
+  hand (``_elbo_bounds``, ``_group_limits``):
+
+  - sampled weights ``w = mu + sigma eps``: ``sigma = softplus(rho)`` within 8u a side
+    (exp, then log1p, which carries exp's error at most 1:1), so the paths' weights are
+    ``2 (u |w| + 9u |sigma eps|)`` apart at most.
+  - NLL: per sample ``cross_entropy_bound`` at ``w`` with that difference (each layer's
+    ``gamma(k) |W| |x|``, the difference's ``|dW| |x|``, carried through the network; the
+    loss's own rounding), averaged over the S = 3 samples, plus ``gamma(S)`` of the mean
+    (the torch path's float32 mean).
+  - KL, Gaussian prior (closed form: float32 in torch, float64 in the fast path): 8u of
+    each term's parts (a log, two squares, a division, three sums), ``gamma(n + K)`` of
+    the terms' sum of sizes (torch's sums over tensors of up to n entries, and over the K
+    tensors), and sigma's difference: ``16u |1 - sigma^2 / p^2|`` a term. Mixture prior
+    (Monte Carlo at the same eps): log q's parts within 8u, the prior's exponents within
+    6u of their sizes a side and carried twice by logaddexp, which adds 8u and u of
+    itself, ``|d log p / dw|`` times the weights' difference, and the sums' ``gamma``.
+  - loss ``nll + kl_weight kl``: the two bounds, plus 4u of the loss and 2u of
+    ``kl_weight |kl|``.
+  - gradients, elementwise: each sample's NLL gradient within ``gamma(k + 10)`` of its
+    tensor's largest entry (``gradient_rtol``'s k roundings on the longest path, 10 more
+    for the sampled weight), times ``|eps|`` for rho; the KL's part (``kl_weight mu /
+    p^2`` and ``kl_weight (sigma / p^2 - 1 / sigma)``, or the prior's gradient in w and
+    ``-kl_weight / sigma``) within 12-20u of its size plus its change over the sigmas'
+    and weights' differences; combining the S samples with the KL's part ``2 gamma(S +
+    3)`` of the terms' sizes; softplus' derivative and its product 16u (both sides).
+  - the optimiser's step from the same values and buffers, elementwise: SGD carries the
+    gradients' difference d linearly (Nesterov: buffer ``d`` plus its product and sum,
+    step ``lr (d + m d_buffer)``), plus each side's roundings of the buffer, the direction
+    and the value. Adam normalises the gradient, which amplifies a difference where the
+    second moment is tiny (up to ``lr / eps``, eps = 1e-8): the bound takes the largest
+    slope of ``lr m_hat / (sqrt(v_hat) + eps)`` in the gradient over the gradients within
+    d of torch's (the smallest denominator, the largest first moment), capped at ``2 lr
+    K_t`` (no Adam step moves an entry by more than ``lr K_t``, by Cauchy-Schwarz over the
+    gradients' history: ``K_1 = 1``; the cap applies to at most 3.3% of a tensor's
+    entries here: means whose gradient lies within its bound of 0), plus 16u of the step
+    and one rounding of the value a side; the moments ``(1 - beta1) d`` and ``(1 - beta2)
+    (2 |g| d + d^2)`` plus their roundings.
+
+  Each step is compared from the same state and noise (teacher forcing: the torch path's
+  values and buffers are copied into the fast path's arrays before each step, its
+  bookkeeping of optimisers and steps staying its own). After a step from different
+  states the gradients would differ by the Hessian times the states' difference too,
+  which no rounding bound covers, and Adam would amplify that where the second moment is
+  tiny. Examples with a ReLU input or max-pool arg-max within its bound of switching at
+  any of the step's sampled weights (up to 8 of 64 here) are left out of the batch:
+  another implementation may route their gradients differently.
+
+  Measured, observed / bound at most over the 16 cases' four steps (AVX-512 host; the
+  AVX2 settings of ``make test-avx2``): loss 0.62% / 0.62%, NLL 0.77% / 0.58%, KL 0.57% /
+  0.57%, dmu 0.76% / 0.76%, drho 4.9% / 4.9%, optimiser buffers 4.2% / 4.2%, mu 31% /
+  22% and rho 42% / 41% (a single rounding of the result, one ulp, against the bound's
+  few). A wrong formula exceeds the bounds by far (one step, each case): the KL without
+  its -1/2 a weight by 500-7,700 times its bound (the loss by 40-70 times), dmu without
+  the KL's gradient by 14-1,750 times (each tensor's largest entry), drho without
+  softplus' derivative by 10^6, Adam without its bias correction by 170-4,000 times and
+  plain momentum in place of Nesterov's (on the means) by 70-1,750 times (each tensor's
+  median entry). With its own learning rate or Adam, rho moves by more than 100 times the
+  sum of its bounds over the steps in over 99% of its entries.
+* The fast path's loss on its own (the same weights): ``cross_entropy_bound``; measured
+  equal, on the host and with the AVX2 settings.
+* Whole runs (two epochs, 44 steps, of each engine): a run cannot be bounded step by
+  step from its record, and two float32 runs may part at a decision within rounding of
+  switching (``test_fast_engine`` measured such steps in 3 of 20 digits runs): the values
+  the runs produce may legitimately differ bit for bit between CPUs. The bookkeeping is
+  compared exactly; the values within 1e-3 of themselves (``RUN_RTOL``), a tolerance
+  for what the record is for rather than for rounding: moving every mean by 6e-4 at the
+  start (more than a switched decision can change a step: the largest example's
+  gradient at the start, 0.91, times lr / B = 0.04 / 64) moves every record value by at
+  most 3.8e-5 of itself (26 times below the tolerance), while the record's wiring
+  faults move them by 39% or more (the loss logged as the NLL: 50%; the start's sigma
+  as the end's: 39%; rho's learning-rate factor lost: 4 times rho's change). Measured:
+  the records agree to 2.4e-8 (host) and 2.8e-8 (AVX2 settings) of themselves, sigma's
+  and rho's bit for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +103,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from rounding_bounds import U32, U64, cross_entropy_bound, forward_bounds, gamma, gradient_terms
 from torch import nn
 
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
@@ -44,8 +121,6 @@ from train_zoo.methods.common import logits, mean_nll
 from train_zoo.programs import train_bbb
 from train_zoo.recipes import get_recipe
 from train_zoo.torch_engine import initial_model
-
-RTOL = 1e-5  # of each tensor's largest |entry|; see the module docstring
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -124,7 +199,7 @@ def test_known_answer_with_adam_from_the_paper_initialisation():
     for optimizer, lr0, samples in (("adam", 0.05, 16), ("sgd", 0.05, 4)):
         state = bbb.init(model, _generator(1), prior_sigma=problem["prior_sigma"],
                          elbo_samples=samples, mean_std=1.0)
-        assert float(state.sigma["weight"].max()) < 1e-3
+        assert float(state.sigma["weight"].max()) < 1e-3   # softplus(-7) = 9.1e-4
         noise = _generator(2)
         steps, means, rhos = 800, [], []
         for i in range(steps):  # constant for 30% of the steps, then down to 1% of lr0
@@ -163,19 +238,23 @@ def test_closed_form_kl_matches_monte_carlo():
         torch.distributions.Normal(state.mu[k], state.sigma[k]),
         torch.distributions.Normal(torch.zeros_like(state.mu[k]),
                                    torch.full_like(state.mu[k], 0.3))).sum() for k in state.mu)
-    assert float(reference) == pytest.approx(exact, rel=1e-12)
+    assert float(reference) == pytest.approx(exact, rel=1e-12)   # float64, 18 terms
 
 
 def test_mixture_prior_with_equal_scales_is_the_gaussian_prior():
-    model = nn.Linear(4, 2)
+    """In float64: each of the 10 log densities (about 0.6 nats, none cancelling) is within
+    a few dozen roundings of 2^-53 of its terms' size (under 4 nats) in either form, so the
+    totals agree to about 1e-14 of themselves; rel=1e-12 leaves a margin of 100."""
+    model = nn.Linear(4, 2, dtype=torch.float64)
     gaussian = bbb.init(model, _generator(4), prior_sigma=0.2)
     mixture = bbb.init(model, _generator(4), prior_sigma=0.2, prior_sigma2=0.2, prior_pi=0.3)
     weights = bbb.sample_weights(gaussian, bbb.draw_noise(gaussian.rho, _generator(5), 1)[0])
     assert float(bbb.log_prior(mixture, weights)) == pytest.approx(
-        float(bbb.log_prior(gaussian, weights)), rel=1e-6)
-    expected = sum(torch.distributions.Normal(0.0, 0.2).log_prob(w).sum()
-                   for w in weights.values())
-    assert float(bbb.log_prior(gaussian, weights)) == pytest.approx(float(expected), rel=1e-6)
+        float(bbb.log_prior(gaussian, weights)), rel=1e-12)
+    normal = torch.distributions.Normal(torch.tensor(0.0, dtype=torch.float64),
+                                        torch.tensor(0.2, dtype=torch.float64))
+    expected = sum(normal.log_prob(w).sum() for w in weights.values())
+    assert float(bbb.log_prior(gaussian, weights)) == pytest.approx(float(expected), rel=1e-12)
 
 
 # ---------------------------------------------------------------- the reparameterised gradient
@@ -195,7 +274,9 @@ def _quadratic(model: nn.Module):
 
 
 def test_reparameterised_gradient_for_given_noise():
-    """For fixed eps the estimator is mean_s dnll/dw (w_s) (times eps_s sigmoid(rho))."""
+    """For fixed eps the estimator is mean_s dnll/dw (w_s) (times eps_s sigmoid(rho)):
+    float64 on both sides, the same terms in another order (1e-12: thousands of
+    roundings of 2^-53)."""
     model = nn.Linear(3, 2, dtype=torch.float64)
     a, c, nll = _quadratic(model)
     state = bbb.init(model, _generator(7), mean_std=0.5, rho_linear=-1.0, kl_weight=0.0)
@@ -248,6 +329,9 @@ def test_init_statistics_by_layer_type():
     model = build("optunet")
     state = bbb.init(model, _generator(11))
     assert list(state.mu) == list(state.rho) == [k for k, _ in model.named_parameters()]
+    # Sample means and standard deviations (fixed seed), each allowed 4-5 standard errors
+    # of its count: 392 means, 282 conv and 110 linear rho, 10 biases (ResNet's layers:
+    # 9 or more).
     mu = torch.cat([v.reshape(-1) for v in state.mu.values()])
     assert abs(float(mu.mean())) < 0.02 and abs(float(mu.std()) - 0.1) < 0.015
     conv = torch.cat([state.rho["conv1.weight"].reshape(-1),
@@ -303,7 +387,8 @@ def test_sample_distribution_is_q():
     draws = bbb.sample(model, state, _generator(17), 400)
     z = torch.stack([torch.cat([(d[k] - state.mu[k]).reshape(-1) / state.sigma[k].reshape(-1)
                                 for k in state.mu]) for d in draws])
-    assert abs(float(z.mean())) < 0.01 and abs(float(z.std()) - 1) < 0.01  # 156,800 values
+    # 156,800 values: standard errors 0.0025 (mean) and 0.0018 (std)
+    assert abs(float(z.mean())) < 0.01 and abs(float(z.std()) - 1) < 0.01
 
 
 def test_point_estimates_are_trained_without_noise():
@@ -405,6 +490,9 @@ def test_elbo_terms_are_the_loss_parts():
                   for eps in noise) / 3
         kl = float(bbb.kl_divergence(state) if not prior else bbb.kl_estimate(state, noise))
         assert terms.kl_weight == 1 / 1000
+        # the same float32 operations on the same values but the mean over the three
+        # samples (and the loss's sum), which the test takes in float64: 3u to 6u of the
+        # values; 1e-6 is 17u
         assert float(terms.nll) == pytest.approx(nll, rel=1e-6)
         assert float(terms.kl) == pytest.approx(kl, rel=1e-6)
         assert float(terms.loss) == pytest.approx(nll + kl / 1000, rel=1e-6)
@@ -413,15 +501,328 @@ def test_elbo_terms_are_the_loss_parts():
 
 
 # ---------------------------------------------------------------- the fast path
+#: Elementary functions in float32 (the module docstring): torch's, SLEEF's and libm's
+#: exp, log and log1p are within 2 ulp (4u) of exact; softplus ``log1p(exp(rho))``
+#: carries exp's error at most 1:1 (log1p's condition number ``z / ((1 + z) log1p(z))``
+#: is at most 1) and adds its own: sigma within 8u a side.
+LIBM = 4 * U32
+SOFTPLUS = 2 * LIBM
+#: softplus' derivative ``z / (1 + z)`` (``z = exp(rho)``) times the gradient: torch's
+#: (exp 4u and three operations) and the fast path's (numpy's float32 exp, 2.52 ulp by
+#: its release notes, taken as 6u, and three operations) together.
+SIGMOID_PAIR = 16 * U32
+#: A sampled weight ``mu + sigma eps`` is within ``u |w| + (u + SOFTPLUS) |sigma eps|``
+#: of exact a side (the product, the sum, softplus): counted as 10 more roundings on a
+#: gradient's path (sigma |eps| ~ 1e-3 is below |w| ~ 0.1 for all but a few weights).
+WEIGHT_ROUNDINGS = 10
+HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+
+
 def _batch(seed: int, count: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     g = _generator(seed)
     return torch.randn(count, 1, 28, 28, generator=g), torch.randint(0, 10, (count,), generator=g)
 
 
-def _close(fast: torch.Tensor | np.ndarray, reference: torch.Tensor, what: str) -> None:
-    fast = torch.as_tensor(fast)
-    scale = float(reference.abs().max())
-    assert float((fast - reference).abs().max()) <= RTOL * scale, what
+def _peek_noise(state: bbb.BBBState, generator: torch.Generator) -> list[dict]:
+    """The noise the next step draws from ``generator``, without consuming it."""
+    twin = torch.Generator().set_state(generator.get_state())
+    return bbb.draw_noise(state.rho, twin, state.options.elbo_samples)
+
+
+def _net(architecture: str, weights: dict[str, torch.Tensor]) -> nn.Module:
+    net = build(architecture)
+    net.load_state_dict({key: value.detach() for key, value in weights.items()})
+    return net
+
+
+def _weight_error(state: bbb.BBBState, eps: dict, weights: dict) -> dict:
+    """``|w_fast - w_torch|`` elementwise (float64): each side within ``u |w| + (u +
+    SOFTPLUS) |sigma eps|`` of the exact ``mu + sigma eps``."""
+    return {key: 2 * (U32 * weights[key].double().abs() + (U32 + SOFTPLUS)
+                      * (state.sigma[key].double() * eps[key].double()).abs())
+            for key in weights}
+
+
+def _clear_examples(architecture: str, state: bbb.BBBState, noise: list[dict],
+                    images: torch.Tensor) -> torch.Tensor:
+    """The examples (a mask) without a ReLU input or max-pool arg-max within its bound of
+    switching at any of the step's sampled weights (``near_switch``, the weights' own
+    difference included): another implementation may route the others' gradients
+    differently."""
+    clear = torch.ones(len(images), dtype=torch.bool)
+    for eps in noise:
+        weights = bbb.sample_weights(state, eps)
+        bounds = forward_bounds(_net(architecture, weights), images,
+                                _weight_error(state, eps, weights))
+        clear &= bounds.near_switch == 0
+    return clear
+
+
+def _mixture_terms(weights: dict[str, torch.Tensor], opts: bbb.BBBOptions) -> dict:
+    """Per weight, in float64: the mixture prior's ``log p`` (``lse`` of the components'
+    exponents ``a``, ``b``), ``d log p / dw``, a bound on its second derivative, the
+    exponents' scale (``|a|``'s and ``|b|``'s parts' sizes, summed) and how much the
+    responsibility's error moves ``d log p / dw`` per nat of ``a - b``."""
+    s1, s2, pi = opts.prior_sigma, opts.prior_sigma2, opts.prior_pi
+    terms = {}
+    for key, value in weights.items():
+        w = value.double()
+        a = -w * w / (2 * s1 * s1) - math.log(s1) - HALF_LOG_2PI + math.log(pi)
+        b = -w * w / (2 * s2 * s2) - math.log(s2) - HALF_LOG_2PI + math.log1p(-pi)
+        lse = torch.logaddexp(a, b)
+        r1 = torch.exp(a - lse)
+        split = r1 * (1 - r1) * w.abs() * abs(1 / s1 ** 2 - 1 / s2 ** 2)
+        terms[key] = {
+            "log_p": lse, "dlogp": -w * (r1 / s1 ** 2 + (1 - r1) / s2 ** 2),
+            "second": (max(1 / s1 ** 2, 1 / s2 ** 2) + split * w.abs()
+                       * abs(1 / s1 ** 2 - 1 / s2 ** 2)),
+            "scale": (w * w / (2 * s1 * s1) + w * w / (2 * s2 * s2) + abs(math.log(s1))
+                      + abs(math.log(s2)) + 2 * HALF_LOG_2PI + abs(math.log(pi))
+                      + abs(math.log1p(-pi))),
+            "split": split}
+    return terms
+
+
+@dataclasses.dataclass
+class _StepBounds:
+    """Bounds on ``|fast - torch|`` of one ELBO evaluation from the same state and noise:
+    the loss and its terms, and the gradients elementwise (``{key: float64 tensor}``)."""
+
+    loss: float
+    nll: float
+    kl: float
+    dmu: dict
+    drho: dict
+
+
+def _elbo_bounds(architecture: str, state: bbb.BBBState, images: torch.Tensor,
+                 labels: torch.Tensor, noise: list[dict], num_data: int) -> _StepBounds:
+    """How far the fast path's loss, terms and gradients may be from the torch path's on
+    one batch, both from ``state`` with ``noise`` (the module docstring's derivation)."""
+    opts = state.options
+    kw, count = opts.kl_weight_for(num_data), len(noise)
+    sigma = {key: value.double() for key, value in state.sigma.items()}
+    mu = {key: value.double() for key, value in state.mu.items()}
+    zeros = {key: torch.zeros_like(value) for key, value in mu.items()}
+    # sums over the samples of the gradients' differences and of their terms' sizes
+    diff_mu, diff_rho, size_mu, size_rho = dict(zeros), dict(zeros), dict(zeros), dict(zeros)
+    nll_bound, nll_values = 0.0, []
+    kl_error, kl_size = 0.0, 0.0    # the Monte Carlo KL's (mixture prior)
+    for eps in noise:
+        weights = bbb.sample_weights(state, eps)
+        error = _weight_error(state, eps, weights)
+        net = _net(architecture, weights)
+        nll_bound += cross_entropy_bound(net, images, error)
+        loss = nn.functional.cross_entropy(net(images), labels)
+        nll_values.append(float(loss.detach()))
+        grads = dict(zip([key for key, _ in net.named_parameters()],
+                         torch.autograd.grad(loss, list(net.parameters())), strict=True))
+        rtol = gamma(gradient_terms(net, images) + WEIGHT_ROUNDINGS)
+        prior = None if opts.closed_form_kl else _mixture_terms(weights, opts)
+        for key in mu:
+            g, e = grads[key].double(), eps[key].double()
+            diff = torch.full_like(g, rtol * float(g.abs().max()))
+            size = g.abs()
+            if prior is not None:
+                p = prior[key]
+                # kw d log p / dw in the gradient: its change over the weights' error, the
+                # responsibility's (a, b and lse within 18u of their scale a side), and
+                # 20u of itself (both sides' roundings)
+                diff = diff + kw * (p["second"] * error[key] + p["split"] * 36 * U32
+                                    * p["scale"] + 20 * U32 * p["dlogp"].abs())
+                size = size + kw * p["dlogp"].abs()
+                # log q - log p: log q's three terms within 8u of their sizes; log p
+                # carries its exponents' errors (6u of their scale a side) twice and adds
+                # 8u and u of itself; the fast side's weights and sigma (2 SOFTPLUS) differ
+                log_q = -sigma[key].log() - 0.5 * e * e - HALF_LOG_2PI
+                size_q = sigma[key].log().abs() + 0.5 * e * e + HALF_LOG_2PI
+                kl_error += float((8 * U32 * size_q + 12 * U32 * p["scale"] + 8 * U32
+                                   + U32 * p["log_p"].abs() + 2 * SOFTPLUS
+                                   + p["dlogp"].abs() * error[key]).sum())
+                kl_size += float(log_q.abs().sum() + p["log_p"].abs().sum())
+            diff_mu[key] = diff_mu[key] + diff
+            diff_rho[key] = diff_rho[key] + diff * e.abs()
+            size_mu[key] = size_mu[key] + size
+            size_rho[key] = size_rho[key] + size * e.abs()
+    largest, tensors = max(value.numel() for value in mu.values()), len(mu)
+    params = sum(value.numel() for value in mu.values())
+    nll_mean = sum(nll_values) / count
+    nll = nll_bound / count + 2 * gamma(count) * nll_mean
+    if opts.closed_form_kl:
+        p = opts.prior_sigma
+        terms = [math.log(p) - s.log() + (s * s + mu[k] ** 2) / (2 * p * p) - 0.5
+                 for k, s in sigma.items()]
+        sizes = [abs(math.log(p)) + s.log().abs() + (s * s + mu[k] ** 2) / (2 * p * p) + 0.5
+                 for k, s in sigma.items()]
+        kl_value = float(sum(t.sum() for t in terms))
+        # torch: 8u of each term's parts' sizes, gamma(n + K) of the terms' for the sums;
+        # the fast side's (float64) sigma 2 SOFTPLUS apart: |d t / d sigma| sigma =
+        # |1 - sigma^2 / p^2|
+        kl = (8 * U32 * sum(float(a.sum()) for a in sizes)
+              + gamma(largest + tensors) * sum(float(t.abs().sum()) for t in terms)
+              + 2 * SOFTPLUS * sum(float((1 - s * s / p ** 2).abs().sum())
+                                   for s in sigma.values())
+              + gamma(params, U64) * sum(float(a.sum()) for a in sizes))
+    else:
+        kl_value = kl_size / count   # a bound on |kl|: enough for the loss's roundings
+        kl = (kl_error / count + gamma(largest + tensors + count + 1) * kl_size / count
+              + gamma(2 * params, U64) * kl_size / count)
+    loss = (nll + kw * kl + 2 * U32 * kw * abs(kl_value)
+            + 4 * U32 * (nll_mean + kw * abs(kl_value)))
+    dmu, drho = {}, {}
+    combine = 2 * gamma(count + 3)   # the S samples, the KL's part and 1 / S; both sides
+    for key in mu:
+        s, slope = sigma[key], torch.sigmoid(state.rho[key].double())
+        if opts.closed_form_kl:
+            p2 = opts.prior_sigma ** 2
+            kl_mu = kw * mu[key].abs() / p2
+            kl_sigma = kw * (s / p2 + 1 / s)   # the parts of kw (sigma / p^2 - 1 / sigma)
+            kl_mu_error, kl_sigma_error = 12 * U32 * kl_mu, (2 * SOFTPLUS + 8 * U32) * kl_sigma
+        else:
+            kl_mu = kl_mu_error = torch.zeros_like(s)
+            kl_sigma = kw / s
+            kl_sigma_error = (2 * SOFTPLUS + 4 * U32) * kl_sigma
+        dmu[key] = diff_mu[key] / count + kl_mu_error + combine * (size_mu[key] / count + kl_mu)
+        drho[key] = slope * (diff_rho[key] / count + kl_sigma_error
+                             + (combine + SIGMOID_PAIR) * (size_rho[key] / count + kl_sigma))
+    return _StepBounds(loss, nll, kl, dmu, drho)
+
+
+def _adam_reach(steps: int) -> float:
+    """The largest ``|m_hat| / (sqrt(v_hat) + eps)`` Adam's moments of any gradients can
+    give at step ``steps`` (Cauchy-Schwarz over the history): an Adam step moves an
+    entry by at most ``lr`` times this (1 at the first step)."""
+    beta1, beta2 = bbb.ADAM_BETAS
+    history = sum((beta1 ** 2 / beta2) ** j for j in range(steps))
+    return ((1 - beta1) / (1 - beta1 ** steps) * math.sqrt((1 - beta2 ** steps) / (1 - beta2))
+            * math.sqrt(history))
+
+
+def _group_limits(kind: str, lr: float, values: dict, buffers, grads: dict, diff: dict,
+                  momentum: float = 0.0, nesterov: bool = False) -> dict[str, dict]:
+    """Elementwise bounds on ``|fast - torch|`` of one group's values and buffers after a
+    step from the same values and buffers, the gradients ``diff`` apart (the module
+    docstring: SGD carries the difference linearly, Adam through its derivative in the
+    gradient, at most ``2 lr`` times :func:`_adam_reach`)."""
+    limits: dict[str, dict] = {"value": {}, "first": {}, "second": {}}
+    for key, value in values.items():
+        theta, g, d = value.double(), grads[key].double(), diff[key]
+        old = None if buffers is None else buffers.first[key].double()
+        if kind == "adam":
+            beta1, beta2 = bbb.ADAM_BETAS
+            steps = (0 if buffers is None else buffers.steps) + 1
+            m_old = torch.zeros_like(theta) if old is None else old
+            v_old = torch.zeros_like(theta) if old is None else buffers.second[key].double()
+            bc1, bc2 = 1 - beta1 ** steps, math.sqrt(1 - beta2 ** steps)
+            # over the gradients within d of torch's: the smallest denominator, the largest
+            # first moment, and so the steepest slope of the step in the gradient
+            low = ((beta2 * v_old + (1 - beta2) * (g.abs() - d).clamp(min=0) ** 2).sqrt() / bc2
+                   + bbb.ADAM_EPS)
+            high = beta1 * m_old.abs() + (1 - beta1) * (g.abs() + d)
+            slope = lr / bc1 * ((1 - beta1) / low + high * math.sqrt(1 - beta2) / (bc2 * low ** 2))
+            reach = lr * _adam_reach(steps)
+            # each side's float32 step within 16u of its size (lerp, the second moment,
+            # sqrt, the corrections, eps, addcdiv), and one rounding of the sum
+            limits["value"][key] = (torch.clamp(d * slope, max=2 * reach) + 32 * U32 * reach
+                                    + 2 * U32 * (theta.abs() + reach))
+            limits["first"][key] = (1 - beta1) * d + 6 * U32 * (m_old.abs() + g.abs())
+            limits["second"][key] = ((1 - beta2) * (2 * g.abs() * d + d * d)
+                                     + 8 * U32 * (beta2 * v_old + (1 - beta2) * g * g))
+            continue
+        direction, d_direction = g, d
+        if momentum:
+            buf, d_buf = g, d          # the first step copies the gradient
+            if old is not None:        # b = m b + g: a product and a sum a side
+                buf = momentum * old + g
+                d_buf = d + 2 * U32 * (momentum * old.abs() + buf.abs())
+            limits["first"][key] = d_buf
+            direction, d_direction = buf, d_buf
+            if nesterov:               # g + m b: a product and a sum a side
+                direction = g + momentum * buf
+                d_direction = (d + momentum * d_buf
+                               + 2 * U32 * (momentum * buf.abs() + direction.abs()))
+        # value - lr direction: lr's float32 rounding, the product and the sum a side
+        limits["value"][key] = (lr * d_direction + 2 * U32 * (2 * lr * direction.abs()
+                                                             + (theta - lr * direction).abs()))
+    return limits
+
+
+def _step_limits(state: bbb.BBBState, grads: bbb.BBBGrads, bounds: _StepBounds, lr: float,
+                 rho_lr: float | None = None, *, momentum: float = 0.0,
+                 nesterov: bool = False, optimizer: str = "sgd",
+                 rho_optimizer: str | None = None) -> dict[str, dict]:
+    """:func:`_group_limits` for the means and for rho (``bbb.update``'s arguments)."""
+    return {"mu": _group_limits(optimizer, lr, state.mu, state.mu_buffers, grads.mu,
+                                bounds.dmu, momentum, nesterov),
+            "rho": _group_limits(rho_optimizer or optimizer, lr if rho_lr is None else rho_lr,
+                                 state.rho, state.rho_buffers, grads.rho, bounds.drho,
+                                 momentum, nesterov)}
+
+
+def _within(fast: torch.Tensor | np.ndarray, reference: torch.Tensor,
+            bound: torch.Tensor | float, what: str) -> float:
+    """``|fast - reference| <= bound`` elementwise; returns the largest ratio."""
+    gap = (torch.as_tensor(np.asarray(fast)).double() - reference.double()).abs()
+    ratio = float((gap / torch.as_tensor(bound, dtype=torch.float64)).max())
+    assert ratio <= 1, (what, ratio)
+    return ratio
+
+
+def _teacher_force(fast: FastBBB, state: bbb.BBBState) -> None:
+    """The torch path's means, rho and buffer values into ``fast``'s arrays, in place;
+    its bookkeeping (which optimiser's buffers, how many steps) stays its own."""
+    def flat(values: dict) -> np.ndarray:
+        return torch.cat([values[key].reshape(-1) for key in fast.layout.keys]).numpy()
+
+    fast.mu[:], fast.rho[:] = flat(state.mu), flat(state.rho)
+    for part, buffers in ((slice(0, fast.size), state.mu_buffers),
+                          (slice(fast.size, 2 * fast.size), state.rho_buffers)):
+        if buffers is not None and buffers.kind == "sgd":
+            fast.momentum_buffer[part] = flat(buffers.first)
+        elif buffers is not None:
+            fast.adam_first[part], fast.adam_second[part] = (flat(buffers.first),
+                                                             flat(buffers.second))
+
+
+def _compare_step(fast: FastBBB, layout, terms, grads,
+                  bounds: _StepBounds, fast_loss: float, expected: bbb.BBBState,
+                  limits: dict, what: str) -> dict[str, float]:
+    """One step's loss, terms, gradients, buffers and values of the fast path against
+    the torch path's (``terms``, ``grads``, ``expected``) within their bounds; returns
+    the largest ratio of each kind."""
+    size = layout.num_params
+    ratios = {"loss": abs(fast_loss - float(terms.loss)) / bounds.loss,
+              "nll": abs(fast.nll - float(terms.nll)) / bounds.nll,
+              "kl": abs(fast.kl - float(terms.kl)) / bounds.kl}
+    for kind, ratio in ratios.items():
+        assert ratio <= 1, (what, kind, ratio)
+    ratios["dmu"] = max(_within(value, grads.mu[key], bounds.dmu[key], f"{what} dmu {key}")
+                        for key, value in layout.views(fast.grad[:size]).items())
+    ratios["drho"] = max(_within(value, grads.rho[key], bounds.drho[key],
+                                 f"{what} drho {key}")
+                         for key, value in layout.views(fast.grad[size:]).items())
+    after = fast.state()
+    ratios["buffers"] = 0.0
+    for group in ("mu", "rho"):
+        ours, reference = getattr(after, f"{group}_buffers"), getattr(expected,
+                                                                       f"{group}_buffers")
+        assert (ours.kind, ours.steps) == (reference.kind, reference.steps)
+        for key in reference.first:
+            ratios["buffers"] = max(
+                ratios["buffers"],
+                _within(ours.first[key], reference.first[key], limits[group]["first"][key],
+                        f"{what} {group} buffer {key}"))
+            if reference.second is not None:
+                ratios["buffers"] = max(
+                    ratios["buffers"],
+                    _within(ours.second[key], reference.second[key],
+                            limits[group]["second"][key], f"{what} {group} second {key}"))
+    ratios["mu"] = max(_within(after.mu[key], expected.mu[key], limits["mu"]["value"][key],
+                               f"{what} mu {key}") for key in expected.mu)
+    ratios["rho"] = max(_within(after.rho[key], expected.rho[key],
+                                limits["rho"]["value"][key], f"{what} rho {key}")
+                        for key in expected.rho)
+    return ratios
 
 
 #: Optimiser settings both engines must step alike: the paper's SGD with the recipe's
@@ -434,11 +835,14 @@ STEPPING = {
                  "rho_factor": 0.25},
 }
 
-
 @pytest.mark.parametrize("stepping", list(STEPPING))
 @pytest.mark.parametrize("prior", [{}, {"prior_pi": 0.5, "prior_sigma2": 0.002}])
 @pytest.mark.parametrize("architecture", ["optunet", "optunet-v1"])
 def test_fast_step_equals_torch_step(prior, architecture, stepping):
+    """Each of three steps, and a fourth from a state built anew, of the fast path against
+    the torch path's from the same state and noise (teacher forcing: the torch path's
+    state is copied into the fast path's arrays before each step; the module docstring
+    says why), within the bounds derived in the module docstring."""
     settings = dict(STEPPING[stepping])
     rho_factor = settings.pop("rho_factor", None)
     model = build(architecture)
@@ -446,61 +850,59 @@ def test_fast_step_equals_torch_step(prior, architecture, stepping):
     state = initial = bbb.init(model, _generator(25), **prior)
     fast = FastBBB(layout, state)
     torch_noise, fast_noise = _generator(26), _generator(26)
-    size = layout.num_params
+    rho_bound = {key: torch.zeros_like(value, dtype=torch.float64)
+                 for key, value in state.rho.items()}
     for i, lr in enumerate([0.04, 0.02, 0.02]):
         if settings.get("optimizer") == "adam":
             lr /= 40  # an Adam step moves every entry by about lr
         rho_lr = None if rho_factor is None else lr * rho_factor
+        _teacher_force(fast, state)
         images, labels = _batch(27 + i)
+        noise = _peek_noise(state, torch_noise)
+        clear = _clear_examples(architecture, state, noise, images)
+        images, labels = images[clear], labels[clear]
+        bounds = _elbo_bounds(architecture, state, images, labels, noise, 60000)
         terms, grads = bbb.elbo_and_grad(state, model, {}, (images, labels), torch_noise,
                                          60000)
         x = np.ascontiguousarray(images.permute(1, 2, 3, 0).numpy())
         fast_loss = fast.step(x, labels.numpy(), fast_noise, 60000, lr, rho_lr=rho_lr,
                               **settings)
-        assert fast_loss == pytest.approx(float(terms.loss), rel=RTOL)
-        assert fast.nll == pytest.approx(float(terms.nll), rel=RTOL)
-        assert fast.kl == pytest.approx(float(terms.kl), rel=RTOL)
-        for key, value in layout.views(fast.grad[:size]).items():
-            _close(value, grads.mu[key], f"step {i} dmu {key}")
-        for key, value in layout.views(fast.grad[size:]).items():
-            _close(value, grads.rho[key], f"step {i} drho {key}")
-        state = bbb.update(state, grads, lr, rho_lr=rho_lr, **settings)
-        after = fast.state()
-        for group in ("mu_buffers", "rho_buffers"):
-            ours, reference = getattr(after, group), getattr(state, group)
-            assert (ours.kind, ours.steps) == (reference.kind, reference.steps)
-            assert reference.steps == i + 1
-            for key in reference.first:
-                _close(ours.first[key], reference.first[key], f"step {i} {group} {key}")
-                if reference.second is not None:
-                    _close(ours.second[key], reference.second[key],
-                           f"step {i} {group} second {key}")
-        for key in state.mu:
-            _close(after.mu[key], state.mu[key], f"step {i} mu {key}")
-            _close(after.rho[key], state.rho[key], f"step {i} rho {key}")
+        expected = bbb.update(state, grads, lr, rho_lr=rho_lr, **settings)
+        limits = _step_limits(state, grads, bounds, lr, rho_lr, **settings)
+        assert expected.rho_buffers.steps == i + 1
+        _compare_step(fast, layout, terms, grads, bounds, fast_loss, expected, limits,
+                      f"step {i}")
+        for key in rho_bound:
+            rho_bound[key] += limits["rho"]["value"][key]
+        state = expected
         # Both consumed the generator alike.
         assert torch.equal(torch.randn(3, generator=torch_noise),
                            torch.randn(3, generator=fast_noise))
-    # With its own learning rate or Adam, rho's steps are far above the comparison's
-    # tolerance (|rho| ~ 7); the paper's SGD moves it by ~1e-5 (the module docstring).
-    moved = max(float((state.rho[k] - initial.rho[k]).abs().max()) for k in state.rho)
-    assert moved > (0 if stepping == "sgd" else 100 * RTOL * 8), moved
+    # With its own learning rate or Adam, rho moves by more than 100 times the sum of its
+    # steps' bounds in over 90% of its entries (measured: over 99%), so a wrong update of
+    # rho shows; the paper's SGD moves it by ~1e-5, within the bounds' roundings of |rho|.
+    moved = {key: (state.rho[key] - initial.rho[key]).abs().double() for key in state.rho}
+    beyond = (sum(int((moved[key] > 100 * rho_bound[key]).sum()) for key in moved)
+              / sum(value.numel() for value in moved.values()))
+    if stepping != "sgd":
+        assert beyond > 0.9, beyond
     # The state carries over: a FastBBB built from the torch state takes the next step
     # as the torch path does.
     images, labels = _batch(40)
+    noise = _peek_noise(state, _generator(41))
+    clear = _clear_examples(architecture, state, noise, images)
+    images, labels = images[clear], labels[clear]
     resumed = FastBBB(layout, state)
     rho_lr = None if rho_factor is None else 0.001 * rho_factor
-    _, grads = bbb.elbo_and_grad(state, model, {}, (images, labels), _generator(41), 60000)
-    resumed.step(np.ascontiguousarray(images.permute(1, 2, 3, 0).numpy()), labels.numpy(),
-                 _generator(41), 60000, 0.001, rho_lr=rho_lr, **settings)
+    bounds = _elbo_bounds(architecture, state, images, labels, noise, 60000)
+    terms, grads = bbb.elbo_and_grad(state, model, {}, (images, labels), _generator(41), 60000)
+    fast_loss = resumed.step(np.ascontiguousarray(images.permute(1, 2, 3, 0).numpy()),
+                             labels.numpy(), _generator(41), 60000, 0.001, rho_lr=rho_lr,
+                             **settings)
     expected = bbb.update(state, grads, 0.001, rho_lr=rho_lr, **settings)
-    after = resumed.state()
-    assert after.rho_buffers.steps == expected.rho_buffers.steps == 4
-    for key in state.mu:
-        _close(after.mu[key], expected.mu[key], f"resumed mu {key}")
-        _close(after.rho[key], expected.rho[key], f"resumed rho {key}")
-        _close(after.rho_buffers.first[key], expected.rho_buffers.first[key],
-               f"resumed buffer {key}")
+    assert resumed.state().rho_buffers.steps == expected.rho_buffers.steps == 4
+    _compare_step(resumed, layout, terms, grads, bounds, fast_loss, expected,
+                  _step_limits(state, grads, bounds, 0.001, rho_lr, **settings), "resumed")
 
 
 def test_fast_arrays_are_live_views_of_the_means():
@@ -535,7 +937,8 @@ def test_fast_path_refuses_what_it_cannot_run():
                                         labels.numpy())
     with torch.no_grad():
         reference = mean_nll(optunet, dict(optunet.named_parameters()), {}, (x, labels))
-    assert loss == pytest.approx(float(reference), rel=RTOL)
+    # the same weights: the forward pass's bound carried by the loss, and its rounding
+    assert abs(loss - float(reference)) <= cross_entropy_bound(optunet, x)
     assert gradient.shape == (layout.num_params,)
 
 
@@ -611,9 +1014,10 @@ def test_the_schedule_keeps_the_recipe_shape():
     assert paper.schedule(recipe.learning_rate, recipe.lr) == recipe.learning_rate  # itself
     adam = bbb.BBBTraining("adam", 2e-3, "adam", 1e-2)
     schedule = adam.schedule(recipe.learning_rate, recipe.lr)
+    # float64 products and quotients of the rates: a rounding or two of 2^-53
     assert [schedule(e) for e in (0, 14, 15, 29, 30, 59)] == pytest.approx(
         [2e-3, 2e-3, 1e-3, 1e-3, 5e-4, 5e-4], rel=1e-12)
-    assert adam.rho_lr_factor == pytest.approx(5.0)
+    assert adam.rho_lr_factor == pytest.approx(5.0, rel=1e-12)
 
 
 def test_every_option_has_one_line_of_help():
@@ -670,10 +1074,13 @@ def test_variance_record_of_two_states():
     record = bbb.variance_record(start, moved)
     assert list(record) == list(start.rho)
     for name, entry in record.items():
+        # numpy's median of float32 values is their float32 midpoint (one rounding),
+        # torch.quantile's is in float64; rho + 0.5 rounds once in float32 (|rho| < 8:
+        # 2^-21 = 4.8e-7), and the difference back is exact
         assert entry["sigma_median_start"] == pytest.approx(
-            float(np.median(start.sigma[name].numpy())), rel=1e-6)
+            float(np.median(start.sigma[name].numpy())), rel=2 * U32)
         assert entry["sigma_median_end"] == pytest.approx(
-            float(np.median(moved.sigma[name].numpy())), rel=1e-6)
+            float(np.median(moved.sigma[name].numpy())), rel=2 * U32)
         assert entry["rho_max_change"] == pytest.approx(0.5 if name == "fc.bias" else 0.0,
                                                         abs=1e-6)
 
@@ -689,10 +1096,24 @@ def _digits_spec(preset: str):
                      method_options={"preset": preset})
 
 
+#: How far the two engines' records of a whole run (44 steps) may be apart, relative to
+#: each value: a whole run cannot be bounded step by step, and the runs may part on
+#: another CPU (the module docstring); moving every mean by more than a step can differ
+#: after a switched decision moves the values by 3.8e-5 of themselves at most, the
+#: record's wiring faults by 39% or more.
+RUN_RTOL = 1e-3
+
+
 def test_a_mode_records_how_sigma_and_the_elbo_moved(digits):
     """A mode's training record (JSON-able): the paper's SGD leaves sigma where it
     started, the trained-variance preset moves it; both engines record the same
-    numbers."""
+    bookkeeping exactly and the same values within :data:`RUN_RTOL`.
+
+    The values a run produces (sigma's medians at the end, rho's largest change, the
+    ELBO's terms) come from float32 runs that may legitimately differ bit for bit between
+    CPUs, and part at a decision within rounding of switching; the bookkeeping (layers,
+    epochs, steps, the KL weight, the start's medians) is the same code on the same start
+    state on any CPU."""
     records = {}
     for preset in ("paper", "trained-variance"):
         spec = _digits_spec(preset)
@@ -708,8 +1129,10 @@ def test_a_mode_records_how_sigma_and_the_elbo_moved(digits):
         record = records[preset, "torch"]
         assert record["method"] == "bbb" and list(record["layers"]) == list(start.rho)
         for name, entry in record["layers"].items():
+            # the same float32 sigmas: numpy's median of float32 values is their float32
+            # midpoint (one rounding), torch.quantile's is in float64
             assert entry["sigma_median_start"] == pytest.approx(
-                float(np.median(start.sigma[name].numpy())), rel=1e-6)
+                float(np.median(start.sigma[name].numpy())), rel=2 * U32)
             if preset == "paper":
                 assert entry["rho_max_change"] < 1e-3
             else:  # Adam moves rho by about rho_lr a step
@@ -720,17 +1143,27 @@ def test_a_mode_records_how_sigma_and_the_elbo_moved(digits):
             terms = record["elbo"][which]
             assert (terms["epoch"], terms["steps"]) == (epoch, steps)
             assert terms["kl_weight"] == 1 / len(digits.train)
+            # a product and a sum of float64 values: two roundings of 2^-53
             assert terms["negative_elbo"] == pytest.approx(
                 terms["nll"] + terms["kl_weight"] * terms["kl"], rel=1e-12)
         assert record["elbo"]["first_epoch"]["kl"] == pytest.approx(
             float(bbb.kl_divergence(start)), rel=0.05)   # 2 epochs from the start
         fast = records[preset, "fast"]
+        assert fast["method"] == "bbb" and list(fast["layers"]) == list(record["layers"])
         for name, entry in record["layers"].items():
-            for key, value in entry.items():
-                assert fast["layers"][name][key] == pytest.approx(value, rel=1e-3, abs=1e-4)
+            assert list(fast["layers"][name]) == list(entry)
+            assert fast["layers"][name]["sigma_median_start"] == entry["sigma_median_start"]
+            for key in ("sigma_median_end", "rho_max_change"):
+                assert fast["layers"][name][key] == pytest.approx(entry[key], rel=RUN_RTOL)
         for which in ("first_epoch", "last_epoch"):
-            for key, value in record["elbo"][which].items():
-                assert fast["elbo"][which][key] == pytest.approx(value, rel=1e-4)
+            ours, theirs = fast["elbo"][which], record["elbo"][which]
+            assert list(ours) == list(theirs)
+            for key in ("epoch", "steps", "kl_weight"):
+                assert ours[key] == theirs[key]
+            assert ours["negative_elbo"] == pytest.approx(
+                ours["nll"] + ours["kl_weight"] * ours["kl"], rel=1e-12)
+            for key in ("nll", "kl", "negative_elbo"):
+                assert ours[key] == pytest.approx(theirs[key], rel=RUN_RTOL)
 
 
 # ---------------------------------------------------------------- BLiTZ 0.2.8 as the oracle
@@ -788,7 +1221,8 @@ def test_initial_distribution_matches_blitz():
                 result = ks_2samp(ours_values.reshape(-1).numpy(),
                                   their_values.detach().reshape(-1).numpy())
                 assert result.pvalue > 1e-3, (kind, name, result)
-        # and the layers differ: Linear centres rho on -7, Conv on -6
+        # and the layers differ: Linear centres rho on -7, Conv on -6 (0.01: over 10
+        # standard errors of 12,800 or 20,000 draws, a tenth of the other centre's miss)
         centre = -7.0 if kind == "linear" else -6.0
         assert abs(float(state.rho["weight"].mean()) - centre) < 0.01
 
