@@ -51,6 +51,15 @@ Z_BOUND = 5.0
 Z_DRAWN = 6.5
 
 
+def _float64_tolerance(terms: int, scale: float) -> float:
+    """How far two float64 evaluations of a quantity may lie apart (any order of their
+    sums, on any CPU): each within ``gamma(terms) * scale`` of the exact value, ``terms``
+    the roundings on its longest path and ``scale`` the sum of its terms' sizes
+    (Higham). The known answers below are small (the linear softmax model: 15
+    parameters, 40-60 examples; one example's last layer), so these are 1e-15-1e-13."""
+    return 2 * gamma(terms, U64) * scale
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """These tensors are tiny; with two intra-op threads on a busy 2-core machine every
@@ -103,6 +112,17 @@ def _fit_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, delta: float) -
     return unflatten(vector, params)
 
 
+def _linear_tolerance(x: torch.Tensor, classes: int, extra: float = 0.0) -> float:
+    """The float64 tolerance of a GGN (or Hessian) entry of the linear softmax model on
+    ``x``: it sums n examples' ``x_i x_j H_kl`` (``|H_kl| <= 1/4``, the bias's ``x`` = 1)
+    after the logits' ``F + 1`` terms and the softmax's ``K + 3`` roundings:
+    ``gamma(n + F + K + 8)`` of ``sum_n (max |x_n| + 1)^2 / 4`` (plus ``extra``, a prior's
+    diagonal)."""
+    terms = len(x) + x.shape[1] + classes + 8
+    return _float64_tolerance(terms, float(((x.abs().max(1).values + 1) ** 2).sum()) / 4
+                              + extra)
+
+
 def _whitened_check(draws: torch.Tensor, mean: torch.Tensor, precision: torch.Tensor) -> None:
     """Assert ``draws`` ``(S, D)`` look like ``N(mean, precision^-1)``."""
     count, dim = draws.shape
@@ -132,11 +152,20 @@ def test_softmax_factor_reproduces_the_cross_entropy_hessian(scale):
     assert torch.isfinite(factor).all()
     p = torch.softmax(z, dim=1)
     expected = torch.diag_embed(p) - p.unsqueeze(2) * p.unsqueeze(1)
-    torch.testing.assert_close(factor.transpose(1, 2) @ factor, expected, rtol=0, atol=1e-15)
+    # Both sides build p in float64 (log_softmax and exp; softmax: K + 3 roundings plus
+    # u |z_k - m| of p_k, at most u / e as p_k = e^-(z_k - m)); the factor's entries,
+    # each at most 1, carry its cumulative sums and a square root (K + 6), and V^T V
+    # sums K products whose sizes total at most sqrt(H_ii H_jj) <= 1/4: 5K + 30
+    # roundings of a unit scale bound any entry.
+    tolerance = _float64_tolerance(5 * z.shape[1] + 30, 1.0)
+    torch.testing.assert_close(factor.transpose(1, 2) @ factor, expected, rtol=0,
+                               atol=tolerance)
     # and against autograd's Hessian of the cross-entropy in logit space
     auto = hessian(lambda v: nn.functional.cross_entropy(v.unsqueeze(0),
                                                          torch.tensor([3])))(z[0])
-    torch.testing.assert_close(factor[0].T @ factor[0], auto, rtol=0, atol=1e-12)
+    # autograd's Hessian is the same p's derivatives through log_softmax's backward:
+    # the same count of roundings on a unit scale.
+    torch.testing.assert_close(factor[0].T @ factor[0], auto, rtol=0, atol=tolerance)
 
 
 # --- known answers: the linear softmax model ----------------------------------------------
@@ -148,9 +177,14 @@ def test_ggn_equals_the_hessian_for_a_linear_softmax_model():
     ggn, nll, count = laplace_curvature.full_ggn(model, params, buffers, batches, chunk_size=6)
     exact = hessian(_neg_log_joint(model, params, buffers, x, y, 0.0))(flatten(params))
     assert count == len(y)
-    torch.testing.assert_close(ggn, exact, rtol=1e-12, atol=1e-12)
-    expected_nll = nn.functional.cross_entropy(model(x), y, reduction="sum").detach()
-    assert nll == pytest.approx(float(expected_nll), rel=1e-12)
+    logits = model(x).detach()
+    classes = logits.shape[1]
+    torch.testing.assert_close(ggn, exact, rtol=0, atol=_linear_tolerance(x, classes))
+    expected_nll = nn.functional.cross_entropy(logits, y, reduction="sum")
+    # n per-example losses of at most 2 max |z| + log K each, summed in another order
+    loss_scale = float((2 * logits.abs().max(1).values + math.log(classes)).sum())
+    terms = len(y) + x.shape[1] + classes + 8
+    assert abs(nll - float(expected_nll)) <= _float64_tolerance(terms, loss_scale)
 
 
 def test_laplace_at_the_map_is_the_exact_hessian_of_the_log_joint_and_samples_follow_it():
@@ -160,15 +194,23 @@ def test_laplace_at_the_map_is_the_exact_hessian_of_the_log_joint_and_samples_fo
     theta = _fit_map(model, x, y, delta)
     objective = _neg_log_joint(model, theta, buffers, x, y, delta)
     vector = flatten(theta)
-    assert torch.func.grad(objective)(vector).abs().max() < 1e-12   # it is the mode
+    # It is the mode: the gradient there is at its float64 rounding floor (n examples'
+    # |x| |p - e_y| <= 2 (max |x| + 1) plus delta |theta|, after the logits and the
+    # softmax), plus the Hessian times the last Newton step (below 1e-15).
+    classes = int(y.max()) + 1
+    precision = hessian(objective)(vector)
+    floor = _float64_tolerance(len(y) + x.shape[1] + classes + 8,
+                               float(2 * (x.abs().max(1).values + 1).sum())
+                               + delta * float(vector.abs().max()))
+    step = float(torch.linalg.matrix_norm(precision, float("inf"))) * 1e-15
+    assert torch.func.grad(objective)(vector).abs().max() <= floor + step
 
     state = laplace.init(model, theta, buffers, [(x, y)], len(y), prior_precision=delta)
     assert state.prior_source == "fixed" and state.prior_precision == delta
     assert state.names == ("layers.0.weight", "layers.0.bias")
-    torch.testing.assert_close(state.mean, vector)
-    precision = hessian(objective)(vector)
-    torch.testing.assert_close(laplace.posterior_precision(state), precision,
-                               rtol=1e-12, atol=1e-12)
+    assert torch.equal(state.mean, vector)   # the float64 weights, copied
+    torch.testing.assert_close(laplace.posterior_precision(state), precision, rtol=0,
+                               atol=_linear_tolerance(x, classes, extra=delta))
 
     draws = laplace.draw(state, torch.Generator().manual_seed(5), 4000)
     _whitened_check(draws, vector, precision)
@@ -207,9 +249,24 @@ def test_marglik_prior_precision_maximises_the_evidence():
 
     point = torch.tensor(math.log(delta), dtype=torch.float64, requires_grad=True)
     value = evidence(point)
-    (slope,) = torch.autograd.grad(value, point)
-    assert abs(float(slope)) < 1e-8
-    assert float(value.detach()) == pytest.approx(state.log_evidence, rel=1e-12)
+    (slope,) = torch.autograd.grad(value, point, create_graph=True)
+    (curvature,) = torch.autograd.grad(slope, point)
+    # Brent's method stops within _LOG_DELTA_TOL of the root in log delta, where the
+    # slope is at most |curvature| times that; plus the slope's float64 rounding: the
+    # log-determinant's derivative tr((G + d I)^-1) d (an LU solve: cond(G + d I)
+    # gamma(D^2) of it), D and d |theta|^2, about 1e-13 here.
+    matrix = ggn + delta * torch.eye(dim, dtype=torch.float64)
+    cond = float(torch.linalg.cond(matrix))
+    trace = delta * float(torch.linalg.inv(matrix).diagonal().sum())
+    rounding = _float64_tolerance(dim * dim, cond * trace + dim + delta * float(vector @ vector))
+    assert abs(float(slope)) <= abs(float(curvature)) * laplace._LOG_DELTA_TOL + rounding
+    # the evidence two ways (a dense LU log-determinant here, eigenvalues there): each
+    # log-determinant within tr(A^-1) gamma(D^2) ||A|| <= D cond gamma(D^2) of the exact
+    # one (backward stable), the other terms within gamma(D + 2) of their sizes
+    others = abs(state.nll) + dim * abs(math.log(delta)) + delta * float(vector @ vector)
+    bound = dim * cond * _float64_tolerance(dim * dim, 1.0) + _float64_tolerance(dim + 2,
+                                                                                 others)
+    assert abs(float(value.detach()) - state.log_evidence) <= bound
     for step in (-1.0, -0.05, 0.05, 1.0):
         assert float(evidence(point.detach() + step)) < float(value)
 
@@ -391,8 +448,13 @@ def test_kfac_with_one_example_is_the_exact_last_layer_hessian():
     dense = laplace.posterior_precision(state) - 2.0 * torch.eye(state.dimension,
                                                                  dtype=torch.float64)
     w = weight.numel()
-    torch.testing.assert_close(dense[:w, :w], exact[:w, :w], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(dense[w:, w:], exact[w:, w:], rtol=1e-12, atol=1e-12)
+    # the same float64 features on both sides (the same modules, input and process); an
+    # entry is a_i a_j H_kl (|H_kl| <= 1/4) after the head's F + 1 terms, the softmax's
+    # K + 3 and the Kronecker product's and prior's few roundings
+    classes, scale = len(bias), (float(features.abs().max()) + 1) ** 2 / 4
+    tolerance = _float64_tolerance(features.shape[1] + classes + 12, scale)
+    torch.testing.assert_close(dense[:w, :w], exact[:w, :w], rtol=0, atol=tolerance)
+    torch.testing.assert_close(dense[w:, w:], exact[w:, w:], rtol=0, atol=tolerance)
     assert dense[:w, w:].abs().max() == 0        # KFAC drops the weight-bias block
 
 
@@ -407,13 +469,25 @@ def test_kfac_factors_from_features():
     a = model.features(x).detach()
     p = torch.softmax(model(x).detach(), dim=1)
     lam = sum(torch.diag(q) - torch.outer(q, q) for q in p)
-    torch.testing.assert_close(kron.out_factor, lam)
-    torch.testing.assert_close(kron.in_factor, a.T @ a / 30)
+    # float64 sums over 30 examples in other orders: the output factor's terms are at
+    # most 1/4 (after the softmax's K + 3 roundings), the input factor's max |a|^2
+    classes, features = lam.shape[0], a.shape[1]
+    out_tolerance = _float64_tolerance(30 + classes + 3, 30 / 4)
+    in_tolerance = _float64_tolerance(30 + 1, float(a.abs().max()) ** 2)
+    torch.testing.assert_close(kron.out_factor, lam, rtol=0, atol=out_tolerance)
+    torch.testing.assert_close(kron.in_factor, a.T @ a / 30, rtol=0, atol=in_tolerance)
     assert kron.layer == "fc"
     values = torch.cat([torch.outer(*[torch.linalg.eigvalsh(m) for m in (lam, a.T @ a / 30)])
                         .reshape(-1), torch.linalg.eigvalsh(lam)])
+    # symmetric eigensolvers are backward stable: each eigenvalue within gamma(p^2) of
+    # its factor's norm (p its order) plus the factors' differences above; a product
+    # of two carries both
+    norms = [float(torch.linalg.matrix_norm(m, 2)) for m in (lam, a.T @ a / 30)]
+    eig = [_float64_tolerance(p * p, norm) / 2 + tol * p for p, norm, tol in
+           ((classes, norms[0], out_tolerance), (features, norms[1], in_tolerance))]
+    atol = 2 * (eig[0] * norms[1] + norms[0] * eig[1] + eig[0])
     torch.testing.assert_close(torch.sort(kron.eigenvalues()).values,
-                               torch.sort(values.clamp_min(0)).values, atol=1e-12, rtol=1e-9)
+                               torch.sort(values.clamp_min(0)).values, rtol=0, atol=atol)
 
 
 def test_kfac_samples_follow_the_kronecker_gaussian_and_keep_everything_else():
@@ -550,7 +624,9 @@ def test_marglik_without_a_finite_optimum_is_refused():
     lam, s = 3.0, 0.25
     expected = (-lam + math.sqrt(lam ** 2 + 4 * lam / s)) / 2
     found = laplace.optimal_prior_precision(torch.tensor([lam, 0.0], dtype=torch.float64), s)
-    assert found == pytest.approx(expected, rel=1e-9)
+    # Brent's method on log delta to _LOG_DELTA_TOL, plus its relative stop 4 eps
+    assert abs(math.log(found / expected)) <= laplace._LOG_DELTA_TOL + 8 * U64 * abs(
+        math.log(expected)) + 4 * U64
 
 
 # --- numerics: a diverged base network, a too small prior ------------------------------------
