@@ -193,9 +193,21 @@ def test_a_shipped_checkpoint_is_reproduced_by_the_trainer():
                     "(apt-get install dataset-fashion-mnist)")
 @pytest.mark.parametrize("name", ["mc-dropout", "bbb", "swag", "laplace", "sghmc"])
 def test_a_shipped_method_collection_is_reproduced_by_the_trainer(name):
-    """Mode 0 of each single-mode collection, retrained by today's trainer from its spec,
-    gives the stored samples (minutes per method, about 85 for SGHMC's adapted chains:
-    run with ``-m slow``)."""
+    """Mode 0 of each single-mode collection, retrained by today's trainer from its spec
+    with the engine that made it, gives the stored samples bit for bit (minutes per
+    method, about 85 for SGHMC's adapted chains: run with ``-m slow``).
+
+    Bit-identity is the only promise: training is chaotic (a decision within rounding of
+    switching parts two runs, see :func:`test_a_shipped_checkpoint_is_reproduced_by_the_
+    trainer`), so no final-weight tolerance follows from an error analysis. It holds with
+    the same engine, thread count and instruction set (the README's promise). Beyond the
+    fast engine's kernels these methods use torch's float32 normals (BBB's noise), BLAS
+    (Laplace's GGN) and torch's own kernels (MC dropout's torch engine), whose bits
+    depend on the instruction set, and the collections do not record the one that made
+    them: on another CPU this test may fail with no defect, and its message says which
+    instruction set torch used."""
+    import torch
+
     spec = load_spec(ROOT / SPECS[name])
     with open_reference(name) as zoo:
         rows = np.flatnonzero(zoo.metadata["mode_id"] == 0)
@@ -203,7 +215,10 @@ def test_a_shipped_method_collection_is_reproduced_by_the_trainer(name):
         engine = zoo.metadata_dict(int(rows[0]))["source"].rsplit("engine ", 1)[1]
     results = train_checkpoints(spec, [0], engine=engine)
     assert len(results) == spec.samples_per_mode == len(stored)
+    capability = torch.backends.cpu.get_cpu_capability()
     for result in results[:: max(1, len(results) // 5)]:
         for key, value in stored[result.sample].items():
-            scale = float(np.abs(value).max())
-            np.testing.assert_allclose(result.state[key], value, rtol=0, atol=1e-5 * scale)
+            assert np.array_equal(result.state[key], value), (
+                f"{name} sample {result.sample} {key}: other bits (engine {engine}, torch "
+                f"on {capability}; bit-identity holds only on the instruction set that "
+                "made the collection)")
