@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from rounding_bounds import U32, U64, gamma
 from torch import fx, nn
 
 from posteriorzoo.symmetry import (
@@ -165,18 +166,68 @@ def _structure(model, shape):
     return symmetry_structure(model, model.state_dict(), input_shape=shape)
 
 
+def _roundings(model: nn.Module, shape) -> int:
+    """The roundings on the longest path of one forward pass and :func:`_change`'s centring
+    (an upper bound): a Linear / Conv2d output sums its kernel over a group plus the bias
+    (and its weights carry a symmetry's factors, at most 2 roundings each); BatchNorm
+    8 (``rounding_bounds.BATCHNORM_ROUNDINGS``), LayerNorm 2 n + 8; an average pool its
+    window plus the division; any other leaf 2 (an activation: a product, a clamp, or a
+    libm tanh / sin / sigmoid within 1 ulp); a module with children 4 (its functional
+    tanh and residual sums); the centring over K outputs K + 2."""
+    terms = 0
+
+    def count(module, args, output):
+        nonlocal terms
+        if isinstance(module, nn.Conv2d | nn.Linear):
+            kernel = int(np.prod(getattr(module, "kernel_size", (1,))))
+            fan_in = getattr(module, "in_features", None) or module.in_channels // module.groups
+            terms += fan_in * kernel + 1 + 2
+        elif isinstance(module, nn.BatchNorm2d):
+            terms += 8
+        elif isinstance(module, nn.LayerNorm):   # a mean and a variance, then BN's 8
+            terms += 2 * args[0].shape[-1] + 8
+        elif isinstance(module, nn.AvgPool2d):
+            terms += args[0].shape[-1] * args[0].shape[-2] // output[0, 0].numel() + 1
+        elif isinstance(module, nn.ModuleList):
+            pass
+        else:
+            terms += 4 if len(list(module.children())) > 0 else 2
+
+    handles = [module.register_forward_hook(count) for module in model.modules()]
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros(1, *shape, dtype=next(model.parameters()).dtype))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return terms + out.shape[1] + 2
+
+
+def _tolerance(model: nn.Module, shape) -> float:
+    """How far :func:`_change` of a function-preserving move may be from 0: both passes
+    (the weights and their moved copy) within gamma(k) of the exact function on the
+    outputs' scale (k :func:`_roundings`; the convention of ``rounding_bounds.deep_rtol``),
+    in the model's precision. 7e-15-2e-14 in float64, 4e-6-1.1e-5 in float32. Measured
+    (every case, host and AVX2 settings): 0.03-0.17 of it in float64 (largest 2.5e-15,
+    tanh-cnn), 0-0.12 in float32 (1.3e-6, prelu-cnn), whose inputs are float32 normals:
+    other bits on another instruction set, the same bound. A wrong move changes the
+    function by O(1) (the refusals below: > 1e-3)."""
+    single = next(model.parameters()).dtype == torch.float32
+    return 2 * gamma(_roundings(model, shape), U32 if single else U64)
+
+
 # ---------------------------------------------------------------- (a) the function is kept
 @pytest.mark.parametrize("name", CASES)
 def test_random_group_elements_keep_the_function(name):
     model, shape = _model(name)
     for seed in range(4):
         moved = random_symmetry(model, model.state_dict(), seed, input_shape=shape)
-        assert _change(model, shape, moved) < 1e-10
+        assert _change(model, shape, moved) <= _tolerance(model, shape)
         assert any(not torch.equal(moved[k], v) for k, v in model.state_dict().items())
     # and in float32, to the precision the issue asks for
     single = copy.deepcopy(model).float()
     moved = random_symmetry(single, single.state_dict(), 9, input_shape=shape)
-    assert _change(single, shape, moved) < 1e-5
+    assert _change(single, shape, moved) <= _tolerance(single, shape)
 
 
 @pytest.mark.parametrize("name", ODD)
@@ -187,7 +238,8 @@ def test_sign_flips_keep_the_function_of_odd_networks(name):
     everything = {i: -np.ones(structure.spaces[structure.signs[i].space].size)
                   for i in structure.flippable()}
     flipped = apply_symmetry(model.state_dict(), structure, signs=everything)
-    assert _change(model, shape, flipped) < 1e-12
+    # negation is exact; tanh, sin and hardtanh are odd to within their ulp (measured 0)
+    assert _change(model, shape, flipped) <= _tolerance(model, shape)
     first = structure.signs[structure.flippable()[0]].writers[0].key
     torch.testing.assert_close(flipped[first], -model.state_dict()[first], rtol=0, atol=0)
 
@@ -220,13 +272,36 @@ def test_no_softmax_shift_through_a_sigmoid_output():
     model, shape = _model("sigmoid-output")
     assert _structure(model, shape).output_bias is None
     moved = random_symmetry(model, model.state_dict(), 3, input_shape=shape)
-    torch.testing.assert_close(_outputs(model, shape, moved),
-                               _outputs(model, shape, model.state_dict()), rtol=1e-12, atol=0)
+    expected = _outputs(model, shape, model.state_dict())
+    # not centred: the sigmoid keeps no shift; sigmoid's 1 ulp is in _roundings
+    torch.testing.assert_close(_outputs(model, shape, moved), expected, rtol=0,
+                               atol=_tolerance(model, shape) * float(expected.abs().max()))
 
 
 # ---------------------------------------------------------------- (b) canonical forms
-def _close(a, b) -> bool:
-    return all(torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-6 * float(a[k].abs().max()))
+def _canonical_roundings(state, classes: int) -> int:
+    """Roundings of one float64 canonical form (an upper bound; as
+    ``test_canonicalize_batch.canonical_roundings``): a scale variable's factor comes from
+    its k rows' entries (std: k squares and a mean, 2 k + 6 with the root, reciprocal and
+    products), every weight lies in at most two variables' rows (its unit's and its
+    input's), so 4 entries + 6 units; the softmax shift's mean of K biases K + 1; a moved
+    input's entries carry 2 more (the symmetry's factors). Permutations and flips are
+    exact."""
+    entries = sum(v.numel() for v in state.values() if v.is_floating_point())
+    units = sum(v.shape[0] for v in state.values() if v.is_floating_point() and v.dim() > 0)
+    return 4 * entries + 6 * units + classes + 1 + 2
+
+
+def _close(a, b, scaling: str = "norm") -> bool:
+    """Two canonical forms of one function agree: each within gamma(R) of the exact form
+    (R :func:`_canonical_roundings`), on each tensor's largest entry (2e-13-1e-12; measured
+    up to 6.6e-16). min-mass adds its Newton solver's stop (a gradient below 1e-11 of the
+    mass: log-scales within ~1e-6 of the optimum for these small, flat problems; the
+    number kept from the solver, measured 5.7e-16)."""
+    classes = next(v.shape[0] for k, v in reversed(list(a.items())) if k.endswith("bias"))
+    rtol = 4 * gamma(_canonical_roundings(a, classes), U64) + (1e-6 if scaling == "minmass"
+                                                                else 0.0)
+    return all(torch.allclose(a[k], b[k], rtol=0, atol=rtol * float(a[k].abs().max()))
                for k in a if a[k].is_floating_point())
 
 
@@ -236,12 +311,12 @@ def test_transformed_networks_have_one_canonical_form(name, scaling):
     model, shape = _model(name)
     state = model.state_dict()
     canonical = canonicalize(model, state, input_shape=shape, scaling=scaling)
-    assert _change(model, shape, canonical) < 1e-10
+    assert _change(model, shape, canonical) <= _tolerance(model, shape)   # measured 7.5e-16
     wide = (0.1, 10.0) if scaling != "none" else (1.0, 1.0)
     for seed in range(3):
         moved = random_symmetry(model, state, seed, input_shape=shape, scale_range=wide)
         assert _close(canonicalize(model, moved, input_shape=shape, scaling=scaling),
-                      canonical)
+                      canonical, scaling)
 
 
 def test_canonical_signs_make_incoming_sums_positive():
@@ -265,8 +340,9 @@ def test_the_batch_path_flips_like_the_single_one():
     batch = canonicalize_many(model, stack_states(states), input_shape=shape)
     for b, state in enumerate(states):
         single = canonicalize(model, state, input_shape=shape)
-        for key in single:
-            torch.testing.assert_close(batch[key][b], single[key], rtol=1e-12, atol=1e-12)
+        # two implementations (norm scaling): each within gamma(R) of the exact form on
+        # each tensor's largest entry (_close; measured 0)
+        assert _close({k: v[b] for k, v in batch.items()}, single)
 
 
 def test_undecidable_signs_are_reported_and_kept():
@@ -277,7 +353,8 @@ def test_undecidable_signs_are_reported_and_kept():
     structure = symmetry_structure(model, state, input_shape=shape)
     canonical, report = canonicalize_state(state, structure, "none", "none")
     assert report.sign_ties == [(structure.flippable()[0], 2)]
-    torch.testing.assert_close(canonical["layers.0.weight"][2], state["layers.0.weight"][2])
+    # kept: copied, not computed (scaling and permutation "none")
+    assert torch.equal(canonical["layers.0.weight"][2], state["layers.0.weight"][2])
 
 
 # ---------------------------------------------------------------- (c) the structure
@@ -326,7 +403,7 @@ def test_per_channel_prelu_slopes_are_permuted_shared_ones_are_not():
     moved = apply_symmetry(state, channel, permutations={space: order})
     for key in ("acts.0.weight", "layers.0.bias"):  # the slope moves with its unit
         torch.testing.assert_close(moved[key], state[key][order], rtol=0, atol=0)
-    assert _change(model, shape, moved) < 1e-12
+    assert _change(model, shape, moved) <= _tolerance(model, shape)   # measured 0
     # a slope left in place would change the function: the test above can fail
     wrong = {**moved, "acts.0.weight": state["acts.0.weight"]}
     assert _change(model, shape, wrong) > 1e-3
@@ -358,9 +435,15 @@ def test_the_table_is_true(module):
     assert properties is not None
     x = torch.randn(4, 3, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     f = module.double().eval()
+    # A claimed property holds to rounding: each side at most 8 roundings (the product by
+    # 2.5, a slope's product, an average pool's 4-term sum and division, a libm call
+    # within 1 ulp) of values no larger than the input's or the output's scale, so they
+    # agree within 2 gamma(8) of it (~2e-14); one not claimed fails by O(1).
     with torch.no_grad():
-        homogeneous = torch.allclose(f(2.5 * x), 2.5 * f(x), atol=1e-12)
-        odd = torch.allclose(f(-x), -f(x), atol=1e-12)
+        scale = max(float(f(2.5 * x).abs().max()), 2.5 * float(x.abs().max()))
+        agree = 2 * gamma(8, U64) * scale
+        homogeneous = torch.allclose(f(2.5 * x), 2.5 * f(x), rtol=0, atol=agree)
+        odd = torch.allclose(f(-x), -f(x), rtol=0, atol=agree)
     assert (properties.homogeneous, properties.odd) == (homogeneous, odd)
 
 
@@ -380,7 +463,7 @@ def test_layernorm_is_named_in_a_warning():
     assert str(warning) == ("symmetries not removed: norm (LayerNorm) is not supported, so "
                             "the units of fc1 are neither permuted, scaled nor sign-flipped")
     assert warning.gaps == _structure(model, (4,)).gaps
-    assert _change(model, (4,), canonical) < 1e-10
+    assert _change(model, (4,), canonical) <= _tolerance(model, (4,))
     with pytest.warns(SymmetryCoverageWarning, match="LayerNorm"):
         canonicalize_many(model, stack_states([model.state_dict()]), input_shape=(4,))
 
