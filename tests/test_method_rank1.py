@@ -9,8 +9,14 @@ Tolerances (why, in short):
 * Rank one: the second singular value of ``W'_1 / W'_2`` over the first is ~1e-16 for an
   outer product; the test allows 1e-9, and checks that a random (BBB-like) perturbation
   of the same size is far above that.
-* Monte Carlo checks (the Cauchy KL, the draws' quantiles, the uniform component choice)
-  allow 5 standard errors of an average of independent terms.
+* Monte Carlo checks (the Cauchy KL, the draws' quantiles, the uniform component choice,
+  init's sign share) allow 5 standard errors of an average of independent terms. They are
+  deterministic checks at their fixed seeds, not new draws: their random numbers are
+  float64 uniforms and normals (``rank1.draw`` and ``init`` draw in the state's dtype,
+  float64 here) or integers (``torch.randint``) from seeded torch.Generators, the same
+  bits on every CPU (float32 normals are not: ATen's vectorised Box-Muller), moved by
+  float64 arithmetic. Measured: the Cauchy KL's z 0.51, the quartiles' 0.18, 0.02, 0.10
+  (of 5). (As new draws, 5 sd two-sided is 5.7e-7 per check.)
 """
 
 from __future__ import annotations
