@@ -46,6 +46,9 @@ def test_dry_run_prints_the_resolved_spec_and_writes_nothing(swag_spec, tmp_path
                                                              monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setenv("POSTERIORZOO_CACHE", str(cache))
+    # the digits as a fresh process has them (not yet prepared), whatever ran before
+    from posteriorzoo.data import datasets
+    datasets._digits_arrays.cache_clear()
     before = _tree(tmp_path)
     out = tmp_path / "swag.h5"
     code, stdout, err = run(capsys, "train", swag_spec, "--dry-run", "--out", out,

@@ -238,7 +238,12 @@ def _dry_run(args: argparse.Namespace, spec: Any) -> int:
     options = {name: {"value": value,
                       "source": sources.get("method_options", {}).get(name, "given")}
                for name, value in spec.method_options.items()}
-    estimate = None if args.no_estimate else _estimate(spec, engine, args)
+    estimate = None
+    if not args.no_estimate:
+        from posteriorzoo.data.datasets import no_cache_writes
+
+        with no_cache_writes():   # a dry run writes nothing, not even the data cache
+            estimate = _estimate(spec, engine, args)
     report = {"spec": str(args.spec), "name": spec.name, "method": spec.method,
               "architecture": spec.architecture, "model_options": dict(spec.model_options),
               "dataset": spec.dataset, "checkpoints": spec.checkpoints, "modes": spec.modes,

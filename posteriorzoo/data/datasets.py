@@ -23,10 +23,12 @@ The same statistics are used for every split of a dataset.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -138,13 +140,29 @@ _DIGITS_COUNT = 1797
 _DIGITS_CACHE_BYTES = 4 << 20   # the prepared arrays take 1.4 MB
 
 
+#: False while a command promises to write nothing (``train --dry-run``): what it loads
+#: is then prepared in memory only.
+_CACHE_WRITES = contextvars.ContextVar("posteriorzoo_cache_writes", default=True)
+
+
+@contextlib.contextmanager
+def no_cache_writes() -> Iterator[None]:
+    """Within this block, loading a data set leaves the cache folder as it is."""
+    token = _CACHE_WRITES.set(False)
+    try:
+        yield
+    finally:
+        _CACHE_WRITES.reset(token)
+
+
 @cache
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     path = _digits_cache_path()
     arrays = _read_prepared_digits(path)
     if arrays is None:
         arrays = _prepare_digits()
-        _write_prepared_digits(path, arrays)
+        if _CACHE_WRITES.get():
+            _write_prepared_digits(path, arrays)
     return arrays
 
 
