@@ -36,11 +36,11 @@ from rounding_bounds import (
     U64,
     cross_entropy_bound,
     cross_entropy_rounding,
+    follow_sgd,
     gamma,
     model_at,
     optunet_forward_bounds,
     optunet_gradient_terms,
-    step_bound,
 )
 from torch.func import functional_call
 
@@ -188,39 +188,6 @@ def _loss_ratio(residual: float, model, images: torch.Tensor, delta=None,
     if residual <= cheap:
         return residual / cheap
     return residual / (cross_entropy_bound(model, images, delta) + more)
-
-
-def _follow_sgd(spec, batches, start_a: dict, start_b: dict, weights_a: list,
-                steps_a: list, weights_b: list, steps_b: list) -> tuple[list[int], float]:
-    """``compare_runs`` for an SGD phase from given weights on given batches (the base
-    network from its initial weights on the recipe's batches, SWAG's continued SGD on the
-    method's): every step's loss within ``cross_entropy_bound`` at the runs' difference,
-    every step's change of the difference within ``step_bound`` (``gradient_rtol``),
-    unless the batch has a decision within rounding of switching. Returns those steps and
-    the largest residual of a step that follows, over its bound. Measured: 0.23 / 0.23
-    (base network, 22 steps at batch 64), 0.21 / 0.21 (SWAG's 66 steps); ``gradient_rtol``
-    is 4.4e-5 of the gradient's scale at batch 64, so a gradient wrong by 1% of its scale
-    exceeds the bound 20-fold."""
-    before_a, before_b, parting, ratio = start_a, start_b, [], 0.0
-    for step, ((images, _), after_a, after_b, info_a, info_b) in enumerate(zip(
-            batches, weights_a, weights_b, steps_a, steps_b, strict=True), 1):
-        assert tuple(info_a[:4]) == tuple(info_b[:4]), (step, info_a, info_b)
-        model = model_at(spec, 0, before_b)
-        delta = {key: torch.from_numpy(before_a[key].astype(np.float64) - value)
-                 for key, value in before_b.items()}
-        loss = _loss_ratio(abs(info_a[4] - info_b[4]), model, images, delta)
-        assert loss <= 1, (step, info_a, info_b, loss)
-        updates = {key: before_b[key] - after_b[key] for key in after_b}
-        bound = step_bound(1.0, gamma(_gradient_terms(model, images)), updates, after_b)
-        change = {key: _max((after_a[key].astype(np.float64) - after_b[key])
-                            - delta[key].numpy()) for key in after_b}
-        if any(change[key] > bound[key] for key in bound):
-            assert optunet_forward_bounds(model, images, delta).near_switch.sum() > 0
-            parting.append(step)
-        else:
-            ratio = max(ratio, loss, *(change[key] / bound[key] for key in bound))
-        before_a, before_b = after_a, after_b
-    return parting, ratio
 
 
 def _log_posterior_rounding(model, images, params: dict, grads: dict, num_data: int,
@@ -785,23 +752,27 @@ def test_the_fast_engine_runs_the_same_program(method, options, digits, monkeypa
     assert ([(r.index, r.sample, r.seeds, r.steps) for r in fast]
             == [(r.index, r.sample, r.seeds, r.steps) for r in reference])
     phases = {}
+    # SGD phases step by step (rounding_bounds.follow_sgd). Measured, host / AVX2: a
+    # following step's difference at most 0.23 / 0.23 of its bound (the base network,
+    # 22 steps at batch 64), 0.21 / 0.21 (SWAG's 66 steps); gradient_rtol is 4.4e-5 of
+    # the gradient's scale at batch 64, so a gradient wrong by 1% exceeds it 20-fold.
     if method != "bbb":   # the base network: DE member 0's SGD, step by step
         train_a, train_b = log_a.phase("train"), log_b.phase("train")
         start = {key: value.numpy() for key, value in
                  initial_model(spec, seeds.init).state_dict().items()}
         batches = (batch for epoch in range(spec.recipe.epochs)
                    for batch in torch_batches(digits, spec.recipe, seeds.data)(epoch))
-        phases["train"] = _follow_sgd(spec, batches, start, start,
-                                      [log_a.weights[i] for i in train_a], log_a.steps("train"),
-                                      [log_b.weights[i] for i in train_b], log_b.steps("train"))
+        phases["train"] = follow_sgd(spec, 0, batches, start, start,
+                                     [log_a.weights[i] for i in train_a], log_a.steps("train"),
+                                     [log_b.weights[i] for i in train_b], log_b.steps("train"))
         base_a, base_b = log_a.weights[train_a[-1]], log_b.weights[train_b[-1]]
     if method == "swag":
         phase_a, phase_b = log_a.phase("swag"), log_b.phase("swag")
         batches = (batch for epoch in range(opts["epochs"])
                    for batch in torch_batches(digits, spec.recipe, seeds.method)(epoch))
-        phases["swag"] = _follow_sgd(spec, batches, base_a, base_b,
-                                     [log_a.weights[i] for i in phase_a], log_a.steps("swag"),
-                                     [log_b.weights[i] for i in phase_b], log_b.steps("swag"))
+        phases["swag"] = follow_sgd(spec, 0, batches, base_a, base_b,
+                                    [log_a.weights[i] for i in phase_a], log_a.steps("swag"),
+                                    [log_b.weights[i] for i in phase_b], log_b.steps("swag"))
         epochs = set(swag.collection_epochs(opts["epochs"], opts["iterates"],
                                             opts["collect_from"]))
         _check_swag_samples(spec, _iterates(log_a, epochs), _iterates(log_b, epochs), fast,
