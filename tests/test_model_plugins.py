@@ -15,11 +15,13 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import h5py
 import numpy as np
 import pytest
 import torch
+from rounding_bounds import U32, gamma, mlp_forward_bounds
 
 from posteriorzoo.cli import MODELS_VARIABLE, build_parser, main
 from posteriorzoo.errors import UnknownNameError, ZooFormatError
@@ -600,6 +602,21 @@ def test_an_input_shape_function_giving_no_shape_names_the_model(folder):
 # ------------------------------------------------------------------------ symmetries
 
 
+def _pass_error(network: torch.nn.Module, inputs: torch.Tensor, relative: float = 0.0
+                ) -> torch.Tensor:
+    """How far (per example and class) the plugin MLP's float32 logits on ``inputs`` may
+    lie from the exact function of weights within ``relative`` of ``network``'s own (an
+    exact symmetric copy's, entry by entry): rounding_bounds.mlp_forward_bounds' analysis
+    for one float32 pass (each Linear layer gamma(in + 1) of |W| |x| + |b|, carried through
+    |W|; the LeakyReLU is 1-Lipschitz, whichever side of its kink) plus the weights'
+    ``relative |W|`` carried the same way."""
+    layers = [network[1], network[4]]
+    delta = {f"layers.{i}.{name}": relative * value.detach().double().abs()
+             for i, layer in enumerate(layers) for name, value in layer.named_parameters()}
+    view = SimpleNamespace(layers=layers, training=False)
+    return mlp_forward_bounds(view, inputs, delta, implementations=1).error
+
+
 def test_a_leaky_relu_mlp_canonicalizes_to_the_same_function(folder):
     from posteriorzoo.symmetry import canonicalize, random_symmetry
 
@@ -612,20 +629,52 @@ def test_a_leaky_relu_mlp_canonicalizes_to_the_same_function(folder):
     assert not torch.allclose(moved["1.weight"], state["1.weight"])
     canonical = canonicalize(model, state, slope=0.3)
     again = canonicalize(model, moved, slope=0.3)
+    assert canonical["1.weight"].dtype == torch.float32   # canonicalized in float32
+    # How far each float32 state lies from an exact symmetric copy of ``state``, relative
+    # to each entry: random_symmetry's factor power and two products (3 u; the output
+    # biases' shift one rounding of the result); the float32 canonical form 2 gamma(R),
+    # R = 800 its roundings (test_canonicalize_batch.canonical_roundings: the hidden
+    # units' 785-entry rows + 4, the softmax shift's K + 1); the canonical form of
+    # ``moved`` carries moved's 3 u to (2 L + 1) 3 u (L = 1 scale variable) plus 2 gamma(R).
+    hidden_row = 784 + 1
+    roundings = hidden_row + 4 + 10 + 1
+    relative = {"moved": 3 * U32, "canonical": 2 * gamma(roundings),
+                "again": 3 * 3 * U32 + 2 * gamma(roundings)}
     inputs = torch.randn(64, 1, 28, 28)
     with torch.no_grad():
         expected = network(inputs)
-        for weights in (moved, canonical, again):
+        error = _pass_error(network, inputs)
+        for name, weights in (("moved", moved), ("canonical", canonical), ("again", again)):
             network.load_state_dict(weights)
             logits = network(inputs)
-            # the same function, up to the softmax shift of the output biases
+            # the same function, up to the softmax shift of the output biases: each pass
+            # within its bound of the exact function, the centring doubles a row's largest
+            # (the mean of the errors), and the test's own float32 differences, mean and
+            # subtraction round by gamma(12) of the values. Bound 4.2e-3-1.5e-2 (logits up
+            # to 1.9; the worst case over 784 inputs); measured 6e-7, at most 1.3e-4 of it.
+            # A unit moved or scaled without its reader changes logits by O(0.1-1).
             shift = (logits - expected).mean(1, keepdim=True)
-            torch.testing.assert_close(logits - shift, expected, atol=1e-5, rtol=1e-5)
+            both = error + _pass_error(network, inputs, relative[name])
+            bound = (2 * both.max(1, keepdim=True).values
+                     + gamma(12) * float(logits.abs().max() + expected.abs().max()
+                                         + shift.abs().max()))
+            assert ((logits - shift - expected).double().abs() <= bound).all(), name
+    # canonical forms of a state and of its symmetric copy: 2 gamma(R) each side, plus
+    # moved's error carried (9 u), of each tensor's largest entry; the output biases'
+    # shift rounded in float32 (u of |b + shift|) becomes, centred, 2 u of moved's largest
+    # bias, absolute. Bound 1.2e-5-7.3e-5; measured 1 ulp at most (8e-4 of the bound).
+    rtol = 4 * gamma(roundings) + 3 * 3 * U32
+    shifted = 2 * U32 * float(moved["4.bias"].abs().max())
     for key in state:
-        torch.testing.assert_close(canonical[key], again[key], atol=1e-5, rtol=1e-5)
-    # the LeakyReLU's positive scaling was removed: unit-norm incoming weights and bias
+        difference = float((canonical[key] - again[key]).double().abs().max())
+        assert difference <= rtol * float(canonical[key].abs().max()) + shifted, key
+    # the LeakyReLU's positive scaling was removed: unit-norm incoming weights and bias,
+    # each row divided by its float32 norm (785 squares summed, a root, a reciprocal, a
+    # product: gamma(789)), whose norm this computes again (gamma(787)): 9.4e-5; measured
+    # 6e-8. An unnormalized row is O(1) off.
     rows = torch.cat([canonical["1.weight"], canonical["1.bias"][:, None]], 1)
-    torch.testing.assert_close(rows.norm(dim=1), torch.ones(8, dtype=rows.dtype))
+    assert float((rows.norm(dim=1) - 1).abs().max()) <= (gamma(hidden_row + 4)
+                                                         + gamma(hidden_row + 2))
 
 
 # ---------------------------------------------------------------------- the README
