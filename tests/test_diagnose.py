@@ -1,4 +1,10 @@
-"""``posteriorzoo diagnose`` on the shipped collections: it finds what the audit found."""
+"""``posteriorzoo diagnose`` on the shipped collections: it finds what the audit found.
+
+Tolerances (issue 30 section 1): the shipped collections are fixed bits, so every
+statistic of them is one number up to float64 rounding; where diagnose and the test
+compute the same function of the same values in one process they are compared exactly,
+and the audit's printed figures within the precision they were read to.
+"""
 
 from __future__ import annotations
 
@@ -43,8 +49,10 @@ def test_shipped_sghmc_chains_are_read_as_four_chains_with_their_temperatures():
                                  axis=1)
         records = zoo.training_records()
     direct = chain_statistics(weights.reshape(4, 25, -1))
-    assert chain["ess"]["median"] == pytest.approx(direct.ess.median)
-    assert chain["r_hat"]["median"] == pytest.approx(direct.r_hat.median)
+    # the same float64 values (float32 widened exactly, in the state's key order) into
+    # the same function in one process: the same numbers, bit for bit
+    assert chain["ess"]["median"] == direct.ess.median
+    assert chain["r_hat"]["median"] == direct.r_hat.median
     recorded = [c["kinetic_temperature"] for c in records[0]["chains"]]
     assert chain["kinetic_temperature"] == recorded
     # issue 17's acceptance: the chains run at the sampler's temperature (within 10% of
@@ -56,6 +64,11 @@ def test_shipped_sghmc_chains_are_read_as_four_chains_with_their_temperatures():
 
 def test_shipped_bbb_variance_is_flagged_as_untrained():
     # The audit: the learned sigma is the initial one, 9.3e-4 (fc) and 2.5e-3 (convs).
+    # Not a rounding tolerance: the samples' standard deviation (median over a layer's
+    # weights, 100 samples) estimates the posterior's sigma, here the initial 9.11e-4 and
+    # 2.48e-3; measured 9.18e-4 and 2.53e-3 (the shipped bits, float64 rounding aside),
+    # 1.3% and 1.2% from the audit's figures. 5% is the audit's reading; a sigma that
+    # trained by the flag's factor (1.25) fails it.
     result = diagnose(reference_path("bbb"), predictions=False)
     sigma = {row["layer"]: row["sample_sigma"] for row in result.variational}
     assert sigma["fc.weight"] == pytest.approx(9.3e-4, rel=0.05)
@@ -80,16 +93,18 @@ def test_cli_json_and_bad_input(capsys, tmp_path):
     assert len(err) == 1 and "error" in err[0]
 
 
-def _copy_with_a_diverged_row(source, path, rows, diverged_row=None):
+def _copy_with_a_diverged_row(source, path, rows, diverged_row=None, dataset=None):
     """The first ``rows`` checkpoints of ``source`` as a new collection; the checkpoint at
     ``diverged_row`` replaced by NaN weights flagged diverged, as the trainer writes a run
-    whose loss blew up (test accuracy at chance, NaN loss)."""
+    whose loss blew up (test accuracy at chance, NaN loss). ``dataset``: the copy's
+    in-distribution dataset (default: the source's)."""
     import numpy as np
 
     from posteriorzoo.zoo import create_zoo, open_zoo
 
     with open_zoo(source) as zoo, create_zoo(
-            path, architecture=zoo.architecture, dataset=zoo.dataset, method=zoo.method,
+            path, architecture=zoo.architecture, dataset=dataset or zoo.dataset,
+            method=zoo.method,
             num_classes=zoo.num_classes, template=zoo.tensor_layout,
             recipe=zoo.recipe) as out:
         for index in range(rows):
@@ -105,13 +120,16 @@ def _copy_with_a_diverged_row(source, path, rows, diverged_row=None):
 
 
 def test_a_diverged_checkpoint_is_left_out_and_counted(tmp_path, capsys):
-    from zoo_helpers import need_fashion_mnist
-
+    from posteriorzoo.collection import evaluate
+    from posteriorzoo.collection.evaluation import member_probabilities
     from posteriorzoo.hashing import sha256_file
 
-    clean = _copy_with_a_diverged_row(reference_path("de"), tmp_path / "clean.h5", 6)
+    # the shipped Fashion-MNIST networks, their IDMI taken on the digits' 450 test images
+    # (28 x 28 as theirs): the same code, a twentieth of the predictions
+    clean = _copy_with_a_diverged_row(reference_path("de"), tmp_path / "clean.h5", 6,
+                                      dataset="digits")
     mixed = _copy_with_a_diverged_row(reference_path("de"), tmp_path / "mixed.h5", 7,
-                                      diverged_row=6)
+                                      diverged_row=6, dataset="digits")
     digest = sha256_file(mixed)
     result = diagnose(mixed, predictions=False)
     assert result.left_out == 1 and result.to_dict()["left_out"] == 1
@@ -125,13 +143,20 @@ def test_a_diverged_checkpoint_is_left_out_and_counted(tmp_path, capsys):
     assert "left out      1 diverged checkpoint (NaN or infinite weights)" in out
     assert sha256_file(mixed) == digest
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clean.h5", "mixed.h5"]
-    need_fashion_mnist()
     # with predictions: the IDMI of the finite checkpoints' ensemble
     assert main(["diagnose", str(mixed)]) == 0
     out, err = capsys.readouterr()
     assert err == "" and "left out      1 diverged" in out
-    assert diagnose(mixed).diversity["idmi"] == pytest.approx(
-        diagnose(clean).diversity["idmi"], rel=1e-6)
+    # A NaN checkpoint sends the whole collection to the torch engine (the kernels take
+    # finite weights only), the clean copy to the kernels, whose float32 rounding
+    # differs. So the clean six are predicted here by the torch engine too: the same
+    # computation on the same weights and images in one process, and the ensemble of the
+    # finite members must have the same IDMI bit for bit. (The kernels against torch:
+    # within softmax_bounds, tests/test_metrics.py and test_report_speed_equivalence.py.)
+    def torch_engine(zoo, images):
+        return member_probabilities(zoo, images, verify=False, engine="torch")
+
+    assert diagnose(mixed).diversity["idmi"] == evaluate(clean, predict=torch_engine).idmi
 
 
 def test_a_chain_with_a_diverged_draw_gets_no_chain_statistics(tmp_path):
