@@ -694,3 +694,23 @@ def deep_rtol(model: nn.Module, inputs: torch.Tensor, extra: int = 0) -> float:
     :func:`gradient_rtol`; each test states its measured margin.
     """
     return gamma(forward_terms(model, inputs) + extra)
+
+
+# ------------------------------------------------------------------ MMD noise floor
+def noise_floor_bound(m: int, n: int) -> float:
+    """How far the noise floor's MMD^2 of a split (X: m, Y: n checkpoints) may be from
+    compare_arrays' on the same arrays, in float64.
+
+    Both read every kernel sum from the same distances; the floor's X-X sum is the table
+    of all P = (m + n)(m + n - 1) / 2 pairs less the X-Y and Y-Y sums, compare_arrays'
+    a direct sum. Each of these sums of positive terms (kernel values at most 1, so each
+    at most P) is within ``e gamma(P + 2 TERMS + 8)`` of itself in float64 (a bin's
+    moments: up to P terms; its Taylor polynomial: 2 TERMS roundings, whose terms' sum
+    of absolute values is at most e^(1/2) times its value each way; the exponential, the
+    product, the compensated sum over bins; truncation below 4e-17), four such sums enter
+    the difference, and the statistic weighs the X-X sum by 2 / (m (m - 1)). The median
+    over kernels is 1-Lipschitz and the summary a weighted mean over layers."""
+    from posteriorzoo.mmd.pair_sums import TERMS
+
+    pairs = (m + n) * (m + n - 1) // 2
+    return 2 / (m * (m - 1)) * 4 * pairs * math.e * gamma(pairs + 2 * TERMS + 8, U64)

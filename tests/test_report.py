@@ -4,46 +4,26 @@ files, its refusals, and its page rendered in a headless browser.
 Tolerances (issue 30 section 1): the report calls the collection layer's functions on
 the same collections, images and seeds in one process, so its numbers are theirs bit for
 bit; the noise floor sums the target's pairs in another order than compare_arrays, within
-:func:`_noise_floor_bound` (float64, Higham's ``gamma(k, U64)``).
+:func:`noise_floor_bound` (float64, Higham's ``gamma(k, U64)``).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
-from rounding_bounds import U64, gamma
+from rounding_bounds import noise_floor_bound
 from zoo_helpers import assert_one_line_error, checkpoint, run
 
 from analysis.report import MixedDatasetsError, build_report
 from posteriorzoo.collection import compare, evaluate
 from posteriorzoo.mmd import compare_arrays
 from posteriorzoo.mmd.noise import noise_floor
-from posteriorzoo.mmd.pair_sums import TERMS
 from posteriorzoo.zoo import create_zoo
-
-
-def _noise_floor_bound(m: int, n: int) -> float:
-    """How far the noise floor's MMD^2 of a split (X: m, Y: n checkpoints) may be from
-    compare_arrays' on the same arrays, in float64 (the derivation of
-    tests/test_report_speed_equivalence.py, which checks the same for the splits).
-
-    Both read every kernel sum from the same distances; the floor's X-X sum is the table
-    of all P = (m + n)(m + n - 1) / 2 pairs less the X-Y and Y-Y sums, compare_arrays'
-    a direct sum. Each of these sums of positive terms (kernel values at most 1, so each
-    at most P) is within ``e gamma(P + 2 TERMS + 8)`` of itself in float64 (a bin's
-    moments: up to P terms; its Taylor polynomial: 2 TERMS roundings, whose terms' sum
-    of absolute values is at most e^(1/2) times its value each way; the exponential, the
-    product, the compensated sum over bins; truncation below 4e-17), four such sums enter
-    the difference, and the statistic weighs the X-X sum by 2 / (m (m - 1)). The median
-    over kernels is 1-Lipschitz and the summary a weighted mean over layers."""
-    pairs = (m + n) * (m + n - 1) // 2
-    return 2 / (m * (m - 1)) * 4 * pairs * math.e * gamma(pairs + 2 * TERMS + 8, U64)
 
 
 def _collection(path: Path, seeds: range, dataset: str = "digits", method: str = "de",
@@ -76,10 +56,10 @@ def test_noise_floor_halves_are_the_engines_mmd_on_the_seeded_split():
     order = np.random.default_rng(5).permutation(60)   # the first draw of the seed
     expected = compare_arrays({k: v[order[:30]] for k, v in target.items()},
                               {"x": {k: v[order[30:]] for k, v in target.items()}})
-    # the table's X-X sum against a direct one (_noise_floor_bound: 8.9e-12 here, 1.9e-9
+    # the table's X-X sum against a direct one (noise_floor_bound: 8.9e-12 here, 1.9e-9
     # of the median). Measured: 7.4e-6 of it, AVX-512 and AVX2.
     difference = abs(floor.halves["median"] - expected.summary("x").median)
-    assert difference <= _noise_floor_bound(30, 30)
+    assert difference <= noise_floor_bound(30, 30)
     assert floor.splits.shape == (7,) and set(floor.layers) == {"w", "b"}
     low, high = floor.band
     assert low <= np.median(floor.splits) <= high

@@ -33,6 +33,7 @@ from rounding_bounds import (
     U32,
     U64,
     gamma,
+    noise_floor_bound,
     optunet_forward_bounds,
     softmax_bounds,
     softmax_sum_bound,
@@ -46,7 +47,6 @@ from posteriorzoo.collection.evaluation import member_probabilities
 from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.mmd import compare_arrays
 from posteriorzoo.mmd.noise import noise_floor
-from posteriorzoo.mmd.pair_sums import TERMS
 from posteriorzoo.models import build
 from posteriorzoo.zoo import create_zoo, open_zoo
 
@@ -216,27 +216,10 @@ def test_a_diverged_checkpoint_fails_as_on_the_torch_path(tmp_path):
     assert np.isnan(ours[1]).all() and np.array_equal(ours, theirs, equal_nan=True)
 
 
-def _noise_floor_bound(m: int, n: int) -> float:
-    """How far the noise floor's MMD^2 of a split (X: m, Y: n checkpoints) may be from
-    compare_arrays' on the same arrays, in float64.
-
-    Both read every kernel sum from the same distances; the floor's X-X sum is the table
-    of all P = (m + n)(m + n - 1) / 2 pairs less the X-Y and Y-Y sums, compare_arrays'
-    a direct sum. Each of these sums of positive terms (kernel values at most 1, so each
-    at most P) is within ``e gamma(P + 2 TERMS + 8)`` of itself in float64 (a bin's
-    moments: up to P terms; its Taylor polynomial: 2 TERMS roundings, whose terms' sum
-    of absolute values is at most e^(1/2) times its value each way; the exponential, the
-    product, the compensated sum over bins; truncation below 4e-17), four such sums enter
-    the difference, and the statistic weighs the X-X sum by 2 / (m (m - 1)). The median
-    over kernels is 1-Lipschitz and the summary a weighted mean over layers."""
-    pairs = (m + n) * (m + n - 1) // 2
-    return 2 / (m * (m - 1)) * 4 * pairs * math.e * gamma(pairs + 2 * TERMS + 8, U64)
-
-
 def test_noise_floor_splits_are_compare_arrays():
     """Each split is scored as compare_arrays scores it; its X-X sums come from one table
     of all the target's pairs (posteriorzoo.mmd.pair_sums), so they agree to rounding:
-    within :func:`_noise_floor_bound` (2.4e-12 for the halves, 9.0e-13 for the splits;
+    within :func:`noise_floor_bound` (2.4e-12 for the halves, 9.0e-13 for the splits;
     measured at most 2.0e-16, AVX-512 and AVX2). One X-X sum off by 1e-9 of itself
     exceeds it."""
     rng = np.random.default_rng(3)
@@ -248,12 +231,12 @@ def test_noise_floor_splits_are_compare_arrays():
     halves = compare_arrays({k: v[order[:15]] for k, v in target.items()},
                             {"draw": {k: v[order[15:]] for k, v in target.items()}},
                             symmetries="remove").summary("draw", "remove")
-    bound, worst = _noise_floor_bound(15, 15), 0.0
+    bound, worst = noise_floor_bound(15, 15), 0.0
     for got, expected in ((floor.halves["median"], halves.median),
                           (floor.halves["max"], halves.max)):
         assert abs(got - expected) <= bound
         worst = max(worst, abs(got - expected))
-    bound = _noise_floor_bound(24, 6)
+    bound = noise_floor_bound(24, 6)
     for split in range(4):
         order = draws.permutation(30)
         direct = compare_arrays({k: v[order[6:]] for k, v in target.items()},
