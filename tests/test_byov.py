@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from rounding_bounds import U32, U64, gamma
 from torch.distributions import Normal, kl_divergence
 
 from analysis.studies.byov import QUICK, fit_linear_probe, run_byov_study
@@ -48,6 +49,19 @@ from train_zoo.byov import (
 )
 
 STUDY_MODULE = "posteriorzoo.cli.study_command"
+
+#: beta_at / tau_at against their formula in Python floats: each side within 6 u
+#: (libm's cos within 1 ulp, 2 u of values up to 1, and four sums, products and halvings)
+#: plus the argument's two roundings (2 u pi, carried by |sin| <= 1); two sides.
+SCHEDULE_TOLERANCE = 2 * (6 + 2 * math.pi) * U64
+
+
+def _byol_bound(dim: int, batch: int) -> float:
+    """How far two float64 evaluations of the BYOL loss may lie apart: a row's cosine
+    within gamma(D + 8) of 1 (a D-term dot product of unit vectors, two norms with their
+    sums, square roots and divisions), 2 - 2 cos within twice that, and the mean of B
+    terms of at most 4 within gamma(B + 1) of 4; two sides."""
+    return 2 * (2 * gamma(dim + 8, U64) + 4 * gamma(batch + 1, U64))
 
 @pytest.fixture(scope="module")
 def network():
@@ -97,7 +111,19 @@ def test_kl_matches_torch_distributions_for_each_prior(network, prior):
             below_floor += int((raw < TEACHER_VARIANCE_FLOOR).sum())
             p_mean, p_var = teacher.means[key], raw.clamp_min(TEACHER_VARIANCE_FLOOR)
         expected += kl_divergence(q, Normal(p_mean, p_var.sqrt())).sum()
-    assert float(ours) == pytest.approx(float(expected), rel=1e-9)
+    # Each entry's KL in float64, either form (torch's (r + t - 1 - log r) / 2 with the
+    # variances' square roots squared again, or the module's): 16 roundings at most of
+    # the pieces' sizes |log v| + |log s^2| + (s^2 + (mu - m)^2) / v + 1 (the prior
+    # variance itself is the same float64 operations on both sides: the same bits), and
+    # the sum over n entries: 2 gamma(n + 16, U64) of the pieces' sum. A wrong prior
+    # (floor not applied, the teacher's mean ignored) is off by O(1) or more.
+    pieces, count = 0.0, 0
+    for key, mu in posterior.means.items():
+        log_var = posterior.log_variances[key]
+        size = (variances[key].log().abs() + log_var.abs()
+                + (log_var.exp() + (mu - means[key]) ** 2) / variances[key] + 1)
+        pieces, count = pieces + float(size.sum()), count + size.numel()
+    assert abs(float(ours) - float(expected)) <= 2 * gamma(count + 16, U64) * pieces
     if prior == "teacher-variance":
         assert below_floor > 0          # the floor was exercised
 
@@ -112,7 +138,8 @@ def test_teacher_priors_need_a_teacher_and_the_predictor_keeps_n01(network):
         if key.startswith("predictor."):
             assert (means[key] == 0).all() and (variances[key] == 1).all()
         else:
-            torch.testing.assert_close(means[key], teacher.means[key])
+            # passed through: the same values
+            torch.testing.assert_close(means[key], teacher.means[key], rtol=0, atol=0)
 
 
 # --- initialisation and parameterisation -----------------------------------------------------
@@ -135,9 +162,15 @@ def test_initial_posterior_follows_the_paper():
     pooled = torch.cat(weights)
     # trunc-normal at +-2 std has std 0.02 * 0.8796
     assert float(pooled.std()) == pytest.approx(MEAN_INIT_STD * 0.8796, rel=0.03)
+    # Deterministic at seed 5 (float32 uniforms from the generator, the same bits on every
+    # CPU, through erfinv, whose last bits may differ: far below this): measured sd
+    # 0.017569 against 0.017592: z 0.39 of its standard error sd / sqrt(2 n), n = 43,664
+    # (the 3% allowed is 8.9 standard errors)
     sigmas = sigma(posterior.log_variances)
     for value in sigmas.values():
-        torch.testing.assert_close(value, torch.full_like(value, math.exp(-5.0)))
+        # exp in float32 within 1 ulp (2 u) of exp(-5), the reference within u of it
+        torch.testing.assert_close(value, torch.full_like(value, math.exp(-5.0)),
+                                   rtol=3 * U32, atol=0)
     again = initial_posterior(net, seed=5)
     other = initial_posterior(net, seed=6)
     key = "encoder.convs.1.weight"
@@ -150,9 +183,12 @@ def test_a_draw_is_mean_plus_exp_half_log_variance_times_noise(network):
     noise = {k: torch.randn(v.shape, dtype=torch.float64) for k, v in posterior.means.items()}
     draw = sample_parameters(posterior, noise)
     for key, value in draw.items():
-        expected = (posterior.means[key]
-                    + torch.sqrt(torch.exp(posterior.log_variances[key])) * noise[key])
-        torch.testing.assert_close(value, expected)
+        spread = torch.sqrt(torch.exp(posterior.log_variances[key])) * noise[key]
+        expected = posterior.means[key] + spread
+        # exp(lv / 2) against sqrt(exp(lv)): each within 2 ulp (4 u) of sigma, the
+        # product and the sum one rounding each: 10 u of |mu| + |sigma eps| for two sides
+        size = posterior.means[key].abs() + spread.abs()
+        assert ((value - expected).abs() <= 10 * U64 * size).all()
 
 
 # --- the EMA teacher and the schedules -------------------------------------------------------
@@ -163,11 +199,14 @@ def test_teacher_update_is_the_ema_formula(network):
     student = random_posterior(network, 9).means
     tau = 0.97
     updated = teacher_update(teacher, student, tau)
+    # the module's own elementwise float64 operations in its order (each correctly
+    # rounded, x ** 2 is x * x): the same bits on every CPU
     for key, value in teacher.means.items():
-        torch.testing.assert_close(updated.means[key], tau * value + (1 - tau) * student[key])
+        torch.testing.assert_close(updated.means[key], tau * value + (1 - tau) * student[key],
+                                   rtol=0, atol=0)
         torch.testing.assert_close(updated.second_moments[key],
                                    tau * teacher.second_moments[key]
-                                   + (1 - tau) * student[key] ** 2)
+                                   + (1 - tau) * student[key] ** 2, rtol=0, atol=0)
     assert not any(k.startswith("predictor.") for k in updated.means)
 
 
@@ -184,8 +223,9 @@ def test_a_training_step_moves_the_teacher_by_the_ema_of_the_new_means(network):
     new_means = stepper.posterior().means
     for key, value in before.means.items():
         assert not torch.equal(new_means[key], posterior.means[key])   # the student moved
+        # teacher_update's elementwise operations on the same tau and means: bit-identical
         torch.testing.assert_close(stepper.teacher.means[key],
-                                   tau * value + (1 - tau) * new_means[key])
+                                   tau * value + (1 - tau) * new_means[key], rtol=0, atol=0)
     # the log-variances are trained too
     assert not torch.equal(stepper.posterior().log_variances["encoder.convs.0.weight"],
                            posterior.log_variances["encoder.convs.0.weight"])
@@ -194,17 +234,18 @@ def test_a_training_step_moves_the_teacher_by_the_ema_of_the_new_means(network):
 def test_beta_is_a_single_cycle_cosine_from_zero_to_one():
     total = 200
     assert beta_at(0, total) == 0.0
-    assert beta_at(total, total) == pytest.approx(1.0)
-    assert beta_at(total // 2, total) == pytest.approx(0.5)
+    assert beta_at(total, total) == pytest.approx(1.0, rel=0, abs=SCHEDULE_TOLERANCE)
+    assert beta_at(total // 2, total) == pytest.approx(0.5, rel=0, abs=SCHEDULE_TOLERANCE)
     values = [beta_at(step, total) for step in range(total + 1)]
     assert all(b >= a for a, b in zip(values, values[1:], strict=False))
     for step in (13, 50, 150, 199):
-        assert beta_at(step, total) == pytest.approx((1 - math.cos(math.pi * step / total)) / 2)
+        assert beta_at(step, total) == pytest.approx((1 - math.cos(math.pi * step / total)) / 2,
+                                                     rel=0, abs=SCHEDULE_TOLERANCE)
     # slow at both ends: the first and last quarters each rise by less than 0.15
     assert beta_at(total // 4, total) < 0.15 and beta_at(3 * total // 4, total) > 0.85
-    assert beta_at(100, total, 0.0, 0.3) == pytest.approx(0.15)
-    assert tau_at(0, total, 0.99) == pytest.approx(0.99)
-    assert tau_at(total, total, 0.99) == pytest.approx(1.0)
+    assert beta_at(100, total, 0.0, 0.3) == pytest.approx(0.15, rel=0, abs=SCHEDULE_TOLERANCE)
+    assert tau_at(0, total, 0.99) == pytest.approx(0.99, rel=0, abs=SCHEDULE_TOLERANCE)
+    assert tau_at(total, total, 0.99) == pytest.approx(1.0, rel=0, abs=SCHEDULE_TOLERANCE)
 
 
 # --- the BYOL loss -----------------------------------------------------------------------------
@@ -218,10 +259,16 @@ def test_byol_loss_against_a_direct_computation():
         return float(np.mean(2 - 2 * cos))
 
     tensors = [torch.tensor(a) for a in (p1, p2, z1, z2)]
-    assert float(byol_loss(tensors[0], tensors[2])) == pytest.approx(direct(p1, z1))
-    assert float(symmetric_byol_loss(*tensors)) == pytest.approx(direct(p1, z2) + direct(p2, z1))
-    assert float(byol_loss(tensors[0], 3 * tensors[0])) == pytest.approx(0.0, abs=1e-12)
-    assert float(byol_loss(tensors[0], -tensors[0])) == pytest.approx(4.0)
+    bound = _byol_bound(5, 6)     # 3.3e-15; a wrong loss (no normalisation) is off by O(1)
+    assert float(byol_loss(tensors[0], tensors[2])) == pytest.approx(direct(p1, z1), rel=0,
+                                                                       abs=bound)
+    # the sum adds one rounding of a value at most 8
+    assert float(symmetric_byol_loss(*tensors)) == pytest.approx(
+        direct(p1, z2) + direct(p2, z1), rel=0, abs=2 * bound + 16 * U64)
+    # exact answers 0 and 4: one side's rounding
+    assert float(byol_loss(tensors[0], 3 * tensors[0])) == pytest.approx(0.0, abs=bound / 2)
+    assert float(byol_loss(tensors[0], -tensors[0])) == pytest.approx(4.0, rel=0,
+                                                                       abs=bound / 2)
     # no gradient flows into the targets (the teacher)
     p = torch.tensor(p1, requires_grad=True)
     z = torch.tensor(z1, requires_grad=True)
@@ -245,8 +292,10 @@ def test_snr_pruning_keeps_the_highest_snr_weights_of_each_layer(network):
     posterior = random_posterior(network, 11)
     ratios = snr(posterior)
     for key, value in ratios.items():
+        # snr's own elementwise float64 operations in its order: the same bits everywhere
         torch.testing.assert_close(value, posterior.means[key].abs()
-                                   / torch.exp(0.5 * posterior.log_variances[key]))
+                                   / torch.exp(0.5 * posterior.log_variances[key]),
+                                   rtol=0, atol=0)
     keys = pruned_keys(posterior.means)
     assert keys == ["encoder.convs.0.weight", "encoder.convs.1.weight"]
     pruned, masks = prune(posterior.means, ratios, 0.75, keys)
@@ -274,7 +323,8 @@ def test_linear_probe_separates_separable_classes_and_is_deterministic():
     features = centres[labels] + rng.normal(size=(150, 4))
     probe = fit_linear_probe(features, labels, 3)
     p = probe.probabilities(features)
-    np.testing.assert_allclose(p.sum(1), 1.0)
+    # a float64 softmax of K = 3: each entry within (K + 8) u of its share, the sum gamma(2)
+    np.testing.assert_allclose(p.sum(1), 1.0, rtol=0, atol=gamma(3 + 8 + 2, U64))
     assert (p.argmax(1) == labels).mean() > 0.97
     again = fit_linear_probe(features, labels, 3)
     np.testing.assert_array_equal(again.weight, probe.weight)
@@ -289,7 +339,23 @@ def test_recalibration_undoes_a_per_feature_shift_and_scale():
     moved = features * scale + shift
     wrong = probe.probabilities(moved)
     right = probe.recalibrated(moved).probabilities(moved)
-    np.testing.assert_allclose(right, probe.probabilities(features), atol=1e-10)
+    # Standardising: each side's standardised feature within gamma(2 n + 8) of (its
+    # largest |value| plus |mean|) over its sd (the mean's n terms, the variance's n
+    # squares and sums, the square root, the subtraction and division; plus the two
+    # roundings of moved's scale and shift), the logits within |W| of that (plus their
+    # own D + 2 roundings), and probabilities within 2 E of the logits' change E, plus
+    # a float64 softmax's K + 8 roundings a side. A wrong recalibration is off by > 0.1.
+    # Measured 3.5e-17 against 3.5e-12 (was atol 1e-10).
+    def spread(values):
+        scale = np.abs(values).max(0) + np.abs(values.mean(0))
+        return gamma(2 * len(values) + 8, U64) * scale / values.std(0)
+
+    standardised = (features - probe.feature_mean) / probe.feature_std
+    logit_error = (np.abs(probe.weight).T @ (spread(moved) + spread(features))
+                   + 2 * gamma(5 + 2, U64) * (np.abs(standardised) @ np.abs(probe.weight)
+                                              + np.abs(probe.bias)).max(0))
+    allowed = 2 * float(logit_error.max()) + 2 * gamma(3 + 8, U64)
+    np.testing.assert_allclose(right, probe.probabilities(features), rtol=0, atol=allowed)
     assert np.abs(wrong - right).max() > 0.1
     np.testing.assert_array_equal(probe.recalibrated(moved).weight, probe.weight)
 
@@ -333,7 +399,9 @@ def test_written_samples_load_into_the_zoo_and_reproduce_the_encoder(small_study
             reference = build("small-cnn", **zoo.model_options)
             with torch.no_grad():
                 direct = torch.func.functional_call(reference, expected, (images,))
-            torch.testing.assert_close(out, direct)
+            # the same float32 network on the same weights (checked equal above) and inputs
+            # in one process: the same kernels, the same bits
+            torch.testing.assert_close(out, direct, rtol=0, atol=0)
             outputs.append(out)
         assert not torch.allclose(outputs[0], outputs[1])        # different draws
         assert metadata["test_accuracy"].min() >= 0 and metadata["sample_id"].tolist() == [0, 1, 2]
@@ -363,9 +431,11 @@ def test_study_tables_hold_every_model_and_the_same_probe_numbers(small_study):
     assert {(r["model"], r["criterion"]) for r in pruning} == {
         ("byov-teacher-variance", "snr"), ("byov-teacher-variance", "magnitude"),
         ("byol", "magnitude")}
+    # whole weights: round(0.5 n) of n pruned, within 1 / (2 n) of 0.5 (counts, not
+    # rounding; abs 1e-3 allows n >= 500)
     assert all(r["achieved_sparsity"] == pytest.approx(0.5, abs=1e-3) for r in pruning)
     history = small_study.summary["history"]["byov-teacher-variance"]
-    assert len(history) == 1 and history[0]["beta"] == pytest.approx(beta_at(2, 3))
+    assert len(history) == 1 and history[0]["beta"] == beta_at(2, 3)  # the same call
 
 
 def test_cli_quick_run_writes_its_files(study_cli, capsys, tmp_path):
