@@ -28,6 +28,13 @@ A ReLU input or a max-pool arg-max that lies within the bound of its switching p
 legitimately be decided differently by two implementations; the bounds hold only while
 both take the same branches. :func:`optunet_forward_bounds` counts the decisions that
 are that close (``near_switch``).
+
+Defaults. ``pytest.approx``'s and ``torch.testing.assert_close``'s default tolerances
+(1e-6 relative; 1e-7 in float64) are kept only where both sides are float64 results of a
+handful of operations on the same values (a rescaling by the data set's size, a
+schedule's formula, a product of options): their rounding is a few u64, 1e-15 of the
+value, eight orders of magnitude below the default, and a wrong formula misses by far
+more. Every other comparison states its bound where it is made.
 """
 
 from __future__ import annotations
