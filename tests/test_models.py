@@ -52,7 +52,7 @@ def test_model_spec_records_defaults_and_options() -> None:
     assert isinstance(spec, ModelEntry)
     assert spec.name == "resnet18"
     assert spec.num_classes == 100
-    assert dict(spec.options) == {"width": 64, "dropout": 0.0}
+    assert dict(spec.options) == {"width": 64, "dropout": 0.0, "in_channels": 3}
     assert spec.description
     assert model_entry("resnet18-tiny").num_classes == 200
     assert model_entry("optunet").num_classes == 10
@@ -66,6 +66,9 @@ def test_input_shapes() -> None:
     assert input_shape("optunet-v1") == (1, 28, 28)
     assert input_shape("resnet18") == (3, 32, 32)
     assert input_shape("resnet18-tiny") == (3, 64, 64)
+    assert input_shape("resnet18", in_channels=1) == (1, 32, 32)   # e.g. Fashion-MNIST
+    assert input_shape("resnet50", in_channels=1) == (1, 224, 224)
+    assert build("resnet18", width=4, in_channels=1).conv1.weight.shape == (4, 1, 3, 3)
     assert input_shape("mlp") == (2,)
     assert input_shape("mlp", widths=(784, 100, 10)) == (784,)
 

@@ -27,6 +27,7 @@ from posteriorzoo.zoo import open_zoo
 from train_zoo import checkpoint_seeds, get_recipe, load_spec, make_spec, train_checkpoints
 from train_zoo.backends import LocalBackend, SerialBackend
 from train_zoo.data import TrainingData, train_transform
+from train_zoo.result import is_diverged, near_chance
 from train_zoo.run import train_collection
 from train_zoo.torch_engine import initial_model, train_torch
 
@@ -187,6 +188,30 @@ def test_diverged_runs_are_recorded_and_flagged(tmp_path):
     assert verify(tmp_path / "nan.h5").ok
 
 
+def test_a_finite_run_near_chance_is_undertrained_not_diverged(tmp_path, capsys):
+    """Diverged means NaN or infinite weights or metrics. A run that barely moved (a
+    learning rate of 1e-9: the initial networks, near chance) is counted apart, as
+    undertrained, and the train line says so."""
+    assert is_diverged({"w": np.array([1.0, np.nan])}, {"test_loss": 1.0})
+    assert is_diverged({"w": np.ones(2)}, {"test_loss": float("inf")})
+    assert not is_diverged({"w": np.ones(2)}, {"test_loss": 2.3, "test_accuracy": 0.1})
+    assert near_chance(0.1, 10) and not near_chance(0.16, 10)
+    assert not near_chance(float("nan"), 10)
+    spec_path = tmp_path / "slow.toml"
+    spec_path.write_text(SPEC_TOML.format(checkpoints=2) + "lr = 1e-9\n")
+    out = tmp_path / "slow.h5"
+    code = main(["train", str(spec_path), "--out", str(out), "--backend", "serial",
+                 "--no-progress", "--engine", "torch"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    with open_zoo(out) as zoo:
+        accuracy = np.asarray(zoo.metadata["test_accuracy"])
+        assert not zoo.metadata["diverged"].any()
+    chance = int((accuracy < 0.15).sum())
+    assert chance > 0, accuracy   # the initial networks: 0.102 and 0.138 at this seed
+    assert f"0 diverged, {chance} near chance accuracy (undertrained" in printed
+
+
 # ---------------------------------------------------------------- ResNet recipes
 def test_resnet_recipe_first_step_is_nesterov_sgd_with_weight_decay():
     rng = np.random.default_rng(0)
@@ -315,3 +340,27 @@ def test_cli_train_bad_input(tmp_path, capsys):
     assert code == 2 and "fast engine does not support" in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "z.h5").exists()  # refused before anything was created
+
+
+def test_a_resnet_trains_on_one_channel_images_with_in_channels(tmp_path, capsys):
+    """ResNet-18 takes 3-channel images by default: on digits (1 channel) train refuses it
+    in one line before creating anything, saying which option fixes it; with
+    ``in_channels = 1`` it trains."""
+    spec_path = tmp_path / "resnet.toml"
+    body = ('recipe = "resnet18-cifar100"\ndataset = "digits"\ncheckpoints = 1\n'
+            'base_seed = 3\n\n[recipe_overrides]\nepochs = 1\n\n[model_options]\nwidth = 2\n')
+    spec_path.write_text(body)
+    out = tmp_path / "resnet.h5"
+    code = main(["train", str(spec_path), "--out", str(out), "--backend", "serial",
+                 "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "resnet18 takes 3-channel images, but digits has 1 channel" in err
+    assert "in_channels = 1" in err
+    assert not out.exists()
+    spec = make_spec("resnet18-cifar100", dataset="digits", checkpoints=1, base_seed=3,
+                     model_options={"width": 2, "in_channels": 1},
+                     recipe_overrides={"epochs": 1})
+    [result] = train_checkpoints(spec, [0], engine="torch")
+    assert result.state["conv1.weight"].shape == (2, 1, 3, 3)
+    assert np.isfinite(result.metrics["test_loss"])

@@ -31,6 +31,30 @@ def load_training_data(dataset: str, data_dir: str | None = None) -> TrainingDat
                         load_dataset(dataset, "test", data_dir=data_dir))
 
 
+def check_channels(architecture: str, model_options: dict, data: TrainingData) -> None:
+    """Refuse, in one line, a model whose input channels are not the data set's (a
+    ResNet of 3 channels on Fashion-MNIST's 1): before any training, not as a
+    convolution's traceback in every worker. Models whose input is not an image (an MLP)
+    are not checked here."""
+    from posteriorzoo.errors import InvalidOptionError
+    from posteriorzoo.models import input_shape
+
+    shape = input_shape(architecture, **model_options)
+    channels = data.train.image_shape[0]
+    if len(shape) == 3 and shape[0] != channels:
+        fix = (f"set model_options in_channels = {channels}"
+               if "in_channels" in _options_of(architecture) else "choose another model")
+        raise InvalidOptionError(
+            f"{architecture} takes {shape[0]}-channel images, but {data.train.name} has "
+            f"{channels} channel{'s' if channels != 1 else ''}: {fix}")
+
+
+def _options_of(architecture: str) -> dict:
+    from posteriorzoo.models import model_entry
+
+    return dict(model_entry(architecture).options)
+
+
 def train_transform(recipe: Recipe, dataset: ArrayDataset) -> Compose:
     """Random crop (if ``crop_padding``), horizontal flip (if asked), then normalisation."""
     _, height, width = dataset.image_shape

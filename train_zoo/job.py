@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 from train_zoo import fast, vectorised
-from train_zoo.data import TrainingData, load_training_data
+from train_zoo.data import TrainingData, check_channels, load_training_data
 from train_zoo.methods.registry import get_method
 from train_zoo.programs import produce_mode
 from train_zoo.result import CheckpointResult
@@ -51,6 +51,7 @@ def train_checkpoints(spec: ZooSpec, indices: Sequence[int], data: TrainingData 
     """Produce modes ``indices`` of ``spec``: their checkpoints, mode by mode, each mode's
     samples in order (:func:`train_zoo.programs.produce_mode`)."""
     data = data or load_training_data(spec.dataset, spec.data_dir)
+    check_channels(spec.architecture, spec.model_options, data)
     chosen = resolve_engine(spec, engine)
     if chosen == "vectorised":
         if callbacks:

@@ -27,7 +27,8 @@ class CheckpointResult:
     wall_time : float
         Seconds spent training and evaluating this checkpoint.
     diverged : bool
-        Non-finite weights or loss, or final test accuracy near chance.
+        Non-finite weights or metrics (:func:`is_diverged`); a finite run whose accuracy
+        is near chance is undertrained, not diverged (:func:`near_chance`).
     seeds : CheckpointSeeds
     steps : int
         Optimiser steps taken.
@@ -61,7 +62,16 @@ class CheckpointResult:
                           f"engine {self.engine}", **self.metrics}
 
 
-def is_diverged(state: dict[str, np.ndarray], test_accuracy: float, num_classes: int) -> bool:
-    """Non-finite weights, or a final accuracy within 1.5x of chance (1 / num_classes)."""
+def is_diverged(state: dict[str, np.ndarray], metrics: dict[str, float]) -> bool:
+    """Training diverged: a weight or a final loss or accuracy that is NaN or infinite.
+
+    A run that stays finite but ends near chance (a few steps, a learning rate too small)
+    has not diverged: :func:`near_chance` names it undertrained."""
     finite = all(np.isfinite(v).all() for v in state.values() if v.dtype.kind == "f")
-    return not finite or not np.isfinite(test_accuracy) or test_accuracy < 1.5 / num_classes
+    return not finite or not all(np.isfinite(value) for value in metrics.values())
+
+
+def near_chance(test_accuracy: float, num_classes: int) -> bool:
+    """A finite final test accuracy within 1.5x of chance (``1 / num_classes``): the run
+    learned little, e.g. undertrained."""
+    return bool(np.isfinite(test_accuracy)) and test_accuracy < 1.5 / num_classes

@@ -45,9 +45,10 @@ from posteriorzoo.errors import (
 )
 from posteriorzoo.zoo import Zoo, create_zoo, open_zoo
 from train_zoo.backends import LocalBackend
-from train_zoo.data import load_training_data
+from train_zoo.data import check_channels, load_training_data
 from train_zoo.job import resolve_engine
 from train_zoo.methods.registry import get_method
+from train_zoo.result import near_chance
 from train_zoo.spec import ZooSpec
 from train_zoo.torch_engine import initial_model
 
@@ -62,6 +63,8 @@ class TrainSummary:
     diverged: int
     steps: int
     seconds: float
+    #: Finite checkpoints trained now whose test accuracy is near chance (undertrained).
+    near_chance: int = 0
 
     @property
     def steps_per_second(self) -> float:
@@ -133,6 +136,7 @@ def open_collection(spec: ZooSpec, out: str | os.PathLike, command: str | None =
             raise ZooBusyError(f"{out}: another process is training this collection")
         template = _template(spec)
         data = load_training_data(spec.dataset, spec.data_dir)
+        check_channels(spec.architecture, spec.model_options, data)
         recipe = spec.collection_recipe(len(data.train))
         if spec.num_classes is not None and spec.num_classes < data.train.num_classes:
             raise InvalidOptionError(
@@ -222,7 +226,8 @@ def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: object |
         missing = missing_indices(spec, zoo)
         if len(zoo):
             _warn_if_out_of_order(zoo, missing)
-        trained = diverged = steps = 0
+        trained = diverged = chance = steps = 0
+        num_classes = zoo.num_classes
         source = f"train_zoo spec {spec.name}"
         with tqdm(total=spec.checkpoints,
                   initial=(spec.modes - len(missing)) * spec.samples_per_mode, unit="ckpt",
@@ -231,7 +236,7 @@ def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: object |
             def commit(mode: list) -> None:
                 """A mode's samples in one commit, with what its method phase recorded
                 (the same record on every sample): a collection holds whole modes."""
-                nonlocal trained, diverged, steps
+                nonlocal trained, diverged, chance, steps
                 record = mode[0].record
                 zoo.append_many([r.state for r in mode],
                                 [r.metadata(spec.recipe.epochs, spec.recipe_hash, source)
@@ -241,6 +246,8 @@ def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: object |
                     zoo.publish()  # from now on an ordinary, resumable collection
                 trained += len(mode)
                 diverged += sum(r.diverged for r in mode)
+                chance += sum(near_chance(r.metrics["test_accuracy"], num_classes)
+                              for r in mode)
                 steps += mode[0].steps
                 elapsed = time.perf_counter() - started
                 bar.set_postfix(steps_per_s=f"{steps / elapsed:.0f}", diverged=diverged)
@@ -274,4 +281,4 @@ def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: object |
                     close()
         total = len(zoo)
     return TrainSummary(Path(out), total, trained, diverged, steps,
-                        time.perf_counter() - started)
+                        time.perf_counter() - started, chance)

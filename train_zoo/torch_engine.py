@@ -138,13 +138,12 @@ def finish(spec: ZooSpec, index: int, model: nn.Module, seeds: CheckpointSeeds, 
     train_loss, train_accuracy = measure(model, data.train)
     test_loss, test_accuracy = measure(model, data.test)
     state = {key: value.detach().clone().numpy() for key, value in model.state_dict().items()}
-    num_classes = spec.num_classes or data.train.num_classes
+    metrics = {"train_loss": train_loss, "train_accuracy": train_accuracy,
+               "test_loss": test_loss, "test_accuracy": test_accuracy}
     return CheckpointResult(
-        index=index, state=state,
-        metrics={"train_loss": train_loss, "train_accuracy": train_accuracy,
-                 "test_loss": test_loss, "test_accuracy": test_accuracy},
+        index=index, state=state, metrics=metrics,
         wall_time=time.perf_counter() - started,
-        diverged=is_diverged(state, test_accuracy, num_classes),
+        diverged=is_diverged(state, metrics),
         seeds=seeds, steps=steps, engine=engine, sample=sample)
 
 

@@ -144,14 +144,17 @@ def run_train(args: argparse.Namespace) -> int:
 
         print(json.dumps({"path": str(summary.path), "checkpoints": summary.checkpoints,
                           "requested": spec.checkpoints, "trained": summary.trained,
-                          "diverged": summary.diverged, "steps": summary.steps,
+                          "diverged": summary.diverged, "near_chance": summary.near_chance,
+                          "steps": summary.steps,
                           "seconds": summary.seconds, "method": spec.method,
                           "modes": spec.modes, "samples_per_mode": spec.samples_per_mode,
                           "derived": list(spec.derived)},
                          indent=1))
         return 0
+    chance = (f", {summary.near_chance} near chance accuracy (undertrained: more epochs?)"
+              if summary.near_chance else "")
     print(f"{summary.path}: {summary.checkpoints}/{spec.checkpoints} checkpoints "
-          f"({summary.trained} trained now, {summary.diverged} diverged) in "
+          f"({summary.trained} trained now, {summary.diverged} diverged{chance}) in "
           f"{summary.seconds:.1f} s, {summary.steps_per_second:.0f} model-steps/s")
     return 0
 

@@ -15,6 +15,9 @@ and ``conv3/bn3`` (1x1, 4x the planes), so torchvision checkpoints load unchange
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import Any
+
 from torch import Tensor, nn
 
 from posteriorzoo.models.registry import register
@@ -125,32 +128,44 @@ class ResNet18(nn.Module):
         return self.fc(self.dropout(self.features(x)))
 
 
-_OPTIONS = {"width": 64, "dropout": 0.0}
+_OPTIONS = {"width": 64, "dropout": 0.0, "in_channels": 3}
+
+
+def _image_shape(size: int) -> Callable[[Mapping[str, Any]], tuple[int, int, int]]:
+    """The input shape rule of a registered ResNet: ``(in_channels, size, size)``, so a
+    ResNet trains on a 1-channel data set with ``in_channels = 1``."""
+    def shape(options: Mapping[str, Any]) -> tuple[int, int, int]:
+        return check_integer("in_channels", options["in_channels"], 1), size, size
+    return shape
 
 
 @register(
     "resnet18",
     num_classes=100,
-    input_shape=(3, 32, 32),
+    input_shape=_image_shape(32),
     description="ResNet-18, CIFAR stem (3x3 stride 1, no max-pool); CIFAR-100 by default",
     options=_OPTIONS,
 )
-def _build_resnet18(num_classes: int, width: int, dropout: float) -> ResNet18:
-    return ResNet18(num_classes=num_classes, width=width, dropout=dropout)
+def _build_resnet18(num_classes: int, width: int, dropout: float,
+                    in_channels: int) -> ResNet18:
+    return ResNet18(num_classes=num_classes, width=width, dropout=dropout,
+                    in_channels=in_channels)
 
 
 @register(
     "resnet18-tiny",
     num_classes=200,
-    input_shape=(3, 64, 64),
+    input_shape=_image_shape(64),
     description="ResNet-18 for TinyImageNet: the CIFAR network at native 64x64, 200 classes",
     options=_OPTIONS,
 )
-def _build_resnet18_tiny(num_classes: int, width: int, dropout: float) -> ResNet18:
+def _build_resnet18_tiny(num_classes: int, width: int, dropout: float,
+                         in_channels: int) -> ResNet18:
     # The paper trains TinyImageNet "as for CIFAR-100, at the original
     # resolution", and torch-uncertainty's TinyImageNet recipe builds its ResNet
     # with style="cifar"; so the stem is the CIFAR one, not 7x7/stride 2 + max-pool.
-    return ResNet18(num_classes=num_classes, width=width, dropout=dropout)
+    return ResNet18(num_classes=num_classes, width=width, dropout=dropout,
+                    in_channels=in_channels)
 
 
 # --- the ImageNet layout (torchvision's resnet18 / resnet50) ----------------------------
@@ -284,24 +299,26 @@ class ImageNetResNet(nn.Module):
 @register(
     "resnet18-imagenet",
     num_classes=1000,
-    input_shape=(3, 224, 224),
+    input_shape=_image_shape(224),
     description="ResNet-18, torchvision's ImageNet layout (7x7 stride-2 stem, max-pool), "
                 "1000 classes: 11,689,512 parameters",
     options=_OPTIONS,
 )
-def _build_resnet18_imagenet(num_classes: int, width: int, dropout: float) -> ImageNetResNet:
+def _build_resnet18_imagenet(num_classes: int, width: int, dropout: float,
+                             in_channels: int) -> ImageNetResNet:
     return ImageNetResNet(ImageNetBasicBlock, (2, 2, 2, 2), num_classes=num_classes,
-                          width=width, dropout=dropout)
+                          width=width, dropout=dropout, in_channels=in_channels)
 
 
 @register(
     "resnet50",
     num_classes=1000,
-    input_shape=(3, 224, 224),
+    input_shape=_image_shape(224),
     description="ResNet-50, torchvision's ImageNet layout (bottleneck blocks), 1000 classes: "
                 "25,557,032 parameters",
     options=_OPTIONS,
 )
-def _build_resnet50(num_classes: int, width: int, dropout: float) -> ImageNetResNet:
+def _build_resnet50(num_classes: int, width: int, dropout: float,
+                    in_channels: int) -> ImageNetResNet:
     return ImageNetResNet(Bottleneck, (3, 4, 6, 3), num_classes=num_classes, width=width,
-                          dropout=dropout)
+                          dropout=dropout, in_channels=in_channels)

@@ -98,7 +98,8 @@ METADATA_COLUMNS: tuple[Column, ...] = (
            "share their mode's time evenly, plus their own evaluation)"),
     Column("versions", "S256", b"", "JSON of library versions that produced the checkpoint"),
     Column("source", "S256", b"", "where the checkpoint came from (trainer, file, archive)"),
-    Column("diverged", "?", False, "True if training diverged (NaN, or chance accuracy)"),
+    Column("diverged", "?", False, "True if training diverged (NaN or infinite weights or "
+           "metrics; a finite run near chance accuracy is undertrained, not diverged)"),
     Column("written_at", "<f8", np.nan, "Unix time the checkpoint was appended, seconds"),
     Column("sha256", "S64", b"", "SHA-256 of the checkpoint's tensors (see checkpoint_digest)"),
 )
