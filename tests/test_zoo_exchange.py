@@ -92,12 +92,22 @@ def test_release_archive_import_with_key_map(tmp_path):
         f"mnist-optunet/model_{i}.safetensors" for i in range(3)]
     key_map_file = tmp_path / "keys.json"
     key_map_file.write_text(json.dumps({"rules": [["^model\\.", ""]]}))
-    with pytest.raises(ZooSchemaError, match="key map"):
-        import_checkpoints(tmp_path / "no-map.h5", [archive])
+    # The release's wrapper prefix ("model.") is stripped without a key map, and the
+    # provenance records the rule; a prefix that leaves other keys than the model's
+    # still needs one, and the refusal names both sides of the renaming.
+    implied = import_checkpoints(tmp_path / "implied.h5", [archive])
+    assert implied.provenance["options"]["key_map"]["rules"] == [("^model\\.", "")]
+    nested = tmp_path / "mnist-optunet-0-1.tgz"
+    _release_archive(nested, states[:2], prefix="model.net.")
+    with pytest.raises(ZooSchemaError, match=r"missing key 'conv1\.weight' \(and \d+ more\); "
+                       r"unexpected key 'model\.net\.conv1\.weight' .*key map"):
+        import_checkpoints(tmp_path / "no-map.h5", [nested])
     assert not (tmp_path / "no-map.h5").exists()
     summary = import_checkpoints(tmp_path / "release.h5", [archive],
                                  key_map=KeyMap.from_file(key_map_file))
     assert summary.indices == range(3)
+    with open_zoo(tmp_path / "implied.h5") as a, open_zoo(tmp_path / "release.h5") as b:
+        assert a.digests == b.digests
     with open_zoo(tmp_path / "release.h5") as zoo:
         # attributes implied by the archive's name
         assert (zoo.architecture, zoo.dataset, zoo.method, zoo.num_classes) == (

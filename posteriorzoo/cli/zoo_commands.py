@@ -99,7 +99,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help="model option (JSON value), e.g. width=8; repeatable")
     importer.add_argument("--key-map", type=Path, help='JSON file {"rename": {...}, '
                           '"rules": [[regex, replacement], ...], "drop": [regex, ...]} that '
-                          "renames foreign state keys to this project's model keys")
+                          "renames foreign state keys to this project's model keys "
+                          "(without one, a wrapper's prefix on every key, e.g. the "
+                          "release's 'model.', is stripped when that alone makes them fit)")
     importer.add_argument("--dtype", choices=["float16", "float32", "float64"],
                           help="cast floating tensors (the release stores float16)")
     importer.add_argument("--checkpoints-per-batch", type=PER_COMMIT, default=64,

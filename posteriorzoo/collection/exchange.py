@@ -59,7 +59,7 @@ from posteriorzoo.zoo.import_checks import (
     read_inputs,
     row_for_input,
 )
-from posteriorzoo.zoo.keymap import KeyMap
+from posteriorzoo.zoo.keymap import KeyMap, wrapper_prefix_map
 from posteriorzoo.zoo.lifecycle import create_zoo, normalise_template, open_zoo
 from posteriorzoo.zoo.store import Zoo
 
@@ -364,6 +364,19 @@ class _Prepared:
 
 
 @public
+def expected_keys(attributes: Mapping[str, Any]) -> list[str]:
+    """The state keys of the model ``attributes`` name (none when it is unknown: then
+    the architecture's own check names the problem)."""
+    from posteriorzoo import models
+
+    try:
+        return list(models.expected_state_shapes(
+            attributes["architecture"], attributes["num_classes"],
+            **attributes["model_options"]))
+    except PosteriorZooError:
+        return []
+
+
 def import_checkpoints(
     zoo_path: str | os.PathLike,
     files: Iterable[str | os.PathLike],
@@ -439,6 +452,10 @@ def import_checkpoints(
         require_file(file)
         if same_file(file, zoo_path):
             raise InvalidOptionError(f"{zoo_path}: the collection is also an input")
+    # Without a key map of the caller's, a wrapper's prefix on every key (the release's
+    # ``model.``) is stripped when that alone makes them the model's (decided on the
+    # first input; recorded in the provenance as a rule).
+    wrapped = key_map is None
     key_map = key_map or KeyMap()
     exists = zoo_path.exists()
     given = {"architecture": architecture, "dataset": dataset, "method": method,
@@ -523,6 +540,11 @@ def import_checkpoints(
             if tensor_layout is None:
                 attributes = collection_attributes(files[0], header, architecture, dataset,
                                                    method, num_classes, model_options)
+            if wrapped:
+                wrapped = False
+                expected = tensor_layout or expected_keys(attributes)
+                key_map = wrapper_prefix_map(state, expected) or key_map
+            if tensor_layout is None:
                 template = in_model_order(convert_floats(key_map.apply(state), dtype), attributes)
                 tensor_layout = normalise_template(template)
                 try:

@@ -138,8 +138,8 @@ def check_state_dict(
 ) -> None:
     """Raise :class:`ZooSchemaError` unless ``state_dict`` fits the architecture.
 
-    Checks, in this order: every expected key is present (in state_dict
-    order), no unexpected key is present, every shape matches.
+    Checks, in this order: every expected key is present and no unexpected key is
+    (both named at once), every shape matches.
 
     Parameters
     ----------
@@ -160,19 +160,22 @@ def check_state_dict(
     Raises
     ------
     ZooSchemaError
-        Naming the first missing key, else the first unexpected key, else the
-        first shape (or dtype) mismatch with expected and actual values.
+        Naming the first missing and the first unexpected key (with how many more),
+        else the first shape (or dtype) mismatch with expected and actual values.
     UnknownNameError
         Unknown model name or option name.
     """
     expected = expected_state_shapes(name, num_classes, **options)
     what = f"state_dict does not fit model {name!r}"
-    for key in expected:
-        if key not in state_dict:
-            raise ZooSchemaError(f"{what}: missing key {key!r}")
-    for key in state_dict:
-        if key not in expected:
-            raise ZooSchemaError(f"{what}: unexpected key {key!r}")
+    missing = [key for key in expected if key not in state_dict]
+    unexpected = [key for key in state_dict if key not in expected]
+    if missing or unexpected:
+        # Both sides, so a renamed key shows as what it is ('model.conv1.weight' where
+        # 'conv1.weight' is missing): what a key map would have to rename.
+        parts = [f"{kind} key {keys[0]!r}" + (f" (and {len(keys) - 1} more)"
+                                              if len(keys) > 1 else "")
+                 for kind, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
+        raise ZooSchemaError(f"{what}: {'; '.join(parts)}")
     for key, (shape, dtype) in expected.items():
         value = state_dict[key]
         got = _shape_of(key, value)

@@ -279,3 +279,22 @@ class KeyMap:
                 "backtrack for long on long keys that do not match): anchor the patterns "
                 "with ^, or use fewer repeats")
         return found
+
+
+def wrapper_prefix_map(keys: Iterable[str], expected: Iterable[str]) -> KeyMap | None:
+    """The key map that strips a wrapper's prefix, when that alone makes ``keys`` the
+    model's ``expected`` keys: every key starts with one ``PREFIX.`` (``model.``, as the
+    authors' release saves a Lightning module's network; ``module.``, as DataParallel
+    does) and without it they are exactly ``expected``. None otherwise (the keys fit
+    already, or something else differs: a key map must say how)."""
+    keys, expected_keys = list(keys), set(expected)
+    if not keys or set(keys) == expected_keys:
+        return None
+    prefixes = {key.partition(".")[0] for key in keys}
+    if len(prefixes) != 1 or not all("." in key for key in keys):
+        return None
+    prefix = prefixes.pop()
+    if {key[len(prefix) + 1:] for key in keys} != expected_keys or len(keys) != len(
+            expected_keys):
+        return None
+    return KeyMap(rules=[(f"^{re.escape(prefix)}\\.", "")])
