@@ -139,9 +139,9 @@ def test_a_shortened_swag_spec_trains(tmp_path, capsys, monkeypatch):
         records = zoo.training_records()
     assert [record["iterates"] for record in records.values()] == [2]
     # at a terminal, the same lines come before the progress bar
-    import posteriorzoo.cli
+    import posteriorzoo.progress
 
-    monkeypatch.setattr(posteriorzoo.cli, "_stderr_is_terminal", lambda: True)
+    monkeypatch.setattr(posteriorzoo.progress, "stderr_is_terminal", lambda: True)
     code, _, err = run(capsys, "train", spec, "--out", tmp_path / "again.h5", "--backend",
                        "serial")
     assert code == 0, err

@@ -215,7 +215,7 @@ def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: object |
         Check an existing collection's checkpoints against their digests before
         appending to it (default True).
     """
-    from tqdm.auto import tqdm
+    from posteriorzoo.progress import progress as progress_bar
 
     resolve_engine(spec, engine)  # refuse before creating anything
     backend = backend or LocalBackend()
@@ -229,9 +229,10 @@ def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: object |
         trained = diverged = chance = steps = 0
         num_classes = zoo.num_classes
         source = f"train_zoo spec {spec.name}"
-        with tqdm(total=spec.checkpoints,
-                  initial=(spec.modes - len(missing)) * spec.samples_per_mode, unit="ckpt",
-                  desc=f"train {Path(out).name}", disable=not progress) as bar:
+        with progress_bar(total=spec.checkpoints,
+                          initial=(spec.modes - len(missing)) * spec.samples_per_mode,
+                          unit="ckpt", desc=f"train {Path(out).name}",
+                          enabled=progress) as bar:
 
             def commit(mode: list) -> None:
                 """A mode's samples in one commit, with what its method phase recorded

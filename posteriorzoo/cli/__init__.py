@@ -6,8 +6,9 @@ takes the parsed arguments and returns an exit code. Errors a user can cause der
 :class:`posteriorzoo.errors.PosteriorZooError` and are printed as one line on stderr
 with exit code 2; so are I/O errors, and a full disk (``no space left on device: FOLDER
 needs about N MB``) whichever library met it. Progress bars are drawn only when stderr
-is a terminal (and not with ``--no-progress``), so a log or a pipe gets result and error
-lines only.
+is a terminal; in a log or a pipe long work reports one line a minute (count, rate, time
+left) once it has run 10 s, and a last line (:mod:`posteriorzoo.progress`), so a short
+command or a refusal is still one line. ``--no-progress`` turns both off.
 
 Models of your own: the global option ``--models MODULE`` and the environment variable
 ``POSTERIORZOO_MODELS`` name plugin modules that register them; they are imported before
@@ -119,20 +120,6 @@ def _load_model_plugins(modules: Sequence[str] | None) -> None:
     load_models(modules or (), environment=True, label="--models")
 
 
-def _stderr_is_terminal() -> bool:
-    try:
-        return sys.stderr.isatty()
-    except (AttributeError, ValueError):  # replaced by an object without it, or closed
-        return False
-
-
-def _progress_on_terminal_only(args: argparse.Namespace) -> None:
-    """Progress bars are for a person at a terminal: on a pipe or in a log file each
-    redraw becomes a line of its own (a 0% and a 100% line per file), and an error is no
-    longer one line. So every command's bars are off when stderr is not a terminal, as
-    with its ``--no-progress``; this is the one place the command line decides it."""
-    if hasattr(args, "no_progress") and not _stderr_is_terminal():
-        args.no_progress = True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -140,7 +127,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command_line = command_line(argv)
-    _progress_on_terminal_only(args)
 
     def show_warning(message, category, *_: object, **__: object) -> None:
         # Library warnings (symmetries a canonicalizer could not remove, collections

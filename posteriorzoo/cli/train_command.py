@@ -123,19 +123,20 @@ def run_train(args: argparse.Namespace) -> int:
         spec = spec.replace(checkpoints=args.checkpoints)
     if args.dry_run:
         return _dry_run(args, spec)
+    from posteriorzoo import progress
     from train_zoo.backends import make_backend
     from train_zoo.run import train_collection
 
     # What was derived is part of what is trained: at a terminal it is said before the
-    # progress bar; in a log (no bar), once the run succeeded, so that a failure is still
-    # one line there
-    at_terminal = not args.no_progress
+    # progress bar; in a log, once the run succeeded, so that a failure is still one
+    # line there (a log's progress lines come only after minutes of work)
+    at_terminal = progress.stderr_is_terminal() and not args.no_progress
     if at_terminal:
         _say_derived(spec)
     backend = make_backend(args.backend, workers=args.workers, group_size=args.group_size,
                            address=args.ray_address)
     summary = train_collection(spec, args.out, backend=backend, engine=args.engine,
-                               progress=at_terminal, command=args.command_line,
+                               progress=not args.no_progress, command=args.command_line,
                                verify=not args.no_verify)
     if not at_terminal:
         _say_derived(spec)

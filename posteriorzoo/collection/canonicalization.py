@@ -239,7 +239,7 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
     refuses a corrupt source. The target is built under a temporary name and appears only
     when complete; it must not exist unless ``overwrite``, and is never the source.
     """
-    from tqdm.auto import tqdm
+    from posteriorzoo.progress import progress as progress_bar
 
     check_options(permutation, scaling, solver)
     check_integer("n_verify", n_verify, 0)
@@ -285,8 +285,8 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
                         model_options=zoo.model_options, template=layout,
                         recipe=zoo.recipe, annotations=annotations, command=command,
                         overwrite=overwrite, publish=False) as out, \
-                tqdm(total=count, desc="canonicalize", unit="ckpt",
-                     disable=not progress) as bar:
+                progress_bar(total=count, desc="canonicalize", unit="ckpt",
+                             enabled=progress) as bar:
             out.check_space(count)  # a full disk refused before any work
             for start, block, batch, non_finite in _batches(zoo, checkpoints_per_batch):
                 canonical, report = canonicalize_batch(batch, structure, permutation,
@@ -403,8 +403,7 @@ def min_mass(source: Source, *, solver: str = "fast", checkpoints_per_batch: int
     with non-finite weights (flagged diverged) get NaN in every array. ``verify``
     checks each checkpoint's SHA-256 as it is read.
     """
-    from tqdm.auto import tqdm
-
+    from posteriorzoo.progress import progress as progress_bar
     from posteriorzoo.symmetry.minmass import SOLVERS
 
     if solver not in SOLVERS:
@@ -418,7 +417,8 @@ def min_mass(source: Source, *, solver: str = "fast", checkpoints_per_batch: int
                                            for k, s in zoo.shapes.items()})
         parts: list[MinMassBatch] = []
         dead: list[tuple[int, int, int]] = []
-        with tqdm(total=len(zoo), desc="min-mass", unit="ckpt", disable=not progress) as bar:
+        with progress_bar(total=len(zoo), desc="min-mass", unit="ckpt",
+                          enabled=progress) as bar:
             for start, _, batch, non_finite in _batches(
                     zoo, default_checkpoints_per_batch(zoo, structure, checkpoints_per_batch)):
                 result = solve_min_mass_batch(batch, structure, solver, problem)

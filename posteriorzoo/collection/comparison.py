@@ -275,8 +275,7 @@ def compare(target: str | os.PathLike,
     command : str, optional
         Recorded in the provenance of the report and of the canonical copies.
     """
-    from tqdm.auto import tqdm
-
+    from posteriorzoo.progress import progress as progress_bar
     from posteriorzoo.symmetry.canonical import PERMUTATION_KEYS, SCALINGS
 
     check_choice("symmetries", symmetries, SYMMETRY_CHOICES)
@@ -344,7 +343,7 @@ def compare(target: str | os.PathLike,
         results = []
         clock = time.perf_counter()
         total = len(labels) * len(chosen) * (len(sources) - 1)
-        with tqdm(total=total, desc="mmd", unit="layer", disable=not progress) as bar:
+        with progress_bar(total=total, desc="mmd", unit="layer", enabled=progress) as bar:
             for label in labels:
                 members = groups[label]
                 results += compare_sources(members[0], members[1:], chosen, symmetries=label,

@@ -285,14 +285,15 @@ def export_all(source: Source, out: str | os.PathLike, *, overwrite: bool = Fals
         The folder, with every file's name, checkpoint index and SHA-256 in ``files``;
         the provenance records the collection's SHA-256.
     """
-    from tqdm.auto import tqdm
+    from posteriorzoo.progress import progress as progress_bar
 
     out = Path(out)
     path = source_path(source)
     files = []
     with opened(source, verify=verify) as zoo, \
             atomic_directory(out, overwrite=overwrite, inputs=[zoo.path]) as partial:
-        for index in tqdm(range(len(zoo)), desc="export", unit="ckpt", disable=not progress):
+        for index in progress_bar(range(len(zoo)), desc="export", unit="ckpt",
+                                  enabled=progress):
             files.append(_write_checkpoint(zoo, index, partial / f"{index:06d}.safetensors",
                                            verify))
             fault_point("export-file")
@@ -441,7 +442,7 @@ def import_checkpoints(
         checkpoints appended and the inputs skipped; the provenance records the SHA-256
         of every input file.
     """
-    from tqdm.auto import tqdm
+    from posteriorzoo.progress import progress as progress_bar
 
     files = [Path(file) for file in files]
     if not files:
@@ -535,8 +536,9 @@ def import_checkpoints(
         count = 0
         seen = set(stored)
         new_count = 0
-        for name, state, header in tqdm(read_inputs(files, lambda: bounds[0], review),
-                                        desc="check", unit="ckpt", disable=not progress):
+        for name, state, header in progress_bar(
+                read_inputs(files, lambda: bounds[0], review), desc="check", unit="ckpt",
+                enabled=progress):
             if tensor_layout is None:
                 attributes = collection_attributes(files[0], header, architecture, dataset,
                                                    method, num_classes, model_options)
@@ -593,8 +595,8 @@ def import_checkpoints(
                          publish=False, **attributes)
     sources: list[str] = []
     skipped_existing = skipped_repeated = 0
-    with zoo, tqdm(total=new_count, desc="import", unit="ckpt",
-                   disable=not progress) as bar:
+    with zoo, progress_bar(total=new_count, desc="import", unit="ckpt",
+                           enabled=progress) as bar:
         first = len(zoo)
         stored = set(zoo.digests)
         appended: set[str] = set()

@@ -211,11 +211,11 @@ def _check_objects(zoo: Zoo, report: VerifyResult) -> None:
 
 
 def _check_digests(zoo: Zoo, report: VerifyResult, progress: bool) -> None:
-    from tqdm.auto import tqdm
+    from posteriorzoo.progress import progress as progress_bar
 
     rows = zoo.block_rows()
     count = len(zoo)
-    with tqdm(total=count, desc="verify", unit="ckpt", disable=not progress) as bar:
+    with progress_bar(total=count, desc="verify", unit="ckpt", enabled=progress) as bar:
         for start in range(0, count, rows):
             stop = min(count, start + rows)
             try:

@@ -311,7 +311,7 @@ def compare_arrays(target: Mapping[str, np.ndarray],
     -------
     Comparison
     """
-    from tqdm.auto import tqdm
+    from posteriorzoo.progress import progress as progress_bar
 
     check_number_bandwidths(number_bandwidths)
     check_treatment(symmetries)
@@ -322,8 +322,8 @@ def compare_arrays(target: Mapping[str, np.ndarray],
     chosen = select_layers(group_layers(list(target), target_source.shapes), layers)
     check_sources(target_source, method_sources, chosen)
     options = mmdagg_options(test, alpha, B1, B2, B3, seed)
-    with tqdm(total=len(chosen) * len(method_sources), desc="mmd", unit="layer",
-              disable=not progress) as bar:
+    with progress_bar(total=len(chosen) * len(method_sources), desc="mmd", unit="layer",
+                      enabled=progress) as bar:
         results = compare_sources(target_source, method_sources, chosen,
                                   symmetries=symmetries, number_bandwidths=number_bandwidths,
                                   block_bytes=block_bytes, test=options, bar=bar)
