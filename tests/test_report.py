@@ -328,3 +328,28 @@ def test_modules_run_beside_a_trace_in_another_thread_are_not_traced(collections
     other.join(30)
     assert errors == [] and len(results) == 1
     np.testing.assert_array_equal(results[0], alone)
+
+
+def test_a_missing_dataset_is_refused_before_the_long_stages(collections, monkeypatch):
+    """The OOD (or in-distribution) dataset is read first, in the report's own thread:
+    a missing one (here CIFAR-10, as if neither installed nor downloadable) stops the
+    report before its noise floor and comparisons, which at ResNet scale take hours."""
+    import analysis.report.build as build
+    import posteriorzoo.collection.evaluation as evaluation
+    from posteriorzoo.errors import DataNotFoundError
+
+    original = evaluation.load_dataset
+
+    def load_dataset(name, *args, **kwargs):
+        if name == "cifar10":
+            raise DataNotFoundError("dataset 'cifar10': not found (no network)")
+        return original(name, *args, **kwargs)
+
+    def long_stage(*_, **__):
+        raise AssertionError("a long stage started before the datasets were read")
+
+    monkeypatch.setattr(evaluation, "load_dataset", load_dataset)
+    monkeypatch.setattr(build, "noise_floor", long_stage)
+    with pytest.raises(DataNotFoundError, match="cifar10"):
+        build_report(collections["target"], [collections["de"]], ood_data="cifar10",
+                     figures=False, splits=2, n_images=50)

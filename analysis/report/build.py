@@ -253,7 +253,11 @@ def build_report(target: str | os.PathLike,
     """
     from posteriorzoo.collection import compare, diagnose
     from posteriorzoo.collection.comparison import parameter_keys
-    from posteriorzoo.collection.evaluation import member_probabilities, reusing_images
+    from posteriorzoo.collection.evaluation import (
+        member_probabilities,
+        read_images_first,
+        reusing_images,
+    )
     from posteriorzoo.metrics import OOD_SCORES
     from posteriorzoo.outputs import check_folder
     from posteriorzoo.provenance import describe_input, record
@@ -287,6 +291,10 @@ def build_report(target: str | os.PathLike,
     with reusing_images(), \
             tempfile.TemporaryDirectory(prefix="report-", dir=workdir) as scratch, \
             ThreadPoolExecutor(1, thread_name_prefix="report-metrics") as pool:
+        # The datasets first, in this thread: a missing one is refused before any long
+        # stage, and the evaluations reuse the images read here.
+        with stage("load"):
+            read_images_first(id_data, ood_data, n_images=n_images)
         todo = list(entries)
         evaluations: dict[str, Any] = {}
         options = ({"dataset": id_data, "ood_dataset": ood_data, "ood_score": ood_score,

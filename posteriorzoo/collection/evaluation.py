@@ -220,6 +220,19 @@ def reusing_images() -> Iterator[None]:
         _reused = outer
 
 
+def read_images_first(dataset: str, ood_dataset: str | None = None, *, split: str = "test",
+                      data_dir: str | None = None, n_images: int | None = None) -> None:
+    """Within :func:`reusing_images`, read the splits :func:`evaluate` will use now, in
+    this thread: a missing or corrupt dataset is refused before any long work starts (a
+    report of a ResNet zoo would otherwise learn it after its comparisons), and the
+    evaluations reuse what was read."""
+    if _reused is None:
+        raise RuntimeError("read_images_first is for use within reusing_images()")
+    _, _, stats = _split_images(dataset, split, data_dir, n_images)
+    if ood_dataset is not None:
+        _split_images(ood_dataset, split, data_dir, n_images, stats)
+
+
 def _split_images(name: str, split: str, data_dir: str | None, n_images: int | None,
                   stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
                   ) -> tuple[np.ndarray, torch.Tensor, tuple]:
