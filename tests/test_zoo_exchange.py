@@ -247,3 +247,30 @@ def test_verify_export_and_import_return_collection_results(tmp_path, source_zoo
     assert data["provenance"]["options"]["checkpoints_per_batch"] == 64
     written = imported.write(tmp_path / "import-record")
     assert written["imported.csv"].read_text().splitlines()[1] == "0,000000.safetensors"
+
+
+def test_import_dry_run_lists_what_would_be_taken(tmp_path, capsys):
+    """--dry-run reads the inputs' headers only and writes nothing: each member taken
+    with the mode its name numbers, the members skipped, the attributes the archive's
+    name implies and the key map (the release's model. prefix, implied)."""
+    from posteriorzoo.cli import main
+    from posteriorzoo.collection import plan_import
+
+    states = [checkpoint(seed) for seed in range(3)]
+    archive = tmp_path / "mnist-optunet-0-2.tgz"
+    _release_archive(archive, states)
+    before = sorted(tmp_path.iterdir())
+    plan = plan_import([archive])
+    [entry] = plan["inputs"]
+    assert [(item["name"], item["mode"]) for item in entry["taken"]] == [
+        (f"mnist-optunet/model_{i}.safetensors", i) for i in range(3)]
+    assert [item["name"] for item in entry["skipped"]] == ["README.txt"]
+    assert plan["attributes"] == {"architecture": "optunet", "dataset": "mnist",
+                                  "method": "de", "num_classes": 10, "model_options": {}}
+    assert plan["key_map"]["rules"] == [("^model\\.", "")] and plan["key_map"]["implied"]
+    assert plan["checkpoints"] == 3 and json.loads(json.dumps(plan))["written"] is False
+    assert main(["import", str(archive), "--out", str(tmp_path / "z.h5"), "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "take mnist-optunet/model_2.safetensors" in printed and "-> mode 2" in printed
+    assert "skip README.txt" in printed and "nothing was written" in printed
+    assert sorted(tmp_path.iterdir()) == before   # no collection, no temporary file

@@ -108,10 +108,50 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help=f"checkpoints committed together when appending, "
                                f"{PER_COMMIT.range_text} (held in memory until the commit) "
                                "(default: %(default)s)")
+    importer.add_argument("--dry-run", action="store_true",
+                          help="write nothing: list what would be taken from each input "
+                               "(files, archive members and the modes their names number, "
+                               "the members skipped), the new collection's attributes and "
+                               "the key map, from the inputs' headers alone")
     add_no_verify_option(importer)
     add_json_option(importer, "what was imported as JSON")
     importer.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     importer.set_defaults(func=run_import)
+
+
+def _dry_run_import(args: argparse.Namespace) -> int:
+    import json
+
+    from posteriorzoo.collection import plan_import
+    from posteriorzoo.zoo.keymap import KeyMap
+
+    plan = plan_import(args.inputs, architecture=args.architecture, dataset=args.dataset,
+                       method=args.method, num_classes=args.num_classes,
+                       model_options=_model_options(args.model_option),
+                       key_map=KeyMap.from_file(args.key_map) if args.key_map else None)
+    if args.json:
+        print(json.dumps(plan, indent=1))
+        return 0
+    for entry in plan["inputs"]:
+        print(f"{entry['input']}: {len(entry['taken'])} checkpoint(s) taken, "
+              f"{len(entry['skipped'])} member(s) skipped")
+        for item in entry["taken"]:
+            mode = "" if item["mode"] is None else f" -> mode {item['mode']}"
+            print(f"  take {item['name']} ({item['bytes']:,} bytes){mode}")
+        for item in entry["skipped"]:
+            print(f"  skip {item['name']} (not a safetensors file)")
+    attributes = plan["attributes"]
+    told = ("from the first checkpoint's header, at import" if attributes is None else
+            ", ".join(f"{key} {value}" for key, value in attributes.items()))
+    if args.zoo.exists():
+        told = "appended: the existing collection's attributes apply"
+    rules = plan["key_map"]["rules"]
+    keys = (f"key map rules {rules}" + (" (a wrapper's prefix, implied)"
+                                         if plan["key_map"]["implied"] else "")
+            if rules else "keys as they are")
+    print(f"{plan['checkpoints']} checkpoint(s) would be imported into {args.zoo} "
+          f"({told}; {keys}); nothing was written")
+    return 0
 
 
 # ---------------------------------------------------------------------- info
@@ -259,6 +299,8 @@ def run_import(args: argparse.Namespace) -> int:
     from posteriorzoo.collection import import_checkpoints
     from posteriorzoo.zoo.keymap import KeyMap
 
+    if args.dry_run:
+        return _dry_run_import(args)
     summary = import_checkpoints(
         args.zoo, args.inputs,
         architecture=args.architecture, dataset=args.dataset, method=args.method,

@@ -33,6 +33,7 @@ from posteriorzoo.collection.exchange import (
     export_all,
     export_checkpoint,
     import_checkpoints,
+    plan_import,
 )
 from posteriorzoo.collection.verification import VerifyResult, require_ok, verify
 from posteriorzoo.results import CollectionResult
@@ -41,4 +42,4 @@ __all__ = ["CanonicalizeResult", "CollectionResult", "CompareResult", "Compatibi
            "DescribeResult", "DiagnoseResult", "EvaluateResult", "ExportResult",
            "ImportResult", "MinMassResult", "VerifyResult", "canonicalize", "compare",
            "describe", "diagnose", "evaluate", "export_all", "export_checkpoint",
-           "import_checkpoints", "min_mass", "require_ok", "verify"]
+           "import_checkpoints", "min_mass", "plan_import", "require_ok", "verify"]

@@ -46,8 +46,14 @@ from posteriorzoo.provenance import describe_input, record
 from posteriorzoo.results import CollectionResult, csv_text
 from posteriorzoo.zoo import schema
 from posteriorzoo.zoo.architecture import check_architecture
-from posteriorzoo.zoo.archives import member_modes, release_task
-from posteriorzoo.zoo.formats import CHECKPOINT_FORMAT, ReadLimits, require_file, sniff_format
+from posteriorzoo.zoo.archives import list_archive, member_modes, release_task
+from posteriorzoo.zoo.formats import (
+    CHECKPOINT_FORMAT,
+    ReadLimits,
+    require_file,
+    safetensors_keys,
+    sniff_format,
+)
 from posteriorzoo.zoo.import_checks import (
     check_against_layout,
     check_recorded_digest,
@@ -64,7 +70,7 @@ from posteriorzoo.zoo.lifecycle import create_zoo, normalise_template, open_zoo
 from posteriorzoo.zoo.store import Zoo
 
 __all__ = ["ExportResult", "ImportResult", "export_all", "export_checkpoint",
-           "import_checkpoints"]
+           "import_checkpoints", "plan_import"]
 
 
 # ---------------------------------------------------------------------- export
@@ -365,6 +371,61 @@ class _Prepared:
 
 
 @public
+@public
+def plan_import(files: Iterable[str | os.PathLike], *, architecture: str | None = None,
+                dataset: str | None = None, method: str | None = None,
+                num_classes: int | None = None,
+                model_options: Mapping[str, Any] | None = None,
+                key_map: KeyMap | None = None,
+                limits: ReadLimits | None = None) -> dict[str, Any]:
+    """What :func:`import_checkpoints` would take from ``files`` for a new collection,
+    from the inputs' headers alone (no tensor is decoded, nothing is written): each
+    input's safetensors files or archive members taken (with the mode a member's name
+    numbers, where the archive's numbering tells one) and the members skipped, the
+    collection's attributes as the options and the archive's name give them, and the key
+    map (a wrapper's prefix the keys would lose). JSON-able."""
+    files = [Path(file) for file in files]
+    if not files:
+        raise ZooFormatError("no input files given")
+    current = limits or ReadLimits()
+    inputs, first_keys = [], None
+    for file in files:
+        require_file(file)
+        if sniff_format(file, current) == "safetensors":
+            with open(file, "rb") as handle:
+                keys = safetensors_keys(handle, file.stat().st_size, file.name, current)
+            entry = {"input": str(file), "kind": "safetensors", "skipped": [],
+                     "taken": [{"name": file.name, "bytes": file.stat().st_size,
+                                "mode": None}]}
+        else:
+            taken, skipped, keys = [], [], None
+            for name, size, member_keys in list_archive(file, current):
+                (skipped if member_keys is None else taken).append(
+                    {"name": name, "bytes": size})
+                keys = keys if keys is not None else member_keys
+            modes = member_modes(file.name, [item["name"] for item in taken])
+            for item in taken:
+                item["mode"] = modes.get(item["name"])
+            entry = {"input": str(file), "kind": "archive", "taken": taken,
+                     "skipped": skipped}
+        inputs.append(entry)
+        first_keys = first_keys if first_keys is not None else keys
+    try:
+        attributes: dict[str, Any] | None = collection_attributes(
+            files[0], {}, architecture, dataset, method, num_classes, model_options)
+    except PosteriorZooError:   # an exported checkpoint's header tells them at import
+        attributes = None
+    implied = None
+    if key_map is None and attributes is not None and first_keys:
+        implied = wrapper_prefix_map(first_keys, expected_keys(attributes))
+    chosen = key_map or implied or KeyMap()
+    return {"inputs": inputs, "attributes": attributes,
+            "checkpoints": sum(len(entry["taken"]) for entry in inputs),
+            "key_map": {"rename": chosen.rename, "rules": chosen.rules, "drop": chosen.drop,
+                        "implied": implied is not None},
+            "written": False}
+
+
 def expected_keys(attributes: Mapping[str, Any]) -> list[str]:
     """The state keys of the model ``attributes`` name (none when it is unknown: then
     the architecture's own check names the problem)."""

@@ -11,6 +11,7 @@ mode of each member from the members' names.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 import re
@@ -30,6 +31,7 @@ from posteriorzoo.zoo.formats import (
     Review,
     read_safetensors,
     require_file,
+    safetensors_keys,
     sniff_format,
 )
 
@@ -131,6 +133,46 @@ def read_release_archive(path: str | os.PathLike, *, limits: ReadLimits | None =
         yield name, state
 
 
+def _members(path: Path, limits: ReadLimits
+             ) -> Iterator[tuple[tarfile.TarInfo, BinaryIO | None]]:
+    """Every member of an archive stream, in order, with a handle on its data when it is
+    a safetensors file (None for the members skipped), under ``limits``: the number of
+    members, each member's declared size, the bytes the archive expands to. The caller
+    reads a handle before asking for the next member (:func:`_archive_errors` words
+    what goes wrong)."""
+    require_file(path)
+    kind = sniff_format(path, limits)
+    if kind == "safetensors":
+        raise ZooFormatError(f"{path}: a safetensors file, not a tar archive")
+    members = 0
+    with open(path, "rb") as raw:
+        stream: BinaryIO = gzip.GzipFile(fileobj=raw, mode="rb") if kind == "tar.gz" else raw
+        reader = _BoundedReader(stream, str(path), limits)
+        with tarfile.open(fileobj=reader, mode="r|") as archive:  # type: ignore[call-overload]
+            for member in archive:
+                members += 1
+                if members > limits.archive_members:
+                    raise ZooFormatError(f"{path}: more than {limits.archive_members} "
+                                         "archive members, the limit")
+                if member.size > limits.checkpoint_bytes:
+                    raise ZooFormatError(
+                        f"{path}: member {member.name[:200]!r} declares {member.size} "
+                        f"bytes, over the limit of {limits.checkpoint_bytes} bytes")
+                reader.allow(_padded(member.size))
+                taken = (member.isfile() and not member.issparse()
+                         and member.name.endswith(".safetensors"))
+                yield member, archive.extractfile(member) if taken else None
+
+
+@contextlib.contextmanager
+def _archive_errors(path: Path) -> Iterator[None]:
+    """A broken stream (tar, gzip or I/O) as one :class:`ZooFormatError` naming ``path``."""
+    try:
+        yield
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as error:
+        raise ZooFormatError(f"{path}: not a readable tar archive ({error})"[:400]) from None
+
+
 def read_archive(path: Path, limits: ReadLimits, review: Review | None = None
                  ) -> Iterator[tuple[str, dict[str, torch.Tensor], dict[str, str]]]:
     """Like :func:`read_release_archive`, with each member's header metadata too.
@@ -139,39 +181,26 @@ def read_archive(path: Path, limits: ReadLimits, review: Review | None = None
     read_safetensors`): its header first, then ``review`` (which may tighten the limits,
     or refuse), then exactly the tensor bytes the header declares.
     """
-    require_file(path)
-    kind = sniff_format(path, limits)
-    if kind == "safetensors":
-        raise ZooFormatError(f"{path}: a safetensors file, not a tar archive")
-    members = 0
-    try:
-        with open(path, "rb") as raw:
-            stream: BinaryIO = gzip.GzipFile(fileobj=raw, mode="rb") if kind == "tar.gz" \
-                else raw
-            reader = _BoundedReader(stream, str(path), limits)
-            with tarfile.open(fileobj=reader, mode="r|") as archive:  # type: ignore[call-overload]
-                for member in archive:
-                    members += 1
-                    if members > limits.archive_members:
-                        raise ZooFormatError(f"{path}: more than {limits.archive_members} "
-                                             "archive members, the limit")
-                    if member.size > limits.checkpoint_bytes:
-                        raise ZooFormatError(
-                            f"{path}: member {member.name[:200]!r} declares {member.size} "
-                            f"bytes, over the limit of {limits.checkpoint_bytes} bytes")
-                    reader.allow(_padded(member.size))
-                    if not member.isfile() or member.issparse() \
-                            or not member.name.endswith(".safetensors"):
-                        continue
-                    handle = archive.extractfile(member)
-                    if handle is None:  # pragma: no cover - regular files have data
-                        continue
-                    name = f"{path.name}:{member.name}"
-                    state, header = read_safetensors(handle, member.size, name, limits,
-                                                     review)
-                    yield name, state, header
-    except (tarfile.TarError, EOFError, OSError, zlib.error) as error:
-        raise ZooFormatError(f"{path}: not a readable tar archive ({error})"[:400]) from None
+    with _archive_errors(path):
+        for member, handle in _members(path, limits):
+            if handle is None:
+                continue
+            name = f"{path.name}:{member.name}"
+            state, header = read_safetensors(handle, member.size, name, limits, review)
+            yield name, state, header
+
+
+def list_archive(path: Path, limits: ReadLimits
+                 ) -> Iterator[tuple[str, int, list[str] | None]]:
+    """``(member name, bytes, tensor keys)`` of every member of an archive, in order,
+    under the limits :func:`read_archive` applies: the keys (from the member's header
+    alone) of the safetensors members it would read, None for the members it skips. No
+    tensor is decoded: the dry run of ``import``."""
+    with _archive_errors(path):
+        for member, handle in _members(path, limits):
+            keys = None if handle is None else safetensors_keys(
+                handle, member.size, f"{path.name}:{member.name}", limits)
+            yield member.name, member.size, keys
 
 
 def release_task(path: str | os.PathLike) -> dict[str, Any] | None:

@@ -322,6 +322,35 @@ def _read_into(stream: BinaryIO, buffer: bytearray) -> int:
 Review = Callable[[str, Mapping[str, str], ReadLimits], ReadLimits]
 
 
+def _read_header(stream: BinaryIO, size: int, name: str, limits: ReadLimits
+                 ) -> tuple[dict[str, Any], dict[str, str], int]:
+    """``(header, its metadata, header length)`` of a safetensors stream, read no further
+    than its header (bounded by ``limits.header_bytes``) and checked for structure."""
+    prefix = read_up_to(stream, 9)
+    found = _safetensors_header_size(prefix, size, limits)
+    if isinstance(found, str):
+        raise ZooFormatError(f"{name}: not a valid safetensors file ({found})")
+    text = prefix[8:] + read_up_to(stream, found - 1)
+    if len(text) != found:
+        raise ZooFormatError(f"{name}: truncated safetensors header")
+    header = load_json(text, f"{name}: the safetensors header")
+    return header, _check_header(header, name), found
+
+
+def safetensors_keys(stream: BinaryIO, size: int, name: str, limits: ReadLimits
+                     ) -> list[str]:
+    """The tensor keys of a safetensors stream of ``size`` bytes, from its header alone
+    (in the ``state_keys`` order it records, else sorted), checked as
+    :func:`read_safetensors` checks them; no tensor data is read."""
+    header, metadata, _ = _read_header(stream, size, name, limits)
+    entries, _ = _tensor_entries(header, name)
+    if "state_keys" in metadata:
+        keys = json.loads(metadata["state_keys"])
+        if set(keys) == set(entries):
+            return list(keys)
+    return sorted(entries)
+
+
 def read_safetensors(stream: BinaryIO, size: int, name: str, limits: ReadLimits,
                      review: Review | None = None
                      ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -338,15 +367,7 @@ def read_safetensors(stream: BinaryIO, size: int, name: str, limits: ReadLimits,
     (else sorted keys, as safetensors returns them), so a round trip preserves the
     model's order.
     """
-    prefix = read_up_to(stream, 9)
-    found = _safetensors_header_size(prefix, size, limits)
-    if isinstance(found, str):
-        raise ZooFormatError(f"{name}: not a valid safetensors file ({found})")
-    text = prefix[8:] + read_up_to(stream, found - 1)
-    if len(text) != found:
-        raise ZooFormatError(f"{name}: truncated safetensors header")
-    header = load_json(text, f"{name}: the safetensors header")
-    metadata = _check_header(header, name)
+    header, metadata, found = _read_header(stream, size, name, limits)
     if review is not None:
         limits = review(name, metadata, limits)
         if found > limits.header_bytes:
