@@ -358,9 +358,19 @@ def test_a_resnet_trains_on_one_channel_images_with_in_channels(tmp_path, capsys
     assert "resnet18 takes 3-channel images, but digits has 1 channel" in err
     assert "in_channels = 1" in err
     assert not out.exists()
-    spec = make_spec("resnet18-cifar100", dataset="digits", checkpoints=1, base_seed=3,
-                     model_options={"width": 2, "in_channels": 1},
-                     recipe_overrides={"epochs": 1})
-    [result] = train_checkpoints(spec, [0], engine="torch")
-    assert result.state["conv1.weight"].shape == (2, 1, 3, 3)
-    assert np.isfinite(result.metrics["test_loss"])
+    # Trained in a process of its own: in this one, after other tests changed torch's
+    # thread count, torch 2.13's convolution backward was seen to crash at random
+    # (SIGSEGV or abort; reproduced outside the tests by training ResNets at one thread
+    # and then at two in one process), which is not what this test is about.
+    code = ("import numpy as np\n"
+            "from train_zoo import make_spec, train_checkpoints\n"
+            "spec = make_spec('resnet18-cifar100', dataset='digits', checkpoints=1, "
+            "base_seed=3, model_options={'width': 2, 'in_channels': 1}, "
+            "recipe_overrides={'epochs': 1})\n"
+            "[result] = train_checkpoints(spec, [0], engine='torch')\n"
+            "print(tuple(result.state['conv1.weight'].shape), "
+            "bool(np.isfinite(result.metrics['test_loss'])))\n")
+    trained = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=300)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert trained.stdout.strip().splitlines()[-1] == "(2, 1, 3, 3) True"

@@ -371,7 +371,6 @@ class _Prepared:
 
 
 @public
-@public
 def plan_import(files: Iterable[str | os.PathLike], *, architecture: str | None = None,
                 dataset: str | None = None, method: str | None = None,
                 num_classes: int | None = None,
@@ -439,6 +438,7 @@ def expected_keys(attributes: Mapping[str, Any]) -> list[str]:
         return []
 
 
+@public
 def import_checkpoints(
     zoo_path: str | os.PathLike,
     files: Iterable[str | os.PathLike],
