@@ -75,8 +75,14 @@ class LogProgress:
         else:
             self._closed = True   # an error: its own line says what happened
 
-    def set_postfix(self, **values: Any) -> None:
-        self.postfix = values
+    def set_postfix(self, ordered_dict: dict[str, Any] | None = None, refresh: bool = True,
+                    **values: Any) -> None:
+        """What the next line adds after the rate (``key value`` pairs), as tqdm's."""
+        self.postfix = {**(ordered_dict or {}), **values}
+
+    def set_postfix_str(self, text: str = "", refresh: bool = True) -> None:
+        """What the next line adds after the rate (a text), as tqdm's."""
+        self.postfix = {"at": text} if text else {}
 
     def update(self, count: int = 1) -> None:
         self.n += count

@@ -65,6 +65,12 @@ def test_iteration_resumed_counts_and_errors():
     with pytest.raises(RuntimeError), bar:
         raise RuntimeError("a failure")
     assert out.getvalue().count("\n") == 1
+    # tqdm's other postfix setter, as mmd's progress uses it
+    bar = LogProgress(total=4, desc="mmd", unit="layer", clock=clock, stream=out)
+    clock.now += 20.0
+    bar.set_postfix_str("remove fc.weight SWAG", refresh=False)
+    bar.update()
+    assert out.getvalue().splitlines()[-1].endswith(", at remove fc.weight SWAG")
 
 
 def test_progress_picks_a_bar_a_log_or_nothing(monkeypatch):
