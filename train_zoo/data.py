@@ -37,22 +37,16 @@ def check_channels(architecture: str, model_options: dict, data: TrainingData) -
     convolution's traceback in every worker. Models whose input is not an image (an MLP)
     are not checked here."""
     from posteriorzoo.errors import InvalidOptionError
-    from posteriorzoo.models import input_shape
+    from posteriorzoo.models import input_shape, model_entry
 
     shape = input_shape(architecture, **model_options)
     channels = data.train.image_shape[0]
     if len(shape) == 3 and shape[0] != channels:
         fix = (f"set model_options in_channels = {channels}"
-               if "in_channels" in _options_of(architecture) else "choose another model")
+               if "in_channels" in model_entry(architecture).options else "choose another model")
         raise InvalidOptionError(
             f"{architecture} takes {shape[0]}-channel images, but {data.train.name} has "
             f"{channels} channel{'s' if channels != 1 else ''}: {fix}")
-
-
-def _options_of(architecture: str) -> dict:
-    from posteriorzoo.models import model_entry
-
-    return dict(model_entry(architecture).options)
 
 
 def train_transform(recipe: Recipe, dataset: ArrayDataset) -> Compose:
