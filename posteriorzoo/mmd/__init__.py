@@ -16,8 +16,12 @@ layer of the target's checkpoints (X, m x d) is compared with the method's sampl
 The pure core works on arrays only; :func:`posteriorzoo.collection.compare` compares
 collection files and writes CSV, JSON and a Markdown table like Table 2.
 
-Modules: :mod:`~posteriorzoo.mmd.distances` (numba distance kernels, blocked over
-features), :mod:`~posteriorzoo.mmd.kernels` (kernel sums and matrices),
+Modules: :mod:`~posteriorzoo.mmd.distances` (distance matrices, blocked over features:
+exact float64 kernels, and :func:`cross_distances` for one tile),
+:mod:`~posteriorzoo.mmd.distances_fast` (the default fast path: float32 GEMM and SIMD
+kernels with float64 accumulation, within a stated bound),
+:mod:`~posteriorzoo.mmd.distances_torch` (the same path in torch, on any device),
+:mod:`~posteriorzoo.mmd.kernels` (kernel sums and matrices),
 :mod:`~posteriorzoo.mmd.pair_sums` (the kernel sums of one fixed set of pairs for any
 bandwidth, from one pass: the target's pairs, shared by every method and noise split),
 :mod:`~posteriorzoo.mmd.statistics` (bandwidths, :func:`kernel_mmds`),
@@ -37,6 +41,7 @@ from posteriorzoo.mmd.comparison import (
 from posteriorzoo.mmd.distances import (
     Distances,
     SharedTargetDistances,
+    cross_distances,
     pooled_distances,
     stream_pooled_distances,
 )
@@ -70,6 +75,7 @@ __all__ = [
     "bandwidth_collection",
     "bandwidths_from_distances",
     "compare_arrays",
+    "cross_distances",
     "kernel_mmds",
     "kernel_mmds_from_distances",
     "kernel_names",

@@ -31,7 +31,12 @@ from numba import prange, uint64
 
 from posteriorzoo._api import public
 from posteriorzoo._numba import announce_compilation
-from posteriorzoo.errors import NonFiniteWeightsError, SampleSizeError, ShapeMismatchError
+from posteriorzoo.errors import (
+    InvalidOptionError,
+    NonFiniteWeightsError,
+    SampleSizeError,
+    ShapeMismatchError,
+)
 
 announce_compilation()
 
@@ -39,6 +44,9 @@ announce_compilation()
 DEFAULT_BLOCK_FEATURES = 16384
 #: Bytes of one task's transposed float64 tile (kept in the core's L2 cache).
 _TILE_BYTES = 1 << 19
+#: How the distances are computed: ``"fast"`` (float32 GEMM and SIMD kernels, within a
+#: stated bound of exact) or ``"exact"`` (float64 feature by feature, reproducible bits).
+PRECISIONS = ("fast", "exact")
 
 
 # ---------------------------------------------------------------------------- numba kernels
@@ -296,20 +304,44 @@ class SharedTargetDistances:
         Rows of X.
     ns : sequence of int
         Rows of each Y_k.
+    precision : {"fast", "exact"}
+        ``"fast"`` (default): float32 GEMM (L2) and SIMD (L1) kernels accumulated in
+        float64, within the bound of :mod:`posteriorzoo.mmd.distances_fast`; ``"exact"``:
+        float64 feature by feature, the same bits for every blocking and thread count.
+    device : str
+        ``"cpu"`` (default), or a torch device (``"cuda"``, ``"cuda:1"``) for the fast
+        path in torch (:mod:`posteriorzoo.mmd.distances_torch`).
+    within : bool
+        Also the self-distances X-X and Y_k-Y_k (default); False computes only the X-Y_k
+        blocks (a tile of a larger matrix: :func:`cross_distances`).
 
     Feed column blocks with :meth:`update` (the same features of X and of every Y_k, in
     the same order each time), then read :meth:`pooled` (k). X's self-distances are
     computed once for all k.
     """
 
-    def __init__(self, m: int, ns: Sequence[int]) -> None:
+    def __init__(self, m: int, ns: Sequence[int], *, precision: str = "fast",
+                 device: str = "cpu", within: bool = True) -> None:
         self.m = int(m)
         self.ns = [int(n) for n in ns]
         self.features = 0
-        self._xx = [zeros(m * (m - 1) // 2), zeros(m * (m - 1) // 2)]
-        self._xy = [[zeros(m, n), zeros(m, n)] for n in self.ns]
-        self._yy = [[zeros(n * (n - 1) // 2), zeros(n * (n - 1) // 2)] for n in self.ns]
-        self._workspaces: dict[int, np.ndarray] = {}
+        self.precision = check_precision(precision, device)
+        self.within = bool(within)
+        self._engine = None
+        if device != "cpu":
+            from posteriorzoo.mmd.distances_torch import TorchDistances
+
+            self._engine = TorchDistances(self.m, self.ns, self.within, device)
+        elif self.precision == "fast":
+            from posteriorzoo.mmd.distances_fast import FastDistances
+
+            self._engine = FastDistances(self.m, self.ns, self.within)
+        else:
+            self._xx = [zeros(m * (m - 1) // 2), zeros(m * (m - 1) // 2)] if within else None
+            self._xy = [[zeros(m, n), zeros(m, n)] for n in self.ns]
+            self._yy = ([[zeros(n * (n - 1) // 2), zeros(n * (n - 1) // 2)] for n in self.ns]
+                        if within else None)
+            self._workspaces: dict[int, np.ndarray] = {}
 
     def _workspace(self, rows: int) -> np.ndarray:
         if rows not in self._workspaces:
@@ -336,26 +368,66 @@ class SharedTargetDistances:
         y_blocks = [as_block(y_block, f"Y[{k}]", check_finite)
                     for k, y_block in enumerate(y_blocks)]
         # One dtype for all blocks (float32 only if every block is float32): the values
-        # are converted to float64 inside the kernels either way.
+        # are converted to float64 inside the exact kernels either way.
         common = np.result_type(x_block, *y_blocks)
         x_block = x_block.astype(common, copy=False)
         width = x_block.shape[1]
-        _self_block(x_block, self._xx[0], self._xx[1], self._workspace(self.m))
         for k, y_block in enumerate(y_blocks):
-            y_block = y_block.astype(common, copy=False)
             if y_block.shape != (self.ns[k], width):
                 raise ShapeMismatchError(
                     f"block of Y[{k}] has shape {y_block.shape}; expected "
                     f"{(self.ns[k], width)}")
+        y_blocks = [y_block.astype(common, copy=False) for y_block in y_blocks]
+        if self._engine is not None:
+            self._engine.update(x_block, y_blocks)
+            self.features += width
+            return
+        if self.within:
+            _self_block(x_block, self._xx[0], self._xx[1], self._workspace(self.m))
+        for k, y_block in enumerate(y_blocks):
             _cross_block(x_block, y_block, self._xy[k][0], self._xy[k][1],
                          self._workspace(self.ns[k]))
-            _self_block(y_block, self._yy[k][0], self._yy[k][1], self._workspace(self.ns[k]))
+            if self.within:
+                _self_block(y_block, self._yy[k][0], self._yy[k][1],
+                            self._workspace(self.ns[k]))
         self.features += width
+
+    def self_packed(self) -> tuple[np.ndarray, np.ndarray]:
+        """X's self-distances (L1, squared L2), pairs i < j packed (see :class:`Distances`)."""
+        if not self.within:
+            raise ShapeMismatchError("these distances were computed without X-X (within=False)")
+        if self._engine is not None:
+            if not hasattr(self, "_xx_done"):
+                self._xx_done = self._engine.xx()
+            return self._xx_done
+        return tuple(self._xx)
+
+    def cross(self, k: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """The (m, n_k) X-Y_k distances (L1, squared L2)."""
+        if self._engine is not None:
+            return self._engine.xy(k)
+        return tuple(self._xy[k])
 
     def pooled(self, k: int = 0) -> Distances:
         """The distances of the pooled sample Z = [X; Y_k] (see :class:`Distances`)."""
-        return Distances(tuple(self._xx), tuple(self._xy[k]), tuple(self._yy[k]), self.m,
-                         self.ns[k])
+        if not self.within:
+            raise ShapeMismatchError("these distances were computed without X-X and Y-Y "
+                                     "(within=False): read cross(k)")
+        yy = self._engine.yy(k) if self._engine is not None else tuple(self._yy[k])
+        return Distances(self.self_packed(), self.cross(k), yy, self.m, self.ns[k])
+
+
+def check_precision(precision: object, device: object) -> str:
+    """``precision`` if it is one of :data:`PRECISIONS` and ``device`` allows it."""
+    if precision not in PRECISIONS:
+        raise InvalidOptionError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}"
+                                 f", not {precision!r}")
+    if not isinstance(device, str) or not device:
+        raise InvalidOptionError(f"device must be a string such as 'cpu' or 'cuda', not "
+                                 f"{device!r}")
+    if precision == "exact" and device != "cpu":
+        raise InvalidOptionError(f"precision 'exact' runs on the CPU only, not on {device!r}")
+    return precision
 
 
 def column_blocks(array: np.ndarray, block_features: int) -> Iterable[np.ndarray]:
@@ -367,7 +439,8 @@ def column_blocks(array: np.ndarray, block_features: int) -> Iterable[np.ndarray
 
 @public
 def pooled_distances(X: np.ndarray, Y: np.ndarray, *,
-                     block_features: int = DEFAULT_BLOCK_FEATURES) -> Distances:
+                     block_features: int = DEFAULT_BLOCK_FEATURES, precision: str = "fast",
+                     device: str = "cpu") -> Distances:
     """L1 and squared-L2 distance matrices of the pooled sample Z = [X; Y].
 
     Parameters
@@ -377,7 +450,12 @@ def pooled_distances(X: np.ndarray, Y: np.ndarray, *,
     Y : array-like of shape (n, d) or (n, *shape)
         Second sample, same number of features.
     block_features : int
-        Features per block; the result does not depend on it (see the module notes).
+        Features per block; the exact result does not depend on it (see the module
+        notes), the fast one only within its bound.
+    precision : {"fast", "exact"}
+        See :class:`SharedTargetDistances`.
+    device : str
+        ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (see :class:`SharedTargetDistances`).
 
     Returns
     -------
@@ -389,12 +467,13 @@ def pooled_distances(X: np.ndarray, Y: np.ndarray, *,
     check_samples(X.shape[0], Y.shape[0], X.shape[1], Y.shape[1])
     return stream_pooled_distances(
         zip(column_blocks(X, block_features), column_blocks(Y, block_features),
-            strict=True), X.shape[0], Y.shape[0])
+            strict=True), X.shape[0], Y.shape[0], precision=precision, device=device)
 
 
 @public
 def stream_pooled_distances(blocks: Iterable[tuple[np.ndarray, np.ndarray]], m: int,
-                            n: int) -> Distances:
+                            n: int, *, precision: str = "fast", device: str = "cpu"
+                            ) -> Distances:
     """Pooled distances from a stream of ``(x_block, y_block)`` column blocks.
 
     Parameters
@@ -403,10 +482,68 @@ def stream_pooled_distances(blocks: Iterable[tuple[np.ndarray, np.ndarray]], m: 
         The same features of X and Y, block after block (e.g. read from HDF5).
     m, n : int
         Rows of X and of Y.
+    precision, device : str
+        See :class:`SharedTargetDistances`.
     """
-    shared = SharedTargetDistances(m, [n])
+    shared = SharedTargetDistances(m, [n], precision=precision, device=device)
     for x_block, y_block in blocks:
         shared.update(x_block, [y_block])
     if shared.features == 0:
         raise ShapeMismatchError("the samples have no features (an empty layer)")
     return shared.pooled(0)
+
+
+
+def _blocks_of(rows: np.ndarray | Iterable, block_features: int, name: str
+               ) -> Iterable[np.ndarray]:
+    """Column blocks of an array (anything with ``shape``) or the blocks of a stream."""
+    if hasattr(rows, "shape"):
+        if len(rows.shape) < 1:
+            raise ShapeMismatchError(f"{name}: expected an array of shape (rows, features)")
+        if len(rows.shape) != 2:
+            rows = np.asarray(rows).reshape(rows.shape[0], -1)
+        return column_blocks(rows, block_features)
+    return iter(rows)
+
+
+@public
+def cross_distances(a: np.ndarray | Iterable, b: np.ndarray | Iterable, *,
+                    precision: str = "fast", device: str = "cpu",
+                    block_features: int = DEFAULT_BLOCK_FEATURES,
+                    check_finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """One tile of the distance matrices: L1 and squared-L2 distances of two row sets.
+
+    Parameters
+    ----------
+    a : array of shape (m, d) or (m, *shape), or iterable of arrays (m, b_t)
+        The first rows: an array (anything with ``shape`` and column slicing, e.g. an
+        h5py dataset, read in blocks of ``block_features``) or a stream of its column
+        blocks.
+    b : array of shape (n, d) or (n, *shape), or iterable of arrays (n, b_t)
+        The second rows, with the same features in the same blocks. Pass the same object
+        as ``a`` (``b is a``) for a diagonal tile: it is computed once, and is symmetric
+        with an exactly zero diagonal.
+    precision : {"fast", "exact"}
+        ``"fast"`` (default): float32 arithmetic in chunks of features, accumulated in
+        float64, within the bound stated in :mod:`posteriorzoo.mmd.distances_fast`;
+        ``"exact"``: the float64 kernels, the same bits for every blocking.
+    device : str
+        ``"cpu"`` (default: numba and numpy), or a torch device (``"cuda"``,
+        ``"cuda:1"``): the same GEMM path in torch (fast precision only).
+    block_features : int
+        Features per block when ``a`` and ``b`` are arrays.
+    check_finite : bool
+        Refuse NaN or infinite values (:class:`NonFiniteWeightsError`).
+
+    Returns
+    -------
+    (ndarray (m, n), ndarray (m, n))
+        ``l1[i, j] = sum_k |a_ik - b_jk|`` and ``l2sq[i, j] = sum_k (a_ik - b_jk)^2``,
+        float64.
+    """
+    from posteriorzoo.mmd import distances_fast
+
+    return distances_fast.cross_tile(
+        _blocks_of(a, block_features, "a"),
+        None if b is a else _blocks_of(b, block_features, "b"),
+        precision=precision, device=device, check_finite=check_finite)
