@@ -32,10 +32,13 @@ ENGINE = "torch"
 
 @pytest.fixture(scope="module")
 def ray_session():
-    """One local Ray instance with 2 CPUs for this module; shut down even on failure."""
+    """One local Ray instance with 2 CPUs for this module; shut down even on failure.
+
+    It declares one GPU that this machine need not have: Ray schedules by declared
+    resources, so a task asking for a GPU is placed and sees CUDA_VISIBLE_DEVICES."""
     ray = pytest.importorskip("ray")
     try:
-        ray.init(address="local", num_cpus=2, include_dashboard=False)
+        ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False)
         yield ray
     finally:
         ray.shutdown()
@@ -105,6 +108,17 @@ def test_ray_groups(ray_session, serial_results):
         assert_identical(result, local[result.index])
 
 
+def test_a_task_given_a_gpu_trains_on_cuda_or_says_why_not(ray_session):
+    # The request reaches Ray: the task is placed on the declared GPU (Ray sets its
+    # CUDA_VISIBLE_DEVICES to "0") and asks torch for cuda; on a machine without a CUDA
+    # torch it fails with one line naming the cause instead of training on the CPU.
+    if torch.cuda.is_available():
+        pytest.skip("a real GPU: this checks the refusal on a machine without one")
+    with pytest.raises(Exception, match=r"given 0.5 GPU\(s\) \(CUDA_VISIBLE_DEVICES=0\) "
+                                        r"but torch .* sees no CUDA device"):
+        list(RayBackend(num_gpus=0.5).run(SPEC, [0], ENGINE))
+
+
 # ----------------------------------------------------------------------------- fake Ray
 
 
@@ -124,6 +138,8 @@ class FakeRay:
     most_in_flight: int = 0
     submitted: list[list[int]] = field(default_factory=list)
     cancelled: list[list[int]] = field(default_factory=list)
+    task_options: list[dict[str, Any]] = field(default_factory=list)
+    gpus_passed: list[float] = field(default_factory=list)
 
     def is_initialized(self) -> bool:
         return self.initialized
@@ -143,9 +159,17 @@ class FakeRay:
     def remote(self, **options: Any):
         fake = self
 
+        fake.task_options.append(dict(options))
+
         class Task:
             @staticmethod
-            def remote(spec, group, engine, plugins=None):
+            def options(**more: Any):
+                fake.task_options.append(dict(more))
+                return Task
+
+            @staticmethod
+            def remote(spec, group, engine, plugins=None, num_gpus=0.0):
+                fake.gpus_passed.append(num_gpus)
                 fake.submitted.append(group)
                 fake.in_flight += 1
                 fake.most_in_flight = max(fake.most_in_flight, fake.in_flight)
@@ -215,6 +239,43 @@ def test_checks_before_starting(fake_ray):
     for bad in ({"num_cpus": 0}, {"group_size": 0}, {"max_in_flight": 0}):
         with pytest.raises(InvalidOptionError):
             RayBackend(**bad)
+
+
+def test_gpus_per_task_reach_rays_resource_request(fake_ray):
+    assert list(RayBackend(num_gpus=0.25).run(SPEC, [0, 1])) == [0, 10]
+    assert fake_ray.task_options == [{"num_cpus": 1}, {"num_gpus": 0.25}]
+    assert fake_ray.gpus_passed == [0.25, 0.25]  # the task knows to train on cuda
+    fake_ray.task_options.clear()
+    list(RayBackend().run(SPEC, [0]))
+    assert fake_ray.task_options == [{"num_cpus": 1}, {"num_gpus": 0.0}]  # CPU only
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, float("nan"), float("inf"), True, "1"])
+def test_gpus_per_task_are_what_ray_can_grant(bad):
+    with pytest.raises(InvalidOptionError, match="num_gpus"):
+        RayBackend(num_gpus=bad)
+
+
+def test_gpus_per_task_are_checked_before_training(tmp_path, capsys):
+    from posteriorzoo.cli import main
+    from train_zoo.backends import make_backend
+
+    for good in (0, 0.5, 1, 2):
+        assert make_backend("ray", num_gpus=good).num_gpus == good
+    with pytest.raises(InvalidOptionError, match="ray backend"):
+        make_backend("local", num_gpus=1)
+    assert ray_backend.task_device(0) == "cpu"
+    spec = tmp_path / "spec.toml"
+    spec.write_text('recipe = "optunet-mnist"\ndataset = "digits"\ncheckpoints = 2\n')
+    out = tmp_path / "zoo.h5"
+    assert main(["train", str(spec), "--out", str(out), "--backend", "ray",
+                 "--num-gpus", "1.5", "--no-progress"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "whole number of GPUs" in error[0]
+    assert main(["train", str(spec), "--out", str(out), "--num-gpus", "1",
+                 "--no-progress"]) == 2
+    assert "ray backend" in capsys.readouterr().err
+    assert not out.exists()
 
 
 # ----------------------------------------------------------------------------- no Ray

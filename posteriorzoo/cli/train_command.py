@@ -17,7 +17,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from posteriorzoo.cli._types import add_json_option, add_no_verify_option, integer_in
+from posteriorzoo.cli._types import (
+    add_json_option,
+    add_no_verify_option,
+    integer_in,
+    number_in,
+)
 from posteriorzoo.errors import InvalidOptionError
 
 # The ranges of the numeric options (each is checked when the command line is parsed).
@@ -27,6 +32,8 @@ WORKERS = integer_in(1, 1_024)
 GROUP_SIZE = integer_in(1, 1_024)
 #: Checkpoints: the spec's own limit (train_zoo.spec.MAX_CHECKPOINTS).
 CHECKPOINTS = integer_in(1, 1_000_000)
+#: GPUs per Ray task: a fraction of one, or whole GPUs (Ray refuses 1.5).
+NUM_GPUS = number_in(0, 64)
 
 # The dry run's measured run: the first steps of a phase include compiling (numba, the
 # first autograd graph) and are not timed; then steps are timed until there are enough
@@ -92,6 +99,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "activations at once (default: %(default)s)")
     parser.add_argument("--ray-address", help="existing Ray cluster, e.g. auto or "
                         "ray://head:10001 (default: start a local instance)")
+    parser.add_argument("--num-gpus", type=NUM_GPUS, default=0.0, metavar="GPUS",
+                        help=f"ray: GPUs per task, {NUM_GPUS.range_text}: a fraction below "
+                             "1 shares a GPU among small models, above 1 whole GPUs; the "
+                             "task trains on cuda (default: %(default)s, CPU only)")
     parser.add_argument("--checkpoints", type=CHECKPOINTS,
                         help=f"override the spec's number of checkpoints, "
                              f"{CHECKPOINTS.range_text} as in a spec (the number of modes "
@@ -134,7 +145,7 @@ def run_train(args: argparse.Namespace) -> int:
     if at_terminal:
         _say_derived(spec)
     backend = make_backend(args.backend, workers=args.workers, group_size=args.group_size,
-                           address=args.ray_address)
+                           address=args.ray_address, num_gpus=args.num_gpus)
     summary = train_collection(spec, args.out, backend=backend, engine=args.engine,
                                progress=not args.no_progress, command=args.command_line,
                                verify=not args.no_verify)

@@ -25,16 +25,21 @@ __all__ = ["BACKENDS", "LocalBackend", "SerialBackend", "groups", "make_backend"
 
 
 def make_backend(name: str, workers: int | None = None, group_size: int = 1,
-                 address: str | None = None, callbacks: Sequence[object] = ()) -> object:
-    """A backend by name: ``local``, ``serial`` or ``ray``."""
+                 address: str | None = None, callbacks: Sequence[object] = (),
+                 num_gpus: float = 0.0) -> object:
+    """A backend by name: ``local``, ``serial`` or ``ray`` (``num_gpus``: GPUs per Ray
+    task, ray only)."""
     if name not in BACKENDS:
         raise UnknownNameError(f"unknown backend {name!r}; backends: {', '.join(BACKENDS)}")
     if callbacks and name != "serial":
         raise InvalidOptionError("callbacks run only with the serial backend")
+    if num_gpus and name != "ray":
+        raise InvalidOptionError("GPUs per task (num_gpus) are an option of the ray backend")
     if name == "serial":
         return SerialBackend(group_size, callbacks)
     if name == "local":
         return LocalBackend(workers, group_size=group_size)
     from train_zoo.backends.ray_backend import RayBackend
 
-    return RayBackend(address=address, num_cpus=workers, group_size=group_size)
+    return RayBackend(address=address, num_cpus=workers, group_size=group_size,
+                      num_gpus=num_gpus)

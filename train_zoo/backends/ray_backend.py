@@ -17,6 +17,11 @@ On a cluster every node needs posteriorzoo installed (same torch build for bit-i
 weights), the data set reachable (``data_dir`` of the spec, or the default locations) and
 the plugin modules of models of your own importable: each task loads the ones the driver
 loaded (:func:`posteriorzoo.models.plugins.worker_plugins`).
+
+GPUs: ``num_gpus`` > 0 asks Ray for that many GPUs per task (a fraction below 1 lets
+several small models share one GPU; above 1, whole GPUs) and the task trains on
+``cuda`` (the GPU Ray assigned it, through ``CUDA_VISIBLE_DEVICES``). A task that Ray
+gave a GPU but whose torch sees none fails with one line saying so.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -35,7 +42,7 @@ from train_zoo.job import resolve_engine
 from train_zoo.result import CheckpointResult
 from train_zoo.spec import ZooSpec
 
-__all__ = ["RayBackend", "import_ray"]
+__all__ = ["RayBackend", "check_num_gpus", "import_ray", "task_device"]
 
 
 def import_ray() -> ModuleType:
@@ -48,10 +55,41 @@ def import_ray() -> ModuleType:
             f"(or pip install 'ray>=2.9'); import failed: {error}") from None
 
 
+def check_num_gpus(num_gpus: float) -> float:
+    """``num_gpus`` if Ray can grant it per task: 0, a fraction in (0, 1), or a whole
+    number of GPUs; else InvalidOptionError."""
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, (int, float)):
+        raise InvalidOptionError(f"num_gpus must be a number, not {num_gpus!r}")
+    if not math.isfinite(num_gpus) or num_gpus < 0:
+        raise InvalidOptionError(f"num_gpus must be a finite number >= 0, not {num_gpus}")
+    if num_gpus > 1 and num_gpus != int(num_gpus):
+        raise InvalidOptionError(f"num_gpus above 1 must be a whole number of GPUs (Ray "
+                                 f"shares a GPU only in fractions below 1), not {num_gpus}")
+    return float(num_gpus)
+
+
+def task_device(num_gpus: float) -> str:
+    """The torch device of a task granted ``num_gpus``: ``cpu``, or ``cuda`` (the first GPU
+    Ray made visible to it) after checking that torch sees one."""
+    if num_gpus <= 0:
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        raise InvalidOptionError(
+            f"this Ray task was given {num_gpus:g} GPU(s) (CUDA_VISIBLE_DEVICES={visible}) "
+            f"but torch {torch.__version__} on node {os.uname().nodename} sees no CUDA "
+            "device: install a CUDA build of torch there, or train with num_gpus 0")
+    return "cuda"
+
+
 def train_group(spec: ZooSpec, group: list[int], engine: str,
-                plugins: WorkerPlugins | None = None) -> list[CheckpointResult]:
+                plugins: WorkerPlugins | None = None, num_gpus: float = 0.0
+                ) -> list[CheckpointResult]:
     """Body of one Ray task: train checkpoints ``group`` of ``spec`` with one torch thread,
-    after loading the plugin modules of the driver's models of your own."""
+    after loading the plugin modules of the driver's models of your own; on ``cuda``
+    when Ray granted the task GPUs (:func:`task_device`)."""
     import torch
 
     from train_zoo.data import load_training_data
@@ -59,9 +97,12 @@ def train_group(spec: ZooSpec, group: list[int], engine: str,
 
     if plugins is not None:
         plugins.load()
+    device = task_device(num_gpus)  # before loading anything: a GPU-less node says so
     torch.set_num_threads(1)
     data = load_training_data(spec.dataset, spec.data_dir)  # cached per worker process
-    return train_checkpoints(spec, group, data=data, engine=engine)
+    if device == "cpu":
+        return train_checkpoints(spec, group, data=data, engine=engine)
+    return train_checkpoints(spec, group, data=data, engine=engine, device=device)
 
 
 #: The logger of Ray's token-authentication notices (Ray 2.5x).
@@ -107,11 +148,16 @@ class RayBackend:
         an earlier one (default: twice the cluster's CPUs).
     init_options : mapping, optional
         Extra keyword arguments of ``ray.init`` (e.g. ``runtime_env``).
+    num_gpus : float
+        GPUs per task (default 0: CPU only): a fraction below 1 (``0.25``: four small
+        models per GPU) or a whole number; the task then trains on ``cuda``
+        (:func:`check_num_gpus`, :func:`task_device`).
     """
 
     def __init__(self, address: str | None = None, num_cpus: int | None = None,
                  group_size: int = 1, *, max_in_flight: int | None = None,
-                 init_options: Mapping[str, Any] | None = None) -> None:
+                 init_options: Mapping[str, Any] | None = None,
+                 num_gpus: float = 0.0) -> None:
         if num_cpus is not None and num_cpus < 1:
             raise InvalidOptionError("num_cpus must be at least 1")
         if group_size < 1:
@@ -123,6 +169,7 @@ class RayBackend:
         self.group_size = group_size
         self.max_in_flight = max_in_flight
         self.init_options = dict(init_options or {})
+        self.num_gpus = check_num_gpus(num_gpus)
 
     def run(self, spec: ZooSpec, indices: Sequence[int], engine: str = "auto"
             ) -> Iterator[CheckpointResult]:
@@ -159,7 +206,7 @@ class RayBackend:
         try:
             limit = self.max_in_flight or max(1, 2 * int(ray.cluster_resources().get("CPU", 1)))
             # Tasks are deterministic, so Ray's retries after a worker crash are safe.
-            task = ray.remote(num_cpus=1)(train_group)
+            task = ray.remote(num_cpus=1)(train_group).options(num_gpus=self.num_gpus)
             spec_ref = ray.put(spec)
             plugins = worker_plugins(spec.architecture)
             # Tasks in submission (mode) order, running or finished but not yet yielded:
@@ -167,7 +214,8 @@ class RayBackend:
             finished: dict[int, list[CheckpointResult]] = {}  # id(ref) -> its results
             while pending or running:
                 while pending and len(running) < limit:
-                    running.append(task.remote(spec_ref, pending.pop(0), engine, plugins))
+                    running.append(task.remote(spec_ref, pending.pop(0), engine, plugins,
+                                               self.num_gpus))
                 waiting = [ref for ref in running if id(ref) not in finished]
                 if waiting:
                     done, _ = ray.wait(waiting, num_returns=1)
