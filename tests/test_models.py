@@ -43,8 +43,8 @@ def _batch(name: str, n: int = 3, **options: object) -> torch.Tensor:
 
 def test_available_models_lists_the_builtin_architectures() -> None:
     assert available_models() == ["mlp", "mlp-bn", "optunet", "optunet-v1", "resnet18",
-                                  "resnet18-imagenet", "resnet18-tiny", "resnet50",
-                                  "small-cnn", "wrn28-10"]
+                                  "resnet18-imagenet", "resnet18-tiny", "resnet20-frn-silu",
+                                  "resnet50", "small-cnn", "wrn28-10"]
 
 
 def test_model_spec_records_defaults_and_options() -> None:

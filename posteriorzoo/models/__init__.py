@@ -5,7 +5,8 @@
 392
 >>> model = build("resnet18", num_classes=10, width=8)  # a small test network
 
-Registered names: ``optunet``, ``optunet-v1``, ``resnet18``, ``resnet18-tiny``, ``mlp``,
+Registered names: ``optunet``, ``optunet-v1``, ``resnet18``, ``resnet18-tiny``,
+``resnet20-frn-silu`` (FRN and SiLU, the BDL competition's HMC reference), ``mlp``,
 ``small-cnn`` (the BYOV study's encoder), and for parameter-overhead figures
 (:mod:`posteriorzoo.overhead`) ``resnet18-imagenet``, ``resnet50``, ``wrn28-10`` and
 ``mlp-bn`` (see :func:`available_models` and
@@ -27,6 +28,7 @@ from posteriorzoo.models.registry import (
     register,
 )
 from posteriorzoo.models.resnet import BasicBlock, ImageNetResNet, ResNet18
+from posteriorzoo.models.resnet20_frn import FilterResponseNorm2d, ResNet20FRN
 from posteriorzoo.models.schema import check_state_dict, expected_state_shapes, parameter_count
 from posteriorzoo.models.small_cnn import SmallCNN
 from posteriorzoo.models.wide_resnet import WideResNet
@@ -35,12 +37,14 @@ __all__ = [
     "MLP",
     "BasicBlock",
     "BatchNormMLP",
+    "FilterResponseNorm2d",
     "ImageNetResNet",
     "ModelEntry",
     "ModelPluginError",
     "OptuNet",
     "OptuNetV1",
     "ResNet18",
+    "ResNet20FRN",
     "SmallCNN",
     "WideResNet",
     "available_models",

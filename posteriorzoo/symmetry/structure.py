@@ -12,20 +12,41 @@ Three kinds of objects are found:
   writers produces by lambda > 0 per unit; its readers then divide by lambda. It exists
   only where everything between writers and readers is positively homogeneous (ReLU,
   LeakyReLU, PReLU, max/average pooling, dropout, flatten, additions; the table is in
-  :mod:`posteriorzoo.symmetry.operations`). A BatchNorm normalises away the scale
-  of its input: the writers of that input get a scale variable read by the BatchNorm's
-  running mean (times lambda) and variance (``lambda**2 * (var + eps) - eps``, so that
-  the normalisation is exactly the same) instead of by a next layer. The BatchNorm's own
-  weight and bias start a new scale variable.
+  :mod:`posteriorzoo.symmetry.operations`). A normalization layer (one table,
+  :data:`NORMALIZATIONS`: BatchNorm, Filter Response Normalization) divides each channel
+  by a statistic of degree 1 in that channel, so it normalises away the scale of its
+  input: the writers of that input get a scale variable (``through_batchnorm``) read by
+  the layer's stored statistics instead of by a next layer (BatchNorm's running mean,
+  times lambda, and variance, ``lambda**2 * (var + eps) - eps``, so that the
+  normalisation is exactly the same), or by nothing where the layer computes its
+  statistic from its input (FRN; a BatchNorm without running statistics). The layer's
+  own per-channel parameters start a new scale variable (BatchNorm's weight and bias;
+  FRN's ``gamma``, ``beta`` and threshold ``tau``: ``max(lambda y, lambda tau) =
+  lambda max(y, tau)``).
 - **Sign variables** (sign flips). Where everything between writers and readers is odd
   (tanh, sin, softsign, symmetric hardtanh, linear operations, additions), multiplying
   a unit's incoming weights and bias and its outgoing weights by -1 keeps the function.
   A sign variable is laid out like a scale variable, with values in {+1, -1}; units with
   both (a linear activation) may be multiplied by any nonzero real, sign times scale.
-  A BatchNorm could absorb its input's sign too (negating its running mean and its
-  weight); that flip is not used, so that networks without odd activations keep exactly
-  their former canonical forms: a BatchNorm fixes its input's sign, and its weight and
-  bias start a new sign variable.
+  A normalization layer whose statistic is even absorbs its input's sign by negating
+  the parameters listed in its row: FRN's ``gamma`` (``x_hat`` flips with ``x``,
+  ``nu2`` does not), exactly, whatever the activation. A BatchNorm could too (negating
+  its running mean and its weight); that flip is not used, so that networks without odd
+  activations keep exactly their former canonical forms: a BatchNorm fixes its input's
+  sign, and its weight and bias start a new sign variable.
+
+**FRN's epsilon.** FRN computes ``x / sqrt(nu2 + eps)`` with ``nu2`` the channel's mean
+square over its positions, so ``FRN_eps(a x) = FRN_(eps / a**2)(x)`` exactly: a scale
+``a > 0`` of its input is the same network with that channel's eps divided by ``a**2``.
+The normalised values ``x_hat`` move by a factor ``r`` with ``|r - 1| <= eps / nu2 *
+|1 - 1 / a**2|`` (``r**2 - 1 = eps (1 - a**-2) / (nu2 + eps a**-2)``), so each output
+moves by at most ``|gamma| |x_hat| eps / nu2 |1 - 1 / a**2|`` (the threshold is
+1-Lipschitz): about 1e-5 of it for eps = 1e-6, a channel of mean square 0.1 and ``a``
+within [0.5, 2], but not small for a channel whose mean square is near eps. Such a scale
+variable records the eps (``epsilon``) and a note says it. The canonical representative
+(``scaling="norm"``) gives each convolution output channel that feeds an FRN unit norm
+over its weights and bias together: the canonical network is the original with that
+channel's eps multiplied by its former squared norm.
 
 Anything the tracer does not recognise makes the spaces and variables it touches fixed,
 and is reported in :attr:`SymmetryStructure.gaps` (also in :attr:`SymmetryStructure.notes`,
@@ -36,9 +57,11 @@ removed is said. :func:`warn_coverage` turns the gaps into a
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -63,11 +86,10 @@ from posteriorzoo.symmetry.structure_types import (
     warn_coverage,
 )
 
-__all__ = ["ScaleVariable", "SignVariable", "SymmetryCoverageWarning", "SymmetryStructure",
-           "TensorAxis", "UnitSpace", "trace_structure", "warn_coverage"]
+__all__ = ["Normalization", "ScaleVariable", "SignVariable", "SymmetryCoverageWarning",
+           "SymmetryStructure", "TensorAxis", "UnitSpace", "trace_structure", "warn_coverage"]
 
 _LAYERS = (nn.Conv1d, nn.Conv2d, nn.Linear)
-_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d)
 _ADD = {operator.add, operator.iadd, torch.add}
 _KINDS = ("space", "scale", "sign")
 
@@ -104,6 +126,69 @@ class _Flow:
     sign: int
     block: int = 1
     bias: str | None = None
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """How one normalization layer meets the symmetries of the channels it normalises.
+
+    ``statistics``: ``(suffix, power, epsilon)`` of the stored per-channel statistics that
+    read the input's scale (as :class:`TensorAxis`); empty where the statistic is computed
+    from the input, which absorbs the scale up to ``epsilon`` (0: exactly). ``parameters``:
+    the per-channel tensors that write the output (permuted with the channel, scaled with
+    the output, and sign-flipped with it when ``odd``), their channels on
+    ``channel_axis``. ``sign_absorbers``: the parameters negated when the input's sign
+    flips (none: the input's sign is fixed).
+    """
+
+    statistics: tuple[tuple[str, int, float], ...]
+    parameters: tuple[str, ...]
+    channel_axis: int = 0
+    odd: bool = True
+    sign_absorbers: tuple[str, ...] = ()
+    epsilon: float = 0.0
+
+
+def _batchnorm(module: nn.Module) -> Normalization:
+    # running statistics: exact, read by the input's scale; without them (batch
+    # statistics in every mode) the eps breaks the invariance as FRN's does. The sign flip
+    # it allows is not used (see the module docstring).
+    stored = module.running_mean is not None
+    return Normalization(
+        (("running_mean", 1, 0.0), ("running_var", 2, module.eps)) if stored else (),
+        ("weight", "bias") if module.affine else (),
+        epsilon=0.0 if stored else module.eps)
+
+
+def _filter_response_norm(module: nn.Module) -> Normalization:
+    # max(gamma x_hat + beta, tau): homogeneous in (gamma, beta, tau), not odd
+    return Normalization((), ("tau", "beta", "gamma"), channel_axis=1, odd=False,
+                         sign_absorbers=("gamma",), epsilon=module.eps)
+
+
+@functools.cache
+def normalizations() -> dict[type, Callable[[nn.Module], Normalization]]:
+    """The normalization layers the tracer understands: class -> its :class:`Normalization`
+    (matched with ``isinstance``; each is traced as one node, not through its forward)."""
+    from posteriorzoo.models.resnet20_frn import FilterResponseNorm2d
+
+    return {nn.BatchNorm1d: _batchnorm, nn.BatchNorm2d: _batchnorm,
+            FilterResponseNorm2d: _filter_response_norm}
+
+
+def _normalization(module: nn.Module | None) -> Normalization | None:
+    for kind, rule in normalizations().items():
+        if isinstance(module, kind):
+            return rule(module)
+    return None
+
+
+class _NormalizationLeaves(fx.Tracer):
+    """torch.fx's tracer, with every normalization layer kept as one call."""
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return (_normalization(module) is not None
+                or super().is_leaf_module(module, qualified_name))
 
 
 def _shape(meta: object) -> tuple[int, ...] | None:
@@ -156,7 +241,9 @@ def trace_structure(model: nn.Module, input_shape: tuple[int, ...]) -> SymmetryS
     """
     with FX_TRACING:
         try:
-            graph = fx.symbolic_trace(model)
+            leaves = _NormalizationLeaves()
+            traced = leaves.trace(model)
+            graph = fx.GraphModule(leaves.root, traced, type(model).__name__)
         except Exception as error:  # torch.fx raises many kinds on untraceable code
             raise InvalidOptionError(f"cannot trace the model with torch.fx: {error}"
                                      ) from None
@@ -185,7 +272,11 @@ class _Tracer:
         self.readers: dict[str, list[tuple[int, TensorAxis]]] = {kind: [] for kind in _KINDS}
         self.fixed: dict[str, set[int]] = {kind: set() for kind in _KINDS}
         self.group_constraints: list[tuple[int, str, str, int]] = []
-        self.batchnorm_scales: set[int] = set()
+        #: scale variables a normalization absorbs, and the largest epsilon of those that
+        #: absorb them only approximately (0: exactly)
+        self.normalized: dict[int, float] = {}
+        #: (layer type, epsilon) -> the layers that absorb their input's scale up to it
+        self.approximate: dict[tuple[str, float], list[str]] = {}
         self.inputs: set[int] = set()
         self.notes: list[str] = []
         self.gaps: list[tuple[str, list[int]]] = []
@@ -239,8 +330,9 @@ class _Tracer:
             return None
         if isinstance(module, _LAYERS) and len(inputs) == 1:
             return self.layer(node, module, inputs[0], channels)
-        if isinstance(module, _BATCHNORMS) and len(inputs) == 1:
-            return self.batchnorm(str(node.target), module, inputs[0])
+        normalization = _normalization(module) if node.op == "call_module" else None
+        if normalization is not None and len(inputs) == 1:
+            return self.normalize(node, module, inputs[0], normalization)
         if node.target in _ADD and len(inputs) == 2:
             first, second = inputs
             return _Flow(self.union["space"].union(first.space, second.space),
@@ -277,22 +369,35 @@ class _Tracer:
             self.group_constraints.append((flow.space, str(node.target), "out", groups))
         return flow
 
-    def batchnorm(self, name: str, module: nn.Module, source: _Flow) -> _Flow:
-        # The input's scale is normalised away: the running statistics read it.
-        self.readers["scale"].append((source.scale, TensorAxis(f"{name}.running_mean", 0)))
-        self.readers["scale"].append((source.scale, TensorAxis(
-            f"{name}.running_var", 0, power=2, epsilon=module.eps)))
-        self.batchnorm_scales.add(source.scale)
-        self.fixed["sign"].add(source.sign)  # see the module docstring
+    def normalize(self, node: fx.Node, module: nn.Module, source: _Flow,
+                  rule: Normalization) -> _Flow:
+        """A normalization layer: its input's scale is normalised away (read by its stored
+        statistics, if any), its parameters write a new scale (and sign) variable."""
+        name = str(node.target)
+        for suffix, power, epsilon in rule.statistics:
+            self.readers["scale"].append((source.scale, TensorAxis(
+                f"{name}.{suffix}", 0, power=power, epsilon=epsilon)))
+        self.normalized[source.scale] = max(self.normalized.get(source.scale, 0.0),
+                                            rule.epsilon)
+        for suffix in rule.sign_absorbers:
+            self.readers["sign"].append((source.sign, TensorAxis(
+                f"{name}.{suffix}", rule.channel_axis, power=-1)))
+        if not rule.sign_absorbers:
+            self.fixed["sign"].add(source.sign)  # see the module docstring
         flow = _Flow(source.space, self.variable("scale", source.space),
                      self.variable("sign", source.space))
         self.writers["space"] += [(source.space, TensorAxis(f"{name}.{suffix}", 0))
-                                  for suffix in ("running_mean", "running_var")]
-        if module.affine:
-            self.write(flow, f"{name}.weight")
-            self.write(flow, f"{name}.bias")
-        else:
+                                  for suffix, _, _ in rule.statistics]
+        for suffix in rule.parameters:
+            axis = TensorAxis(f"{name}.{suffix}", rule.channel_axis)
+            for kind in _KINDS if rule.odd else ("space", "scale"):
+                self.writers[kind].append((getattr(flow, kind), axis))
+        if not rule.parameters:
             self.fix(flow, ("scale", "sign"))
+        elif not rule.odd:
+            self.fixed["sign"].add(flow.sign)
+        if rule.epsilon:
+            self.approximate.setdefault((label(node, module), rule.epsilon), []).append(name)
         return flow
 
     def channelwise(self, node: fx.Node, module: nn.Module | None, source: _Flow,
@@ -350,10 +455,19 @@ class _Tracer:
         for raw, layer, side, groups in self.group_constraints:
             spaces[space_ids[find(raw)]].group_constraints.append((layer, side, groups))
         scales, scale_ids = self.variables("scale", ScaleVariable, space_ids)
-        for raw in self.batchnorm_scales:
-            scales[scale_ids[self.union["scale"].find(raw)]].through_batchnorm = True
+        for raw, epsilon in self.normalized.items():
+            variable = scales[scale_ids[self.union["scale"].find(raw)]]
+            variable.through_batchnorm = True
+            variable.epsilon = max(variable.epsilon, epsilon)
         signs, _ = self.variables("sign", SignVariable, space_ids)
         notes, gaps = list(self.notes), []
+        for (kind, epsilon), names in self.approximate.items():
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3
+                                            else "")
+            notes.append(f"{shown} ({kind}): normalise their input's scale away up to their "
+                         f"eps = {epsilon:g}: scaling a channel by a > 0 moves its normalised "
+                         "values by at most eps / nu2 * |1 - 1/a^2| of themselves (nu2: the "
+                         "channel's mean square)")
         for name, raws in self.gaps:
             text, lost = self.gap(name, raws, spaces, space_ids)
             notes.append(text)

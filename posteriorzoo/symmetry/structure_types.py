@@ -47,13 +47,23 @@ class UnitSpace:
 
 @dataclass
 class ScaleVariable:
-    """Units whose writers may be multiplied by lambda > 0 and readers divided by it."""
+    """Units whose writers may be multiplied by lambda > 0 and readers divided by it.
+
+    ``through_batchnorm``: a normalization layer (BatchNorm, FRN: the name is historical)
+    normalises the scale away, so the weight mass has no minimum along it; its readers
+    are the layer's statistics (BatchNorm's running mean and variance), or none at all
+    (FRN computes its statistic from its input). ``epsilon``: the largest epsilon of a
+    normalization that absorbs the scale only approximately (FRN divides by
+    ``sqrt(nu2 + eps)``, see :mod:`posteriorzoo.symmetry.structure`); 0 where the scale
+    is compensated exactly.
+    """
 
     space: int
     writers: list[TensorAxis] = field(default_factory=list)
     readers: list[TensorAxis] = field(default_factory=list)
     fixed: bool = False
     through_batchnorm: bool = False
+    epsilon: float = 0.0
 
 
 @dataclass
@@ -91,9 +101,11 @@ class SymmetryStructure:
                 for layer, _, _ in space.group_constraints}
 
     def scalable(self) -> list[int]:
-        """Indices of the scale variables that may be scaled."""
+        """Indices of the scale variables that may be scaled: read by a next layer, or
+        normalised away (an FRN's input has no reader: the layer itself absorbs it)."""
         return [i for i, var in enumerate(self.scales)
-                if not var.fixed and not self.spaces[var.space].fixed and var.readers]
+                if not var.fixed and not self.spaces[var.space].fixed
+                and (var.readers or var.through_batchnorm)]
 
     def flippable(self) -> list[int]:
         """Indices of the sign variables that may be flipped."""
