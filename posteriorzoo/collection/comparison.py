@@ -84,6 +84,8 @@ class ZooSource:
         self.label = str(zoo.path)
         self.rows = len(zoo)
         self.shapes = zoo.shapes
+        # each checkpoint's recorded SHA-256: the distance cache's key of these rows
+        self.row_digests = zoo.digests
         self._direct: dict[str, h5py.Dataset] = {}
         self.provenance = {
             "name": name, "path": str(zoo.path), "sha256": sha256, "checkpoints": self.rows,

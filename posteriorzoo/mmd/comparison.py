@@ -27,7 +27,7 @@ from posteriorzoo._api import public
 from posteriorzoo._faults import fault_point
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 from posteriorzoo.mmd.aggregated import MMDAggResult, check_test_options, mmdagg_from_distances
-from posteriorzoo.mmd.distances import SharedTargetDistances
+from posteriorzoo.mmd.cache import DistanceCache, layer_distances
 from posteriorzoo.mmd.pair_sums import KernelPairSums
 from posteriorzoo.mmd.sources import (
     DEFAULT_BLOCK_BYTES,
@@ -226,7 +226,8 @@ def describe_options(layers: Sequence[Layer], number_bandwidths: int, block_byte
 def compare_sources(target, methods: Sequence, layers: Sequence[Layer], *,
                     symmetries: str = "keep", number_bandwidths: int = 10,
                     block_bytes: int = DEFAULT_BLOCK_BYTES,
-                    test: Mapping[str, Any] | None = None, bar=None) -> list[LayerResult]:
+                    test: Mapping[str, Any] | None = None, bar=None,
+                    cache: DistanceCache | bool = True) -> list[LayerResult]:
     """Compare every method source with the target source on every layer.
 
     Each layer is streamed once: block after block of its features is read from the
@@ -247,15 +248,16 @@ def compare_sources(target, methods: Sequence, layers: Sequence[Layer], *,
         MMDAgg options (alpha, B1, B2, B3, seed) to also run the test per layer.
     bar : tqdm progress bar or None
         Advanced by one per method and layer.
+    cache : DistanceCache or bool
+        Where the target's self-distances are kept when its rows carry content hashes
+        (``target.row_digests``): True, the environment's (:mod:`posteriorzoo.mmd.cache`).
     """
     features = features_per_block(target.rows + sum(m.rows for m in methods), block_bytes)
     results = []
     for layer in layers:
-        shared = SharedTargetDistances(target.rows, [m.rows for m in methods])
         streams = [layer_blocks(source, layer, features) for source in (target, *methods)]
-        for blocks in zip(*streams, strict=True):
-            shared.update(blocks[0], blocks[1:], check_finite=False)
-        pooled = [shared.pooled(k) for k in range(len(methods))]
+        pooled = layer_distances(target, methods, layer, zip(*streams, strict=True),
+                                 cache=cache)
         # The target's own pairs are summed for every method's bandwidths: one table of
         # them (PairSums) for the smallest bandwidth any method's cross distances choose.
         chosen = [bandwidths_from_distances(d, number_bandwidths) for d in pooled]
