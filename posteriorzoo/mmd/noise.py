@@ -33,8 +33,14 @@ import numpy as np
 
 from posteriorzoo._api import public
 from posteriorzoo.errors import InvalidOptionError, SampleSizeError
+from posteriorzoo.mmd.cache import (
+    DistanceCache,
+    DistanceKey,
+    array_row_hashes,
+    precision_key,
+)
 from posteriorzoo.mmd.comparison import Comparison, LayerResult, check_treatment
-from posteriorzoo.mmd.distances import Distances, pooled_distances
+from posteriorzoo.mmd.distances import Distances, pooled_distances, unpack
 from posteriorzoo.mmd.pair_sums import KernelPairSums
 from posteriorzoo.mmd.sources import group_layers, select_layers
 from posteriorzoo.mmd.statistics import (
@@ -138,7 +144,8 @@ class NoiseFloor:
 
 @public
 def noise_floor(target: Mapping[str, np.ndarray], *, symmetries: str, held_out: int,
-                splits: int = 50, seed: int = 0, number_bandwidths: int = 10) -> NoiseFloor:
+                splits: int = 50, seed: int = 0, number_bandwidths: int = 10,
+                row_digests: Sequence[str] | None = None) -> NoiseFloor:
     """The noise floor of the MMD against ``target``.
 
     Parameters
@@ -155,6 +162,11 @@ def noise_floor(target: Mapping[str, np.ndarray], *, symmetries: str, held_out: 
         Seed of the halves and of every split.
     number_bandwidths : int
         Bandwidths per kernel family, as in the report's comparison.
+    row_digests : sequence of str, optional
+        The content hashes of the target's rows (a collection's ``Zoo.digests``), so that
+        the target's distances are shared through the distance cache with ``mmd`` of the
+        same collection (:mod:`posteriorzoo.mmd.cache`); default: the hashes of the
+        arrays' rows.
     """
     check_integer("splits", splits, 1)
     check_integer("seed", seed, 0)
@@ -165,12 +177,15 @@ def noise_floor(target: Mapping[str, np.ndarray], *, symmetries: str, held_out: 
                                  f"checkpoints, not {held_out}")
     check_treatment(symmetries)
     check_number_bandwidths(number_bandwidths)
+    if row_digests is not None and len(row_digests) != count:
+        raise InvalidOptionError(f"row_digests holds {len(row_digests)} hashes for the "
+                                 f"target's {count} checkpoints")
     arrays = {key: np.asarray(value) for key, value in target.items()}
     chosen = select_layers(group_layers(list(arrays), {k: v.shape[1:] for k, v in
                                                        arrays.items()}), None)
-    # Each layer's full (count, count) L1 and squared-L2 matrices, once for every split.
-    full = {layer.name: pooled_distances(arrays[layer.name][:2], arrays[layer.name][2:]
-                                         ).pooled() for layer in chosen}
+    # Each layer's full (count, count) L1 and squared-L2 matrices, once for every split,
+    # read from the distance cache when the same rows were measured before.
+    full = {layer.name: _self_distances(arrays, layer.keys, row_digests) for layer in chosen}
     rng = np.random.default_rng(seed)
     order = rng.permutation(count)
     draws = [(order[:count // 2], order[count // 2:])]
@@ -225,6 +240,30 @@ def noise_floor(target: Mapping[str, np.ndarray], *, symmetries: str, held_out: 
                       {"median": summary.median, "mean": summary.mean, "max": summary.max,
                        "m": summary.m, "n": summary.n},
                       np.array(medians), {k: np.array(v) for k, v in layers.items()})
+
+
+def _self_distances(arrays: Mapping[str, np.ndarray], keys: Sequence[str],
+                    row_digests: Sequence[str] | None) -> tuple[np.ndarray, np.ndarray]:
+    """The full L1 and squared-L2 matrices of the rows of ``keys``' arrays, through the
+    distance cache (:mod:`posteriorzoo.mmd.cache`) when it is on and the layer is large."""
+    (key,) = keys  # layers here are single tensors
+    array = arrays[key]
+    count = len(array)
+    cache = DistanceCache.from_environment()
+    entry = None
+    if cache is not None and cache.worth(count, int(np.prod(array.shape[1:]))):
+        rows = (list(row_digests) if row_digests is not None
+                else array_row_hashes([array]))
+        entry = DistanceKey(tuple(rows), (key,), (tuple(array.shape[1:]),),
+                            precision_key())
+    packed = cache.load(entry) if entry is not None else None
+    if packed is not None:
+        return unpack(packed[0], count), unpack(packed[1], count)
+    full = pooled_distances(array[:2], array[2:]).pooled()
+    if entry is not None:
+        upper = np.triu_indices(count, 1)
+        cache.store(entry, full[0][upper], full[1][upper])
+    return full
 
 
 def _packed_pairs(rows: np.ndarray, count: int) -> np.ndarray:
