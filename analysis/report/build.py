@@ -304,16 +304,18 @@ def build_report(target: str | os.PathLike,
                                  *options)
         with _stops_on_error(stopping):
             held_out = held_out_size(info["n"], [e["n"] for e in entries])
-            target_arrays = {}
+            target_arrays, digests = {}, {}   # digests: the distance cache's key
             with stage("load"), open_zoo(target) as zoo:
                 keys = parameter_keys(zoo)
                 target_arrays["keep"] = {key: zoo.layer(key) for key in keys}
+                digests["keep"] = zoo.digests
             # The stored weights' noise floor first: mostly kernels that release the GIL,
             # while the metrics thread starts (reading datasets, importing), which needs it
             noise = {}
             with stage("noise floor"):
                 noise["keep"] = noise_floor(target_arrays["keep"], symmetries="keep",
-                                            held_out=held_out, splits=splits, seed=seed)
+                                            held_out=held_out, splits=splits, seed=seed,
+                                            row_digests=digests["keep"])
             canonical = Path(scratch) / "canonical"
             canonical.mkdir()
             with stage("mmd"):
@@ -330,9 +332,11 @@ def build_report(target: str | os.PathLike,
             # already), named by compare: never guessed from the file name
             with stage("load"), open_zoo(comparison.canonical_target or target) as zoo:
                 target_arrays["remove"] = {key: zoo.layer(key) for key in keys}
+                digests["remove"] = zoo.digests
             with stage("noise floor"):
                 noise["remove"] = noise_floor(target_arrays["remove"], symmetries="remove",
-                                              held_out=held_out, splits=splits, seed=seed)
+                                              held_out=held_out, splits=splits, seed=seed,
+                                              row_digests=digests["remove"])
             per_layer: dict[str, dict[str, dict[str, float]]] = {}
             tests = [{"method": r.method, "symmetries": r.symmetries, "layer": r.layer,
                       "reject": bool(r.test.reject),
