@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,21 +30,19 @@ from safetensors.torch import save as save_safetensors_bytes
 
 from posteriorzoo._api import public
 from posteriorzoo._faults import fault_point
+from posteriorzoo.collection._import_stream import ImportStream
 from posteriorzoo.collection._open import Source, opened, source_path
-from posteriorzoo.dtypes import as_numpy
 from posteriorzoo.errors import (
     ChecksumError,
     InvalidOptionError,
     PosteriorZooError,
     ZooFormatError,
-    ZooSchemaError,
 )
 from posteriorzoo.options import check_integer
 from posteriorzoo.outputs import atomic_directory, atomic_file, check_output, same_file
 from posteriorzoo.provenance import describe_input, record
 from posteriorzoo.results import CollectionResult, csv_text
 from posteriorzoo.zoo import schema
-from posteriorzoo.zoo.architecture import check_architecture
 from posteriorzoo.zoo.archives import list_archive, member_modes, release_task
 from posteriorzoo.zoo.formats import (
     CHECKPOINT_FORMAT,
@@ -55,18 +52,11 @@ from posteriorzoo.zoo.formats import (
     sniff_format,
 )
 from posteriorzoo.zoo.import_checks import (
-    check_against_layout,
-    check_recorded_digest,
     collection_attributes,
-    convert_floats,
-    in_model_order,
     limits_for_architecture,
-    limits_for_new_collection,
-    read_inputs,
-    row_for_input,
 )
 from posteriorzoo.zoo.keymap import KeyMap, wrapper_prefix_map
-from posteriorzoo.zoo.lifecycle import create_zoo, normalise_template, open_zoo
+from posteriorzoo.zoo.lifecycle import open_zoo
 from posteriorzoo.zoo.store import Zoo
 
 __all__ = ["ExportResult", "ImportResult", "export_all", "export_checkpoint",
@@ -360,16 +350,6 @@ class ImportResult(CollectionResult):
 
 
 
-@dataclass
-class _Prepared:
-    """One input after the key map and dtype conversion, checked, with its digest."""
-
-    name: str
-    state: dict[str, torch.Tensor]
-    row: dict[str, Any]
-    digest: str
-
-
 @public
 def plan_import(files: Iterable[str | os.PathLike], *, architecture: str | None = None,
                 dataset: str | None = None, method: str | None = None,
@@ -463,17 +443,26 @@ def import_checkpoints(
     release archive's name (e.g. ``mnist-optunet-0-1023.tgz``). Floating tensors are
     cast to ``dtype`` if given (the release is float16).
 
+    One streaming pass, rows in mode order (:mod:`posteriorzoo.collection._import_stream`):
+    every input is read once and each new checkpoint written straight to its row, rows
+    of known mode by ``(mode_id, sample_id)`` and the others after them in input order,
+    so no reorder is needed. Only when the names do not tell the rows while streaming
+    (members not numbered, inputs holding their modes out of order) are the inputs read
+    a second time.
+
     All or nothing, and idempotent:
 
-    - Every input is read and checked first (format, sizes, header values, keys after
-      ``key_map``, shapes, dtypes, finite values, metadata rows); a bad input raises a
-      :class:`PosteriorZooError` before anything is created or appended.
+    - Every input is read and checked (format, sizes, header values, keys after
+      ``key_map``, shapes, dtypes, finite values, metadata rows) before anything is
+      committed; a bad input raises a :class:`PosteriorZooError` and leaves the
+      collection as it was (nothing at ``zoo_path`` for a new one).
     - A new collection is built under a temporary name and appears only when complete:
       a failure or a kill leaves nothing at ``zoo_path``.
-    - An existing collection gets batches of ``checkpoints_per_batch``, each committed
-      atomically. An input whose tensors (as they would be stored) are already in the
-      collection, or repeat an earlier input, is skipped and counted, so an import
-      killed part-way is completed by running it again.
+    - For an existing collection the new rows are staged in a temporary file beside it,
+      then appended in batches of ``checkpoints_per_batch``, each committed atomically.
+      An input whose tensors (as they would be stored) are already in the collection,
+      or repeat an earlier input, is skipped and counted, so an import killed part-way
+      is completed by running it again.
 
     What the inputs tell is recorded: an exported checkpoint keeps its metadata row; a
     member of a release archive whose name numbers it (``.../model_17.safetensors``) gets
@@ -503,8 +492,6 @@ def import_checkpoints(
         checkpoints appended and the inputs skipped; the provenance records the SHA-256
         of every input file.
     """
-    from posteriorzoo.progress import progress as progress_bar
-
     files = [Path(file) for file in files]
     if not files:
         raise ZooFormatError("no input files given")
@@ -514,11 +501,6 @@ def import_checkpoints(
         require_file(file)
         if same_file(file, zoo_path):
             raise InvalidOptionError(f"{zoo_path}: the collection is also an input")
-    # Without a key map of the caller's, a wrapper's prefix on every key (the release's
-    # ``model.``) is stripped when that alone makes them the model's (decided on the
-    # first input; recorded in the provenance as a rule).
-    wrapped = key_map is None
-    key_map = key_map or KeyMap()
     exists = zoo_path.exists()
     given = {"architecture": architecture, "dataset": dataset, "method": method,
              "num_classes": num_classes}
@@ -556,135 +538,37 @@ def import_checkpoints(
                 current, architecture or implied.get("architecture"),
                 num_classes if num_classes is not None else implied.get("num_classes"),
                 model_options)
-        unchecked: list[str] = []  # inputs whose header records no digest (pass 1)
         # Archive members are named "ARCHIVE:MEMBER"; their numbers may tell their modes.
         archives = [f"{file.name}:" for file in files
                     if sniff_format(file, current) != "safetensors"]
-        members: dict[str, list[str]] = {prefix: [] for prefix in archives}
-        member_mode: dict[str, int] = {}  # input name -> mode its name tells (after pass 1)
-
-        def review(name: str, header: Mapping[str, str], limits: ReadLimits) -> ReadLimits:
-            """Before the first input's tensors are read: bound them by its architecture."""
-            if tensor_layout is not None:
-                return limits  # already bounded by the known layout
-            try:
-                return limits_for_new_collection(
-                    limits, files[0], header,
-                    {"architecture": architecture, "dataset": dataset, "method": method,
-                     "num_classes": num_classes, "model_options": model_options})
-            except PosteriorZooError as error:
-                raise type(error)(f"{name}: {error}") from None
-
-        def prepare(name: str, state: dict[str, torch.Tensor], header: Mapping[str, str],
-                    first_pass: bool = False) -> _Prepared:
-            assert tensor_layout is not None
-            if verify and not check_recorded_digest(state, header, name) and first_pass:
-                unchecked.append(name)
-            state = convert_floats(key_map.apply(state), dtype)
-            row = row_for_input(header, name, attributes["method"])
-            if name in member_mode and "mode_id" not in row:
-                row.update(mode_id=member_mode[name], sample_id=0)
-            check_against_layout(tensor_layout, state, name,
-                                 diverged=bool(row.get("diverged", False)))
-            arrays = {key: as_numpy(state[key]) for key in tensor_layout}
-            return _Prepared(name, state, row,
-                             schema.checkpoint_digest(arrays, list(tensor_layout)))
-
-        # Pass 1: read and check everything, keep only the digests. The size bound tightens
-        # once the first checkpoint tells the architecture (read through ``bounds``).
-        bounds = [current]
-        template: dict[str, torch.Tensor] | None = None
-        count = 0
-        seen = set(stored)
-        new_count = 0
-        for name, state, header in progress_bar(
-                read_inputs(files, lambda: bounds[0], review), desc="check", unit="ckpt",
-                enabled=progress):
-            if tensor_layout is None:
-                attributes = collection_attributes(files[0], header, architecture, dataset,
-                                                   method, num_classes, model_options)
-            if wrapped:
-                wrapped = False
-                expected = tensor_layout or expected_keys(attributes)
-                key_map = wrapper_prefix_map(state, expected) or key_map
-            if tensor_layout is None:
-                template = in_model_order(convert_floats(key_map.apply(state), dtype), attributes)
-                tensor_layout = normalise_template(template)
-                try:
-                    check_architecture(attributes["architecture"], tensor_layout,
-                                       attributes["num_classes"], attributes["model_options"])
-                except ZooSchemaError as error:
-                    # Only a key that is missing or unexpected can be mended by renaming.
-                    hint = "; a key map can rename keys" if " key " in str(error) else ""
-                    raise ZooSchemaError(f"{name}: {error}{hint}") from None
-                bounds[0] = bounds[0].for_shapes(tensor_layout)
-            prepared = prepare(name, state, header, first_pass=True)
-            count += 1
-            archive = next((prefix for prefix in archives if name.startswith(prefix)), None)
-            if archive is not None:
-                members[archive].append(name[len(archive):])
-            elif int(prepared.row.get("mode_id", -1)) >= 0:
-                taken_modes.add(int(prepared.row["mode_id"]))
-            if prepared.digest not in seen:
-                seen.add(prepared.digest)
-                new_count += 1
-        if count == 0:
-            raise ZooFormatError("the inputs hold no safetensors checkpoints")
-        assert tensor_layout is not None
-        if unchecked:
-            others = f" and {len(unchecked) - 1} more" if len(unchecked) > 1 else ""
-            warnings.warn(f"{len(unchecked)} input checkpoint(s) record no SHA-256 of their "
-                          f"tensors ({unchecked[0]}{others}): imported without that check",
-                          stacklevel=2)
-        if attributes["method"] == "de":  # a member is a deep-ensemble member: its own mode
-            for archive, names in members.items():
-                modes = member_modes(archive[:-1], names, taken_modes)
-                member_mode.update({archive + member: mode for member, mode in modes.items()})
-                taken_modes.update(modes.values())
         described = {f"input {i}": describe_input(file) for i, file in enumerate(files)}
+        stream = ImportStream(
+            zoo_path, files, {**given, "model_options": model_options}, writer=writer,
+            attributes=attributes, tensor_layout=tensor_layout, stored=stored,
+            taken_modes=taken_modes, limits=current, key_map=key_map, dtype=dtype,
+            archives=archives, verify=verify, command=command, progress=progress)
+        first = len(writer) if writer is not None else 0
+        try:
+            stream.read()
+            for _ in stream.commit(stream.order(), checkpoints_per_batch):
+                fault_point("import-batch")
+        except BaseException:
+            stream.close(failed=True)
+            raise
+        key_map = stream.key_map
     except BaseException:
         if writer is not None:
             writer.close()
         raise
-
-    # Pass 2: append in batches; each batch is committed atomically.
     if writer is not None:
-        zoo = writer
+        stream.close(failed=False)
+        writer.close()
     else:
-        assert template is not None
-        zoo = create_zoo(zoo_path, template=template, command=command, validate=True,
-                         publish=False, **attributes)
-    sources: list[str] = []
-    skipped_existing = skipped_repeated = 0
-    with zoo, progress_bar(total=new_count, desc="import", unit="ckpt",
-                           enabled=progress) as bar:
-        first = len(zoo)
-        stored = set(zoo.digests)
-        appended: set[str] = set()
-        batch: list[_Prepared] = []
-
-        def commit() -> None:
-            zoo.append_many([item.state for item in batch], [item.row for item in batch])
-            fault_point("import-batch")
-            bar.update(len(batch))
-            batch.clear()
-
-        for name, state, header in read_inputs(files, lambda: bounds[0]):
-            prepared = prepare(name, state, header)
-            if prepared.digest in stored:
-                skipped_existing += 1
-                continue
-            if prepared.digest in appended:
-                skipped_repeated += 1
-                continue
-            appended.add(prepared.digest)
-            sources.append(name)
-            batch.append(prepared)
-            if len(batch) == checkpoints_per_batch:
-                commit()
-        if batch:
-            commit()
-        last = len(zoo)
+        assert stream.staging is not None
+        with stream.staging:  # published as the block ends
+            pass
+    skipped_existing, skipped_repeated = stream.skipped_existing, stream.skipped_repeated
+    indices, sources = range(first, first + len(stream.sources)), stream.sources
     options = {"architecture": architecture, "dataset": dataset, "method": method,
                "num_classes": num_classes,
                "model_options": None if model_options is None else dict(model_options),
@@ -692,7 +576,7 @@ def import_checkpoints(
                            "drop": key_map.drop},
                "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
                "checkpoints_per_batch": checkpoints_per_batch, "verify": verify}
-    return ImportResult(zoo_path, not exists, range(first, last), sources,
+    return ImportResult(zoo_path, not exists, indices, sources,
                         skipped_existing, skipped_repeated, len(files),
                         provenance=record("posteriorzoo import", command=command,
                                           inputs=described, options=options))

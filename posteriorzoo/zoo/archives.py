@@ -6,7 +6,8 @@ by member without extracting to disk, through a stream that refuses to deliver m
 bytes than the member headers declare (:class:`ReadLimits` bounds each member, the
 number of members and the bytes the archive expands to). :func:`release_task` tells the
 collection attributes a release implies from its file name, :func:`member_modes` the
-mode of each member from the members' names.
+mode of each member from the members' names (:func:`member_mode_guess` from one name
+alone, while the archive streams).
 """
 
 from __future__ import annotations
@@ -228,10 +229,10 @@ def member_modes(archive_name: str, members: Iterable[str], taken: Iterable[int]
     members = list(members)
     numbers = []
     for member in members:
-        found = _MEMBER_NUMBER.search(member.rsplit("/", 1)[-1])
-        if found is None:
+        number = _member_number(member)
+        if number is None:
             return {}
-        numbers.append(int(found.group(1)))
+        numbers.append(number)
     if not numbers or len(set(numbers)) != len(numbers):
         return {}
     bounds = _ARCHIVE_RANGE.search(archive_name)
@@ -246,3 +247,40 @@ def member_modes(archive_name: str, members: Iterable[str], taken: Iterable[int]
     if set(numbers) & set(taken):
         return {}
     return dict(zip(members, numbers, strict=True))
+
+
+def _member_number(member: str) -> int | None:
+    """The number a member's file name ends with, or None."""
+    found = _MEMBER_NUMBER.search(member.rsplit("/", 1)[-1])
+    return None if found is None else int(found.group(1))
+
+
+def numbering_start(archive_name: str) -> int:
+    """The first mode a release archive's name gives (``...-1024-2047.tgz``: 1024), else 0."""
+    bounds = _ARCHIVE_RANGE.search(archive_name)
+    return 0 if bounds is None else int(bounds.group(1))
+
+
+def member_mode_guess(archive_name: str, member: str) -> int | None:
+    """The mode :func:`member_modes` gives ``member`` when its archive's numbering turns
+    out usable, told from its name alone (None: it is not numbered, or its number lies
+    outside the range the archive's name gives).
+
+    An import streams an archive once, so it places each member at this guess and
+    checks it against :func:`member_modes` of all the names at the end. The guess can
+    differ only where the archive's name gives a range ``start-end`` whose start is
+    below its length (a number ``n`` with ``start <= n <= end - start`` is taken as in
+    the range, though other members may show the numbering counts from 0).
+    """
+    number = _member_number(member)
+    if number is None:
+        return None
+    bounds = _ARCHIVE_RANGE.search(archive_name)
+    if bounds is None:
+        return number
+    start, end = int(bounds.group(1)), int(bounds.group(2))
+    if start <= number <= end:
+        return number
+    if 0 <= number <= end - start:
+        return start + number
+    return None

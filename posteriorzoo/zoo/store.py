@@ -899,6 +899,24 @@ class Zoo:
         rows, stacks = self.prepare(state_dicts, metadata)
         return self._write_block(stacks, rows, self.prepare_records(records, rows))
 
+    def append_prepared(self, rows: np.ndarray, blocks: Mapping[str, np.ndarray]) -> range:
+        """Append checkpoints already checked and prepared: their metadata rows ``rows``
+        (as :meth:`prepare` builds them, digests included) and their tensors
+        ``{key: (len(rows), *shape)}``, committed atomically like :meth:`append_many`.
+
+        For copying rows between collections of one layout (an import appends the rows
+        it staged); the caller has checked the tensors against the rows' digests.
+        """
+        if not self.writable:
+            raise ZooFormatError(f"{self.path}: opened read-only; use open_zoo(path, mode='r+')")
+        for key in self._keys:
+            shape, dtype = self._row_layout[key]
+            block = blocks[key]
+            if block.shape != (len(rows), *shape) or block.dtype != dtype:
+                raise ZooSchemaError(f"{key}: a block of {block.shape} {block.dtype}, the "
+                                     f"collection stores ({len(rows)}, *{shape}) {dtype}")
+        return self._write_block(blocks, rows)
+
     def prepare_records(self, records: Mapping[int, Mapping[str, Any]] | None,
                         rows: np.ndarray) -> np.ndarray:
         """Validate training records for the checkpoints whose metadata rows are ``rows``
@@ -1012,29 +1030,91 @@ class Zoo:
                     for offset, array in enumerate(arrays):
                         dataset[start + offset] = array
                 fault_point("zoo-tensor-written")
-            table = self._file[METADATA]
-            table.resize(stop, axis=0)
-            table[start:stop] = rows
-            fault_point("zoo-rows-written")
-            digests = self._file[ROW_DIGESTS]
-            digests.resize(stop, axis=0)
-            digests[start:stop] = np.array([row_digest(row).encode() for row in rows],
-                                           dtype=digests.dtype)
-            if len(records):
-                # The checkpoint rows reach the file first: whatever a kill leaves, the
-                # record table is never longer than the metadata table (layout checks).
-                self._file.flush()
-                table = self._file[MODE_RECORDS]
-                first = table.shape[0]
-                table.resize(first + len(records), axis=0)
-                fault_point("zoo-records-resized")
-                table[first:] = records
-            # The commit point: data first, then the count that makes it visible.
+            self._commit_rows(start, rows, records)
+        return range(start, stop)
+
+    def _commit_rows(self, start: int, rows: np.ndarray, records: np.ndarray) -> None:
+        """Write the metadata rows (and training records) of checkpoints ``start ..`` whose
+        tensors are written, then advance the committed count past them."""
+        stop = start + rows.shape[0]
+        table = self._file[METADATA]
+        table.resize(stop, axis=0)
+        table[start:stop] = rows
+        fault_point("zoo-rows-written")
+        digests = self._file[ROW_DIGESTS]
+        digests.resize(stop, axis=0)
+        digests[start:stop] = np.array([row_digest(row).encode() for row in rows],
+                                       dtype=digests.dtype)
+        if len(records):
+            # The checkpoint rows reach the file first: whatever a kill leaves, the
+            # record table is never longer than the metadata table (layout checks).
             self._file.flush()
-            fault_point("zoo-before-commit")
-            self._file[COMMITTED][0] = stop
-            self._file.flush()
-            fault_point("zoo-commit")
+            table = self._file[MODE_RECORDS]
+            first = table.shape[0]
+            table.resize(first + len(records), axis=0)
+            fault_point("zoo-records-resized")
+            table[first:] = records
+        # The commit point: data first, then the count that makes it visible.
+        self._file.flush()
+        fault_point("zoo-before-commit")
+        self._file[COMMITTED][0] = stop
+        self._file.flush()
+        fault_point("zoo-commit")
+
+    # ------------------------------------------------------------------ placed writes
+    def write_uncommitted(self, position: int, arrays: Mapping[str, np.ndarray]) -> None:
+        """Write one checkpoint's tensors (``arrays``, as :meth:`prepare` returns them:
+        ``{key: [array]}`` or ``{key: array}``) at row ``len(self) + position``, without
+        committing it.
+
+        This is how an import puts each checkpoint straight at its final row whatever
+        order its inputs arrive in (:func:`posteriorzoo.collection.import_checkpoints`):
+        the datasets grow to hold the row, rows are written in any order, and nothing is
+        visible to readers until :meth:`commit_uncommitted` commits the rows written (a
+        kill before leaves rows past the committed count, which readers never read and
+        the next writer cuts off). Writing a row again replaces it.
+        """
+        if not self.writable:
+            raise ZooFormatError(f"{self.path}: opened read-only; use open_zoo(path, mode='r+')")
+        if isinstance(position, bool) or not 0 <= position < MAX_APPEND_ROWS:
+            raise ZooSchemaError(f"a checkpoint is placed at most {MAX_APPEND_ROWS} rows past "
+                                 f"the committed ones, not {position}")
+        self._open_for_writing()
+        row = len(self) + int(position)
+        needed = new_bytes(self._datasets.values(), row, row + 1)
+        report = self._output_size(needed)
+        with self._writing(report), reserved(self._file, self.path, needed, report):
+            for key in self._keys:
+                dataset = self._datasets[key]
+                if dataset.shape[0] <= row:
+                    dataset.resize(row + 1, axis=0)
+                    fault_point("zoo-resized")
+                value = arrays[key]
+                dataset[row] = value[0] if isinstance(value, list | tuple) else value
+                fault_point("zoo-tensor-written")
+
+    def commit_uncommitted(self, rows: np.ndarray) -> range:
+        """Commit the checkpoints written past the committed count by
+        :meth:`write_uncommitted`, with their metadata rows ``rows`` (from
+        :meth:`prepare`, in row order; ``sha256`` is each checkpoint's digest).
+
+        Every row ``len(self) .. len(self)+len(rows)-1`` must have been written: the caller
+        places them; the digests that :meth:`verify_all` checks later catch a row that was
+        not. Returns the committed indices.
+        """
+        if not self.writable:
+            raise ZooFormatError(f"{self.path}: opened read-only; use open_zoo(path, mode='r+')")
+        self._open_for_writing()
+        start = len(self)
+        stop = start + rows.shape[0]
+        short = [key for key, dataset in self._datasets.items() if dataset.shape[0] < stop]
+        if short:
+            raise ZooSchemaError(f"{self.path}: rows {start}..{stop - 1} of {short[0]!r} "
+                                 "were never written")
+        needed = self.space_needed(0) + new_bytes(
+            [self._file[METADATA], self._file[ROW_DIGESTS]], start, stop)
+        with self._writing(needed), reserved(self._file, self.path, needed):
+            self._commit_rows(start, rows, np.zeros(0, dtype=RECORD_DTYPE))
         return range(start, stop)
 
     def _open_for_writing(self) -> None:
