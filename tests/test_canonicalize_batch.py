@@ -398,3 +398,23 @@ def test_cli_min_mass_report(tmp_path, capsys):
                  "--overwrite"]) == 0
     assert (out / "min_mass.csv").read_bytes() == table
     assert sorted(p.name for p in out.iterdir()) == ["min_mass.csv", "min_mass.json"]
+
+
+@pytest.mark.parametrize("name,options", ARCHITECTURES)
+def test_batched_results_share_no_memory_with_their_inputs(name, options):
+    """The passes chain without copying the tensors they leave alone
+    (symmetry.transform.transformed_batch); the public results must still be new tensors,
+    so that writing into them never changes the caller's checkpoints, and the inputs are
+    left as they were."""
+    from posteriorzoo.symmetry import canonicalize_batch
+
+    batch = stack_states(_states(name, options, 2))
+    before = {key: value.clone() for key, value in batch.items()}
+    structure = symmetry_structure(name, _states(name, options, 1)[0], **options)
+    canonical, _ = canonicalize_batch(batch, structure, scaling="norm")
+    moved = apply_symmetry_batch(batch, structure, scales={})  # the identity element
+    for result in (canonical, moved):
+        for key, value in result.items():
+            assert value.untyped_storage().data_ptr() != batch[key].untyped_storage().data_ptr()
+    for key, value in batch.items():
+        assert torch.equal(value, before[key])

@@ -68,9 +68,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--dtype", choices=["float16", "float32", "float64"], default=None,
                         help="store the canonical floating tensors in this dtype (default: "
-                             "the source's). The canonical form is computed in float64 "
-                             "either way; float16 storage (the release's, half the disk) "
-                             "rounds it by 4.9e-4 relative, which --n-verify reports")
+                             "the source's). The canonical form is computed in float32 "
+                             "(float64 if stored or asked for) either way; float16 "
+                             "storage (the release's, half the disk) rounds it by 4.9e-4 "
+                             "relative, which --n-verify reports")
     seed_option(parser, "seed of every random choice of the command: here, which checkpoints "
                         "--n-verify checks")
     add_overwrite_option(parser)

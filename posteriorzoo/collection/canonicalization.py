@@ -14,12 +14,14 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from posteriorzoo._api import public
 from posteriorzoo._faults import fault_point
+from posteriorzoo._pipeline import WriteBehind, read_ahead
 from posteriorzoo.collection._open import Source, model_of, opened, source_path
 from posteriorzoo.dtypes import numpy_dtype, torch_dtype
 from posteriorzoo.errors import CanonicalOverflowError, ChecksumError, InvalidOptionError
@@ -36,11 +38,13 @@ from posteriorzoo.zoo.schema import decode
 __all__ = ["CanonicalizeResult", "MinMassResult", "canonicalize", "min_mass"]
 
 #: Largest relative change of the logits that ``n_verify`` accepts from the canonical form
-#: as computed (float64: exact to about 1e-15). Storing it rounds each weight once more
-#: (float32: 6e-8; float16: 4.9e-4, a logit change of 3e-4 on OptuNet), which is reported
-#: apart (``storage_change``) and warned about above this.
+#: as computed (in float32: a few float32 roundings per weight, logit changes of order
+#: 1e-6; in float64 about 1e-15). Storing it rounds each weight once more (float16: 4.9e-4,
+#: a logit change of 3e-4 on OptuNet), which is reported apart (``largest_change``) and
+#: warned about above this.
 VERIFY_TOLERANCE = 1e-4
-#: Memory budget of one batch of float64 checkpoints and their temporaries, in bytes.
+#: Memory budget of one batch of computed checkpoints and their temporaries, in bytes
+#: (sized as if in float64, the widest computing dtype).
 BATCH_BYTES = 256 * 2**20
 
 
@@ -60,7 +64,7 @@ class CanonicalizeResult(CollectionResult):
     largest_change : float
         Largest relative change of their logits, as stored.
     exact_change : float
-        The same for the canonical form as computed (float64), before the stored
+        The same for the canonical form as computed (see :func:`computing_dtype`), before the stored
         dtype's rounding: what ``n_verify`` holds to :data:`VERIFY_TOLERANCE`.
     dtype : str or None
         The stored dtype of the floating tensors when not the source's (``dtype=``).
@@ -164,21 +168,37 @@ def default_checkpoints_per_batch(zoo: Zoo, structure: SymmetryStructure | None 
     return int(np.clip(BATCH_BYTES // per_checkpoint, 1, 16384))
 
 
-def _batches(zoo: Zoo, checkpoints_per_batch: int
+def computing_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype a checkpoint is canonicalized in: the widest of its stored and output
+    floating dtypes, and at least float32.
+
+    float16 (the release's storage) would round every pass by 4.9e-4; float32 keeps the
+    canonical form to a few of its roundings (logits within about 1e-6) at half the memory
+    traffic of float64, which is what bounds the speed (every pass streams the whole
+    state: 45 MB per ResNet-18 in float32).
+    """
+    widest = torch.float32
+    for dtype in dtypes:
+        if dtype.is_floating_point:
+            widest = torch.promote_types(widest, dtype)
+    return widest
+
+
+def _batches(zoo: Zoo, checkpoints_per_batch: int, dtype: torch.dtype
              ) -> Iterator[tuple[int, dict[str, np.ndarray], dict[str, torch.Tensor],
                              torch.Tensor]]:
-    """Yield ``(start, stored, {key: float64 tensor (B, *shape)}, non_finite (B,))`` over
-    the whole collection; ``stored`` is the block as read (``{key: (B, *shape)}``).
-    Checkpoints with NaN or infinite values (stored only when flagged diverged) are
-    zeroed in the float64 batch and marked in ``non_finite``. A zoo opened with
-    ``verify=True`` checks every block's digests as it reads it."""
+    """Yield ``(start, stored, {key: tensor (B, *shape)}, non_finite (B,))`` over the whole
+    collection, floating tensors in ``dtype``; ``stored`` is the block as read
+    (``{key: (B, *shape)}``). Checkpoints with NaN or infinite values (stored only when
+    flagged diverged) are zeroed in the batch and marked in ``non_finite``. A zoo opened
+    with ``verify=True`` checks every block's digests as it reads it."""
     for start, stored in zoo.checkpoint_blocks(checkpoints_per_batch):
         size = next(iter(stored.values())).shape[0]
         batch = {key: torch.from_numpy(value) for key, value in stored.items()}
         non_finite = torch.zeros(size, dtype=torch.bool)
         for key, value in batch.items():
             if value.is_floating_point():
-                batch[key] = value.double()
+                batch[key] = value.to(dtype)
                 non_finite |= ~torch.isfinite(value.reshape(size, -1)).all(dim=1)
         if non_finite.any():
             batch = {key: torch.where(non_finite.reshape(-1, *[1] * (v.dim() - 1)), 0, v)
@@ -214,10 +234,14 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
     """Write the canonical form of every checkpoint of ``source`` to a new collection.
 
     The structure is traced once; checkpoints are canonicalized ``checkpoints_per_batch`` at a time
-    (default: :func:`default_checkpoints_per_batch`) in float64 whatever their storage, and
+    (default: :func:`default_checkpoints_per_batch`) in float32 whatever their storage
+    (float64 if stored or asked for: :func:`computing_dtype`), and
     stored in the source's dtypes, or in ``dtype`` (floating tensors) if given: a float16
     release canonicalized into float32 keeps the canonical form exact to float32's
     rounding, while float16 storage (half the disk) rounds it by 4.9e-4 relative.
+    Reading and verifying the next block, and writing the last one, overlap with the
+    computation (:mod:`posteriorzoo._pipeline`); memory holds a few blocks whatever the
+    collection's size.
     The target keeps each checkpoint's metadata row and records in its ``annotations``
     attribute exactly what was removed and how. With ``n_verify = N``, N checkpoints
     drawn with ``seed`` are checked to compute the same function before and after
@@ -273,6 +297,7 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
         checkpoints_per_batch = default_checkpoints_per_batch(zoo, structure, checkpoints_per_batch)
         rows = zoo.metadata
         dtypes = {key: torch_dtype(stored) for key, stored in zoo.dtypes.items()}
+        computing = computing_dtype(*dtypes.values(), *([dtype] if dtype else []))
         if dtype is not None:
             dtypes = {key: dtype if stored.is_floating_point else stored
                       for key, stored in dtypes.items()}
@@ -286,9 +311,12 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
                         recipe=zoo.recipe, annotations=annotations, command=command,
                         overwrite=overwrite, publish=False) as out, \
                 progress_bar(total=count, desc="canonicalize", unit="ckpt",
-                             enabled=progress) as bar:
+                             enabled=progress) as bar, WriteBehind() as writer:
             out.check_space(count)  # a full disk refused before any work
-            for start, block, batch, non_finite in _batches(zoo, checkpoints_per_batch):
+            # The next block is read and verified, and the last one written, while this
+            # one is canonicalized (posteriorzoo._pipeline).
+            for start, block, batch, non_finite in read_ahead(
+                    _batches(zoo, checkpoints_per_batch, computing)):
                 canonical, report = canonicalize_batch(batch, structure, permutation,
                                                        scaling, softmax, solver, signs)
                 dead += sum(1 for unit in report.dead_units if not non_finite[unit[0]])
@@ -314,10 +342,9 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
                     change = logit_change(model, shape, before, stored[b], seed + start + b)
                     largest = max(largest, change)
                     verified.append(start + b)
-                out.append_many(stored, [_copied_row(rows[start + b], path.name,
-                                                     start + b) for b in range(size)])
-                fault_point("canonicalize-batch")
-                bar.update(size)
+                writer.submit(_append, out, stored,
+                              [_copied_row(rows[start + b], path.name, start + b)
+                               for b in range(size)], bar)
     stored_as = sorted({str(value).removeprefix("torch.") for value in dtypes.values()
                         if value.is_floating_point})
     if largest >= VERIFY_TOLERANCE:
@@ -336,6 +363,13 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
                                    "dtype": None if dtype is None
                                    else str(dtype).removeprefix("torch."),
                                    "n_verify": n_verify, "verify": verify}))
+
+
+def _append(out: Zoo, states: list[dict], rows: list[dict], bar: Any) -> None:
+    """Append one canonicalized block (in the write-behind thread) and count it."""
+    out.append_many(states, rows)
+    fault_point("canonicalize-batch")
+    bar.update(len(states))
 
 
 def _check_in_range(batch: dict[str, torch.Tensor], canonical: dict[str, torch.Tensor],
@@ -366,7 +400,7 @@ def _check_in_range(batch: dict[str, torch.Tensor], canonical: dict[str, torch.T
     largest = max(float(value[row].abs().max()) for value in batch.values()
                   if value.is_floating_point() and value[row].numel())
     where = ("" if torch.isfinite(canonical[key][row]).all()
-             else " (already in float64)")
+             else f" (already in the computing dtype, {canonical[key].dtype})")
     problem = (f"{source}: checkpoint {start + row}: its weights are finite but too large "
                f"to canonicalize in {dtype}: the canonical {key} overflows{where} "
                f"(largest |weight| of the checkpoint {largest:.3g})")
@@ -420,7 +454,8 @@ def min_mass(source: Source, *, solver: str = "fast", checkpoints_per_batch: int
         with progress_bar(total=len(zoo), desc="min-mass", unit="ckpt",
                           enabled=progress) as bar:
             for start, _, batch, non_finite in _batches(
-                    zoo, default_checkpoints_per_batch(zoo, structure, checkpoints_per_batch)):
+                    zoo, default_checkpoints_per_batch(zoo, structure, checkpoints_per_batch),
+                    torch.float64):
                 result = solve_min_mass_batch(batch, structure, solver, problem)
                 result.states = {}
                 _blank(result, non_finite.numpy())

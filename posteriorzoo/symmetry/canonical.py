@@ -35,7 +35,7 @@ import torch
 from posteriorzoo._api import public
 from posteriorzoo.options import check_choice
 from posteriorzoo.symmetry.structure import ScaleVariable, SignVariable, SymmetryStructure
-from posteriorzoo.symmetry.transform import State, apply_symmetry_batch
+from posteriorzoo.symmetry.transform import State, transformed_batch, unshared
 
 PERMUTATION_KEYS = ("first", "max", "none")
 SCALINGS = ("norm", "std", "minmass", "none")
@@ -92,7 +92,7 @@ def canonical_scales(states: State, structure: SymmetryStructure, method: str,
         dead = spread <= tiny
         report.dead_units += [(int(b), index, int(unit)) for b, unit in dead.nonzero().tolist()]
         factors = torch.where(dead, 1.0, 1.0 / torch.where(dead, 1.0, spread))
-        states = apply_symmetry_batch(states, structure, scales={index: factors})
+        states = transformed_batch(states, structure, scales={index: factors})
     return states
 
 
@@ -118,7 +118,7 @@ def canonical_signs(states: State, structure: SymmetryStructure, report: Canonic
             signs = torch.where(decided, torch.sign(moment), signs)
         tied = signs == 0
         report.sign_ties += [(int(b), index, int(unit)) for b, unit in tied.nonzero().tolist()]
-        states = apply_symmetry_batch(states, structure,
+        states = transformed_batch(states, structure,
                                       signs={index: torch.where(tied, 1.0, signs)})
     return states
 
@@ -147,7 +147,7 @@ def canonical_permutations(states: State, structure: SymmetryStructure, key: str
         keys = _sort_keys(states, structure, index, key)
         if not space.group_constraints:
             order = torch.argsort(keys, dim=1, stable=True)
-            states = apply_symmetry_batch(states, structure, permutations={index: order})
+            states = transformed_batch(states, structure, permutations={index: order})
             continue
         layer, side, groups = space.group_constraints[0]
         batch, per_group = keys.shape[0], space.size // groups
@@ -166,7 +166,7 @@ def canonical_permutations(states: State, structure: SymmetryStructure, key: str
                                  + torch.arange(per_out)).reshape(batch, -1)
         permutations[index] = within.gather(
             1, block_order[:, :, None].expand(batch, groups, per_group)).reshape(batch, -1)
-        states = apply_symmetry_batch(states, structure, permutations=permutations)
+        states = transformed_batch(states, structure, permutations=permutations)
     return states
 
 
@@ -214,8 +214,7 @@ def canonicalize_batch(states: Mapping[str, torch.Tensor], structure: SymmetrySt
         result[structure.output_bias] = bias - bias.mean(dim=1, keepdim=True)
     if permutation != "none":
         result = canonical_permutations(result, structure, permutation)
-    return {key: value.clone() if value is states[key] else value
-            for key, value in result.items()}, report
+    return unshared(result, states), report
 
 
 @public

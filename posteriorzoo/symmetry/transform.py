@@ -85,6 +85,44 @@ def _multiply(result: State, variable: ScaleVariable | SignVariable,
                             if axis.epsilon else tensor * multiplier)
 
 
+def transformed_batch(states: Mapping[str, torch.Tensor], structure: SymmetryStructure,
+                      permutations: Mapping[int, torch.Tensor | np.ndarray] | None = None,
+                      scales: Mapping[int, torch.Tensor | np.ndarray] | None = None,
+                      softmax_shift: torch.Tensor | np.ndarray | None = None,
+                      signs: Mapping[int, torch.Tensor | np.ndarray] | None = None
+                      ) -> State:
+    """:func:`apply_symmetry_batch` without its copies: tensors the element leaves alone
+    are the input's own objects.
+
+    The canonicalizer chains one such call per scale variable and per unit space (dozens
+    for a ResNet-18); copying the untouched tensors each time was two thirds of its time.
+    It copies once, at the end, instead.
+    """
+    result = dict(states)
+    for index, factors in (scales or {}).items():
+        _multiply(result, structure.scales[index], factors)
+    for index, factors in (signs or {}).items():
+        _multiply(result, structure.signs[index], factors)
+    permutations = {index: torch.as_tensor(np.asarray(order), dtype=torch.long)
+                    for index, order in (permutations or {}).items()}
+    for side in ("writers", "readers"):
+        for index, order in permutations.items():
+            space: UnitSpace = structure.spaces[index]
+            for axis in getattr(space, side):
+                result[axis.key] = _permute_axis(result[axis.key], axis, order)
+    if softmax_shift is not None and structure.output_bias is not None:
+        bias = result[structure.output_bias]
+        shift = torch.as_tensor(softmax_shift, dtype=bias.dtype).reshape(-1, 1)
+        result[structure.output_bias] = bias + shift
+    return result
+
+
+def unshared(result: Mapping[str, torch.Tensor], states: Mapping[str, torch.Tensor]) -> State:
+    """``result`` with a copy of every tensor that is still one of ``states``' objects."""
+    return {key: value.clone() if value is states.get(key) else value
+            for key, value in result.items()}
+
+
 @public
 def apply_symmetry_batch(states: Mapping[str, torch.Tensor], structure: SymmetryStructure,
                          permutations: Mapping[int, torch.Tensor | np.ndarray] | None = None,
@@ -109,24 +147,8 @@ def apply_symmetry_batch(states: Mapping[str, torch.Tensor], structure: Symmetry
     -------
     dict of str to tensor of shape (B, *shape): new tensors, the inputs are not modified.
     """
-    result = dict(states)
-    for index, factors in (scales or {}).items():
-        _multiply(result, structure.scales[index], factors)
-    for index, factors in (signs or {}).items():
-        _multiply(result, structure.signs[index], factors)
-    permutations = {index: torch.as_tensor(np.asarray(order), dtype=torch.long)
-                    for index, order in (permutations or {}).items()}
-    for side in ("writers", "readers"):
-        for index, order in permutations.items():
-            space: UnitSpace = structure.spaces[index]
-            for axis in getattr(space, side):
-                result[axis.key] = _permute_axis(result[axis.key], axis, order)
-    if softmax_shift is not None and structure.output_bias is not None:
-        bias = result[structure.output_bias]
-        shift = torch.as_tensor(softmax_shift, dtype=bias.dtype).reshape(-1, 1)
-        result[structure.output_bias] = bias + shift
-    return {key: value.clone() if value is states[key] else value
-            for key, value in result.items()}
+    return unshared(transformed_batch(states, structure, permutations, scales,
+                                      softmax_shift, signs), states)
 
 
 @public
