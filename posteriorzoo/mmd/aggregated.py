@@ -32,6 +32,7 @@ from posteriorzoo._api import public
 from posteriorzoo.errors import InvalidOptionError, SampleSizeError
 from posteriorzoo.mmd.distances import (
     DEFAULT_BLOCK_FEATURES,
+    DEFAULT_PRECISION,
     Distances,
     pooled_distances,
     zeros,
@@ -288,7 +289,8 @@ def mmdagg_from_distances(distances: Distances, alpha: float = 0.05, *,
 def mmdagg(X: np.ndarray, Y: np.ndarray, alpha: float = 0.05, *,
            number_bandwidths: int = 10, B1: int = 2000, B2: int = 2000,
            B3: int = 50, seed: int = 0, permutations_same_sample_size: bool = False,
-           block_features: int = DEFAULT_BLOCK_FEATURES) -> MMDAggResult:
+           block_features: int = DEFAULT_BLOCK_FEATURES,
+           precision: str = DEFAULT_PRECISION, device: str = "cpu") -> MMDAggResult:
     """The MMDAgg two-sample test of X against Y with uniform weights.
 
     Parameters
@@ -312,7 +314,12 @@ def mmdagg(X: np.ndarray, Y: np.ndarray, alpha: float = 0.05, *,
     permutations_same_sample_size : bool
         Use permutations even when m == n (default: wild bootstrap then).
     block_features : int
-        Features per block of the distance pass (does not change the result).
+        Features per block of the distance pass (does not change the exact result).
+    precision : {"exact", "fast"}
+        How the distances are computed (see
+        :class:`~posteriorzoo.mmd.distances.SharedTargetDistances`); default exact.
+    device : str
+        ``"cpu"``, or a torch device such as ``"cuda"`` (fast precision only).
 
     Returns
     -------
@@ -326,6 +333,7 @@ def mmdagg(X: np.ndarray, Y: np.ndarray, alpha: float = 0.05, *,
     """
     check_test_options(alpha, B1, B2, B3, seed)
     return mmdagg_from_distances(
-        pooled_distances(X, Y, block_features=block_features), alpha,
+        pooled_distances(X, Y, block_features=block_features,
+                         precision=precision, device=device), alpha,
         number_bandwidths=number_bandwidths, B1=B1, B2=B2, B3=B3, seed=seed,
         permutations_same_sample_size=permutations_same_sample_size)

@@ -28,6 +28,7 @@ from posteriorzoo._faults import fault_point
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 from posteriorzoo.mmd.aggregated import MMDAggResult, check_test_options, mmdagg_from_distances
 from posteriorzoo.mmd.cache import DistanceCache, layer_distances
+from posteriorzoo.mmd.distances import DEFAULT_PRECISION, check_precision
 from posteriorzoo.mmd.pair_sums import KernelPairSums
 from posteriorzoo.mmd.sources import (
     DEFAULT_BLOCK_BYTES,
@@ -227,7 +228,8 @@ def compare_sources(target, methods: Sequence, layers: Sequence[Layer], *,
                     symmetries: str = "keep", number_bandwidths: int = 10,
                     block_bytes: int = DEFAULT_BLOCK_BYTES,
                     test: Mapping[str, Any] | None = None, bar=None,
-                    cache: DistanceCache | bool = True) -> list[LayerResult]:
+                    cache: DistanceCache | bool = True, precision: str = DEFAULT_PRECISION,
+                    device: str = "cpu") -> list[LayerResult]:
     """Compare every method source with the target source on every layer.
 
     Each layer is streamed once: block after block of its features is read from the
@@ -251,13 +253,18 @@ def compare_sources(target, methods: Sequence, layers: Sequence[Layer], *,
     cache : DistanceCache or bool
         Where the target's self-distances are kept when its rows carry content hashes
         (``target.row_digests``): True, the environment's (:mod:`posteriorzoo.mmd.cache`).
+    precision : {"fast", "exact"}
+        How the distances are computed
+        (:class:`~posteriorzoo.mmd.distances.SharedTargetDistances`).
+    device : str
+        ``"cpu"``, or a torch device (``"cuda"``, ``"cuda:N"``) for the fast path.
     """
     features = features_per_block(target.rows + sum(m.rows for m in methods), block_bytes)
     results = []
     for layer in layers:
         streams = [layer_blocks(source, layer, features) for source in (target, *methods)]
         pooled = layer_distances(target, methods, layer, zip(*streams, strict=True),
-                                 cache=cache)
+                                 cache=cache, precision=precision, device=device)
         # The target's own pairs are summed for every method's bandwidths: one table of
         # them (PairSums) for the smallest bandwidth any method's cross distances choose.
         chosen = [bandwidths_from_distances(d, number_bandwidths) for d in pooled]
@@ -285,7 +292,8 @@ def compare_arrays(target: Mapping[str, np.ndarray],
                    symmetries: str = "keep", test: bool = False, alpha: float = 0.05,
                    B1: int = 2000, B2: int = 2000, B3: int = 50,
                    seed: int = 0, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                   progress: bool = False) -> Comparison:
+                   progress: bool = False, precision: str = DEFAULT_PRECISION,
+                   device: str = "cpu") -> Comparison:
     """Compare samples held in memory, layer by layer.
 
     Parameters
@@ -308,6 +316,12 @@ def compare_arrays(target: Mapping[str, np.ndarray],
         Budget of one block of features over all samples.
     progress : bool
         Show a progress bar.
+    precision : {"exact", "fast"}
+        How the distances are computed: ``"exact"`` (default) or ``"fast"`` (float32
+        GEMM and SIMD kernels, about half the time, within the bound of
+        :mod:`posteriorzoo.mmd.distances_fast`).
+    device : str
+        ``"cpu"`` (default), or a torch device (``"cuda"``, ``"cuda:N"``; fast only).
 
     Returns
     -------
@@ -317,6 +331,7 @@ def compare_arrays(target: Mapping[str, np.ndarray],
 
     check_number_bandwidths(number_bandwidths)
     check_treatment(symmetries)
+    check_precision(precision, device)
     if not methods:
         raise InvalidOptionError("no method samples to compare with the target")
     target_source = ArraySource("target", target)
@@ -328,8 +343,10 @@ def compare_arrays(target: Mapping[str, np.ndarray],
                       enabled=progress) as bar:
         results = compare_sources(target_source, method_sources, chosen,
                                   symmetries=symmetries, number_bandwidths=number_bandwidths,
-                                  block_bytes=block_bytes, test=options, bar=bar)
+                                  block_bytes=block_bytes, test=options, bar=bar,
+                                  precision=precision, device=device)
     return Comparison(results, [s.name for s in method_sources],
                       kernel_names(number_bandwidths),
                       describe_options(chosen, number_bandwidths, block_bytes, options,
-                                       symmetries=symmetries))
+                                       symmetries=symmetries, precision=precision,
+                                       device=device))

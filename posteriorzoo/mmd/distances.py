@@ -47,6 +47,11 @@ _TILE_BYTES = 1 << 19
 #: How the distances are computed: ``"fast"`` (float32 GEMM and SIMD kernels, within a
 #: stated bound of exact) or ``"exact"`` (float64 feature by feature, reproducible bits).
 PRECISIONS = ("fast", "exact")
+#: The precision of the existing entry points (pooled distances, ``kernel_mmds``,
+#: ``mmdagg``, ``compare_arrays``, the noise floor): "exact", because the report's noise
+#: floor and ``compare_arrays`` are tested to agree to float64 rounding. "fast" is asked
+#: for per call (``precision="fast"``); :func:`cross_distances` (tiles) is fast by default.
+DEFAULT_PRECISION = "exact"
 
 
 # ---------------------------------------------------------------------------- numba kernels
@@ -304,10 +309,12 @@ class SharedTargetDistances:
         Rows of X.
     ns : sequence of int
         Rows of each Y_k.
-    precision : {"fast", "exact"}
-        ``"fast"`` (default): float32 GEMM (L2) and SIMD (L1) kernels accumulated in
-        float64, within the bound of :mod:`posteriorzoo.mmd.distances_fast`; ``"exact"``:
-        float64 feature by feature, the same bits for every blocking and thread count.
+    precision : {"exact", "fast"}
+        ``"exact"`` (default, :data:`DEFAULT_PRECISION`): float64 feature by feature, the
+        same bits for every blocking and thread count; ``"fast"``: float32 GEMM (L2) and
+        SIMD (L1) kernels accumulated in float64, within the bound of
+        :mod:`posteriorzoo.mmd.distances_fast`, about half the time (see
+        ``benchmarks/bench_mmd.py``).
     device : str
         ``"cpu"`` (default), or a torch device (``"cuda"``, ``"cuda:1"``) for the fast
         path in torch (:mod:`posteriorzoo.mmd.distances_torch`).
@@ -320,7 +327,7 @@ class SharedTargetDistances:
     computed once for all k.
     """
 
-    def __init__(self, m: int, ns: Sequence[int], *, precision: str = "fast",
+    def __init__(self, m: int, ns: Sequence[int], *, precision: str = DEFAULT_PRECISION,
                  device: str = "cpu", within: bool = True) -> None:
         self.m = int(m)
         self.ns = [int(n) for n in ns]
@@ -439,7 +446,8 @@ def column_blocks(array: np.ndarray, block_features: int) -> Iterable[np.ndarray
 
 @public
 def pooled_distances(X: np.ndarray, Y: np.ndarray, *,
-                     block_features: int = DEFAULT_BLOCK_FEATURES, precision: str = "fast",
+                     block_features: int = DEFAULT_BLOCK_FEATURES,
+                     precision: str = DEFAULT_PRECISION,
                      device: str = "cpu") -> Distances:
     """L1 and squared-L2 distance matrices of the pooled sample Z = [X; Y].
 
@@ -472,8 +480,8 @@ def pooled_distances(X: np.ndarray, Y: np.ndarray, *,
 
 @public
 def stream_pooled_distances(blocks: Iterable[tuple[np.ndarray, np.ndarray]], m: int,
-                            n: int, *, precision: str = "fast", device: str = "cpu"
-                            ) -> Distances:
+                            n: int, *, precision: str = DEFAULT_PRECISION,
+                            device: str = "cpu") -> Distances:
     """Pooled distances from a stream of ``(x_block, y_block)`` column blocks.
 
     Parameters

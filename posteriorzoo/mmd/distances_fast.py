@@ -51,22 +51,28 @@ from posteriorzoo.errors import ShapeMismatchError
 announce_compilation()
 
 #: Features summed in float32 by one GEMM call before the float64 accumulation.
-GRAM_CHUNK = 1024
+GRAM_CHUNK = 2048
 #: Features summed in float32 by the L1 kernel before the float64 accumulation.
 L1_CHUNK = 256
-#: Rows of one block row of a self Gram (upper triangle, one GEMM per block row).
-GRAM_TILE = 256
 
 
 # ---------------------------------------------------------------------------- numba kernels
 @numba.njit(parallel=True, cache=True, nogil=True)
 def centred_transpose(block, reference, out):  # pragma: no cover - compiled
-    """out[c, r] = float32(block[r, c] - reference[c]): centred, feature-major, float32."""
+    """out[c, r] = float32(block[r, c] - reference[c]): centred, feature-major, float32.
+
+    In 16 x 16 tiles, so that both the reads and the writes stay in cache lines."""
     rows, features = block.shape
-    for c in prange(features):
-        ref = reference[c]
-        for r in range(rows):
-            out[c, r] = np.float32(block[r, c] - ref)
+    size = 16
+    for tile in prange((features + size - 1) // size):
+        c0 = tile * size
+        c1 = min(features, c0 + size)
+        for r0 in range(0, rows, size):
+            r1 = min(rows, r0 + size)
+            for c in range(c0, c1):
+                ref = reference[c]
+                for r in range(r0, r1):
+                    out[c, r] = np.float32(block[r, c] - ref)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -80,57 +86,48 @@ def add_squared_norms(t, out):  # pragma: no cover - compiled
 
 
 @numba.njit(inline="always")
-def _l1_row(t, start, width, i, acc, lo, count):  # pragma: no cover - compiled
-    """acc[k] (float32) += sum over features [start, start + width) of |t[c, i] - t[c, lo + k]|.
+def _l1_two_rows(a, i, b, lo, start, width, acc0, acc1, count):  # pragma: no cover
+    """acc0[k] += sum_c |a[c, i] - b[c, lo + k]|, acc1[k] += the same for a[c, i + 1]
+    (float32), over the features c in [start, start + width).
 
-    Four features per pass over the accumulators; unsigned loop indices let the compiler
-    vectorise across k."""
+    Two rows share each load of b; four features per pass over the accumulators; the
+    loops over k use unsigned indices, which lets the compiler vectorise them."""
     full = width - width % 4
     for c in range(start, start + full, 4):
-        c0 = t[c][lo:]
-        c1 = t[c + 1][lo:]
-        c2 = t[c + 2][lo:]
-        c3 = t[c + 3][lo:]
-        x0 = t[c, i]
-        x1 = t[c + 1, i]
-        x2 = t[c + 2, i]
-        x3 = t[c + 3, i]
+        c0 = b[c][lo:]
+        c1 = b[c + 1][lo:]
+        c2 = b[c + 2][lo:]
+        c3 = b[c + 3][lo:]
+        x0, y0 = a[c, i], a[c, i + 1]
+        x1, y1 = a[c + 1, i], a[c + 1, i + 1]
+        x2, y2 = a[c + 2, i], a[c + 2, i + 1]
+        x3, y3 = a[c + 3, i], a[c + 3, i + 1]
         for k in range(uint64(count)):
-            s = acc[k]
-            s += abs(x0 - c0[k])
-            s += abs(x1 - c1[k])
-            s += abs(x2 - c2[k])
-            s += abs(x3 - c3[k])
-            acc[k] = s
+            v0, v1, v2, v3 = c0[k], c1[k], c2[k], c3[k]
+            acc0[k] += abs(x0 - v0) + abs(x1 - v1) + abs(x2 - v2) + abs(x3 - v3)
+            acc1[k] += abs(y0 - v0) + abs(y1 - v1) + abs(y2 - v2) + abs(y3 - v3)
     for c in range(start + full, start + width):
-        column = t[c][lo:]
-        x = t[c, i]
+        column = b[c][lo:]
+        x, y = a[c, i], a[c, i + 1]
         for k in range(uint64(count)):
-            acc[k] += abs(x - column[k])
+            acc0[k] += abs(x - column[k])
+            acc1[k] += abs(y - column[k])
 
 
 @numba.njit(inline="always")
-def _l1_cross_row(a, b, start, width, i, acc, count):  # pragma: no cover - compiled
-    """acc[k] (float32) += sum over the features of |a[c, i] - b[c, k]|."""
+def _l1_one_row(a, i, b, lo, start, width, acc, count):  # pragma: no cover - compiled
+    """acc[k] += sum_c |a[c, i] - b[c, lo + k]| (float32), as :func:`_l1_two_rows`."""
     full = width - width % 4
     for c in range(start, start + full, 4):
-        c0 = b[c]
-        c1 = b[c + 1]
-        c2 = b[c + 2]
-        c3 = b[c + 3]
-        x0 = a[c, i]
-        x1 = a[c + 1, i]
-        x2 = a[c + 2, i]
-        x3 = a[c + 3, i]
+        c0 = b[c][lo:]
+        c1 = b[c + 1][lo:]
+        c2 = b[c + 2][lo:]
+        c3 = b[c + 3][lo:]
+        x0, x1, x2, x3 = a[c, i], a[c + 1, i], a[c + 2, i], a[c + 3, i]
         for k in range(uint64(count)):
-            s = acc[k]
-            s += abs(x0 - c0[k])
-            s += abs(x1 - c1[k])
-            s += abs(x2 - c2[k])
-            s += abs(x3 - c3[k])
-            acc[k] = s
+            acc[k] += abs(x0 - c0[k]) + abs(x1 - c1[k]) + abs(x2 - c2[k]) + abs(x3 - c3[k])
     for c in range(start + full, start + width):
-        column = b[c]
+        column = b[c][lo:]
         x = a[c, i]
         for k in range(uint64(count)):
             acc[k] += abs(x - column[k])
@@ -149,53 +146,67 @@ def l1_self(t, out, chunk, tasks):  # pragma: no cover - compiled
     """Add the L1 distances of the columns of ``t`` (features, rows), pairs i < j packed
     (see ``distances.packed_offset``), to ``out``: float32 within ``chunk`` features.
 
-    Rows i and rows - 1 - i go to the same task (equal work per task); every task walks
-    the chunks in order, so a chunk of ``t`` stays in its core's cache for all its rows.
-    """
+    Rows go in twos (i, i + 1) against the rows j > i + 1 (then the pair (i, i + 1)
+    itself); the units p and units - 1 - p go to the same task (equal work per task);
+    every task walks the chunks in order, so a chunk of ``t`` stays in cache for all its
+    rows. A last odd row has no pairs."""
     features, rows = t.shape
-    half = (rows + 1) // 2
+    units = rows // 2
+    half = (units + 1) // 2
     for task in prange(tasks):
-        acc = np.zeros(rows, dtype=np.float32)
+        acc0 = np.zeros(rows, dtype=np.float32)
+        acc1 = np.zeros(rows, dtype=np.float32)
         for start in range(0, features, chunk):
             width = min(chunk, features - start)
-            for p in range(task, half, tasks):
+            for q in range(task, half, tasks):
                 for side in range(2):
-                    i = p if side == 0 else rows - 1 - p
-                    if side == 1 and i == p:
+                    p = q if side == 0 else units - 1 - q
+                    if side == 1 and p == q:
                         continue
-                    count = rows - i - 1
+                    i = 2 * p
+                    count = rows - i - 2
+                    _l1_two_rows(t, i, t, i + 2, start, width, acc0, acc1, count)
                     first = i * (2 * rows - i - 1) // 2
-                    _l1_row(t, start, width, i, acc, i + 1, count)
-                    _flush(acc, out[first:first + count], count)
+                    second = first + rows - i - 1     # row i + 1's first pair
+                    pair = np.float32(0.0)
+                    for c in range(start, start + width):
+                        pair += abs(t[c, i] - t[c, i + 1])
+                    out[first] += np.float64(pair)
+                    _flush(acc0, out[first + 1:first + 1 + count], count)
+                    _flush(acc1, out[second:second + count], count)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def l1_cross(a, b, out, chunk, tasks):  # pragma: no cover - compiled
     """Add ``sum_k |a[k, i] - b[k, j]|`` to ``out[i, j]`` (a: (features, m), b: (features,
-    n)), float32 within ``chunk`` features."""
+    n)), float32 within ``chunk`` features, rows of ``a`` in twos."""
     features, m = a.shape
     n = b.shape[1]
+    units = (m + 1) // 2
     for task in prange(tasks):
-        acc = np.zeros(n, dtype=np.float32)
+        acc0 = np.zeros(n, dtype=np.float32)
+        acc1 = np.zeros(n, dtype=np.float32)
         for start in range(0, features, chunk):
             width = min(chunk, features - start)
-            for i in range(task, m, tasks):
-                _l1_cross_row(a, b, start, width, i, acc, n)
-                _flush(acc, out[i], n)
+            for p in range(task, units, tasks):
+                i = 2 * p
+                if i + 1 < m:
+                    _l1_two_rows(a, i, b, 0, start, width, acc0, acc1, n)
+                    _flush(acc1, out[i + 1], n)
+                else:
+                    _l1_one_row(a, i, b, 0, start, width, acc0, n)
+                _flush(acc0, out[i], n)
 
 
 # ---------------------------------------------------------------------------- GEMM helpers
-def gram_upper(t: np.ndarray, out: np.ndarray, chunk: int = GRAM_CHUNK,
-               tile: int = GRAM_TILE) -> None:
-    """Add the upper block triangle of ``t.T @ t`` (float32 per chunk) to ``out`` (float64).
+def gram_self(t: np.ndarray, out: np.ndarray, chunk: int = GRAM_CHUNK) -> None:
+    """Add ``t.T @ t`` (float32 per chunk of features) to ``out`` (float64).
 
-    Block row ``[i0, i0 + tile)`` gets columns ``[i0, rows)``: entries i <= j are all
-    there; some below the diagonal too (not read)."""
-    features, rows = t.shape
-    for start in range(0, features, chunk):
+    The whole square: with OpenBLAS a triangle (SYRK, or GEMMs of block rows) took as
+    long as the square here."""
+    for start in range(0, t.shape[0], chunk):
         part = t[start:start + chunk]
-        for i0 in range(0, rows, tile):
-            out[i0:i0 + tile, i0:] += part[:, i0:i0 + tile].T @ part[:, i0:]
+        out += part.T @ part
 
 
 def gram_cross(a: np.ndarray, b: np.ndarray, out: np.ndarray, chunk: int = GRAM_CHUNK
@@ -264,7 +275,7 @@ class FastDistances:
         xt = centred(x_block, reference)
         add_squared_norms(xt, self.norms_x)
         if self.within:
-            gram_upper(xt, self.gram_xx)
+            gram_self(xt, self.gram_xx)
             l1_self(xt, self.l1_xx, L1_CHUNK, tasks_for(self.m))
         for k, y_block in enumerate(y_blocks):
             yt = centred(y_block, reference)
@@ -274,13 +285,12 @@ class FastDistances:
             if self.within:
                 own = centred(y_block, y_block.mean(axis=0, dtype=np.float64))
                 add_squared_norms(own, self.norms_yy[k])
-                gram_upper(own, self.gram_yy[k])
+                gram_self(own, self.gram_yy[k])
                 l1_self(own, self.l1_yy[k], L1_CHUNK, tasks_for(self.ns[k]))
 
     def xx(self) -> tuple[np.ndarray, np.ndarray]:
         """X's self-distances, packed pairs i < j: (L1, squared L2)."""
-        return self.l1_xx, _packed(squared_from_gram(self.norms_x, self.norms_x,
-                                                     self.gram_xx))
+        return self.l1_xx, _packed(self.norms_x, self.gram_xx)
 
     def xy(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The (m, n_k) X-Y_k block: (L1, squared L2)."""
@@ -289,13 +299,28 @@ class FastDistances:
 
     def yy(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Y_k's self-distances, packed pairs i < j."""
-        return self.l1_yy[k], _packed(squared_from_gram(self.norms_yy[k], self.norms_yy[k],
-                                                        self.gram_yy[k]))
+        return self.l1_yy[k], _packed(self.norms_yy[k], self.gram_yy[k])
 
 
-def _packed(matrix: np.ndarray) -> np.ndarray:
-    """The entries i < j of a square matrix, row by row."""
-    return matrix[np.triu_indices(matrix.shape[0], 1)]
+@numba.njit(cache=True, nogil=True)
+def packed_squared(norms, gram, out):  # pragma: no cover - compiled
+    """out[pair (i, j)] = max(N_i + N_j - 2 G_ij, 0) for i < j, packed row by row."""
+    rows = norms.shape[0]
+    at = 0
+    for i in range(rows):
+        base = norms[i]
+        for j in range(i + 1, rows):
+            value = base + norms[j] - 2.0 * gram[i, j]
+            out[at] = value if value > 0.0 else 0.0
+            at += 1
+
+
+def _packed(norms: np.ndarray, gram: np.ndarray) -> np.ndarray:
+    """The squared distances i < j, packed, from a self Gram matrix and its norms."""
+    rows = norms.shape[0]
+    out = np.empty(rows * (rows - 1) // 2)
+    packed_squared(norms, gram, out)
+    return out
 
 
 def cross_tile(a_blocks: Iterable[np.ndarray], b_blocks: Iterable[np.ndarray] | None, *,

@@ -40,9 +40,22 @@ from posteriorzoo.mmd.cache import (
     precision_key,
 )
 from posteriorzoo.mmd.comparison import Comparison, LayerResult, check_treatment
-from posteriorzoo.mmd.distances import Distances, pooled_distances, unpack
+from posteriorzoo.mmd.distances import (
+    DEFAULT_PRECISION,
+    Distances,
+    SharedTargetDistances,
+    unpack,
+)
 from posteriorzoo.mmd.pair_sums import KernelPairSums
-from posteriorzoo.mmd.sources import group_layers, select_layers
+from posteriorzoo.mmd.sources import (
+    DEFAULT_BLOCK_BYTES,
+    ArraySource,
+    Layer,
+    features_per_block,
+    group_layers,
+    layer_blocks,
+    select_layers,
+)
 from posteriorzoo.mmd.statistics import (
     BANDWIDTH_ROWS,
     bandwidths_from_distances,
@@ -143,15 +156,19 @@ class NoiseFloor:
 
 
 @public
-def noise_floor(target: Mapping[str, np.ndarray], *, symmetries: str, held_out: int,
+def noise_floor(target: Mapping[str, np.ndarray] | Any, *, symmetries: str, held_out: int,
                 splits: int = 50, seed: int = 0, number_bandwidths: int = 10,
-                row_digests: Sequence[str] | None = None) -> NoiseFloor:
+                row_digests: Sequence[str] | None = None,
+                block_bytes: int = DEFAULT_BLOCK_BYTES) -> NoiseFloor:
     """The noise floor of the MMD against ``target``.
 
     Parameters
     ----------
-    target : mapping of str to array of shape (m, *shape)
-        The target's samples per layer (stored weights, or canonical forms).
+    target : mapping of str to array of shape (m, *shape), or a sample source
+        The target's samples per layer (stored weights, or canonical forms): arrays, or a
+        source that reads blocks of them (a collection's
+        :class:`~posteriorzoo.collection.comparison.ZooSource`), streamed so that memory
+        holds one block and one layer's (m, m) distances, never the weights.
     symmetries : {"keep", "remove"}
         What ``target`` holds (a label of the result).
     held_out : int
@@ -167,10 +184,13 @@ def noise_floor(target: Mapping[str, np.ndarray], *, symmetries: str, held_out: 
         the target's distances are shared through the distance cache with ``mmd`` of the
         same collection (:mod:`posteriorzoo.mmd.cache`); default: the hashes of the
         arrays' rows.
+    block_bytes : int
+        Budget of one block of features read from ``target``.
     """
     check_integer("splits", splits, 1)
     check_integer("seed", seed, 0)
-    count = len(next(iter(target.values())))
+    source = target if hasattr(target, "read") else ArraySource("target", target)
+    count = source.rows
     check_integer("held_out", held_out, 2)
     if held_out > count - 2:
         raise InvalidOptionError(f"held_out must leave at least 2 of the target's {count} "
@@ -180,12 +200,9 @@ def noise_floor(target: Mapping[str, np.ndarray], *, symmetries: str, held_out: 
     if row_digests is not None and len(row_digests) != count:
         raise InvalidOptionError(f"row_digests holds {len(row_digests)} hashes for the "
                                  f"target's {count} checkpoints")
-    arrays = {key: np.asarray(value) for key, value in target.items()}
-    chosen = select_layers(group_layers(list(arrays), {k: v.shape[1:] for k, v in
-                                                       arrays.items()}), None)
-    # Each layer's full (count, count) L1 and squared-L2 matrices, once for every split,
-    # read from the distance cache when the same rows were measured before.
-    full = {layer.name: _self_distances(arrays, layer.keys, row_digests) for layer in chosen}
+    if row_digests is None:
+        row_digests = getattr(source, "row_digests", None)
+    chosen = select_layers(group_layers(list(source.shapes), source.shapes), None)
     rng = np.random.default_rng(seed)
     order = rng.permutation(count)
     draws = [(order[:count // 2], order[count // 2:])]
@@ -215,7 +232,10 @@ def noise_floor(target: Mapping[str, np.ndarray], *, symmetries: str, held_out: 
 
     by_layer = []
     for layer in chosen:
-        l1, l2sq = (matrix.ravel() for matrix in full[layer.name])
+        # The layer's full (count, count) L1 and squared-L2 matrices, once for every
+        # split, read from the distance cache when the same rows were measured before.
+        l1, l2sq = (matrix.ravel() for matrix in self_distances(source, layer, row_digests,
+                                                                block_bytes=block_bytes))
         widths = [bandwidths_from_distances(distances(l1, l2sq, first[:BANDWIDTH_ROWS],
                                                       second[:BANDWIDTH_ROWS], False),
                                             number_bandwidths) for first, second in draws]
@@ -242,28 +262,37 @@ def noise_floor(target: Mapping[str, np.ndarray], *, symmetries: str, held_out: 
                       np.array(medians), {k: np.array(v) for k, v in layers.items()})
 
 
-def _self_distances(arrays: Mapping[str, np.ndarray], keys: Sequence[str],
-                    row_digests: Sequence[str] | None) -> tuple[np.ndarray, np.ndarray]:
-    """The full L1 and squared-L2 matrices of the rows of ``keys``' arrays, through the
-    distance cache (:mod:`posteriorzoo.mmd.cache`) when it is on and the layer is large."""
-    (key,) = keys  # layers here are single tensors
-    array = arrays[key]
-    count = len(array)
+@public
+def self_distances(source: Any, layer: Layer, row_digests: Sequence[str] | None = None, *,
+                   block_bytes: int = DEFAULT_BLOCK_BYTES, precision: str = DEFAULT_PRECISION
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """The full (m, m) L1 and squared-L2 matrices of one layer of a sample source's m rows,
+    streamed block by block of features (memory: one block and the matrices), through the
+    distance cache (:mod:`posteriorzoo.mmd.cache`) when it is on and the layer is large.
+
+    ``row_digests`` (the rows' content hashes, a collection's ``Zoo.digests``) key the
+    cache; without them, in-memory arrays are hashed row by row and other sources are not
+    cached.
+    """
+    count = source.rows
     cache = DistanceCache.from_environment()
     entry = None
-    if cache is not None and cache.worth(count, int(np.prod(array.shape[1:]))):
-        rows = (list(row_digests) if row_digests is not None
-                else array_row_hashes([array]))
-        entry = DistanceKey(tuple(rows), (key,), (tuple(array.shape[1:]),),
-                            precision_key())
+    if cache is not None and cache.worth(count, layer.size):
+        if row_digests is None and isinstance(source, ArraySource):
+            row_digests = array_row_hashes([source.arrays[key] for key in layer.keys])
+        if row_digests is not None:
+            entry = DistanceKey(tuple(str(d) for d in row_digests), tuple(layer.keys),
+                                tuple(tuple(int(s) for s in source.shapes[key])
+                                      for key in layer.keys), precision_key(precision))
     packed = cache.load(entry) if entry is not None else None
-    if packed is not None:
-        return unpack(packed[0], count), unpack(packed[1], count)
-    full = pooled_distances(array[:2], array[2:]).pooled()
-    if entry is not None:
-        upper = np.triu_indices(count, 1)
-        cache.store(entry, full[0][upper], full[1][upper])
-    return full
+    if packed is None:
+        shared = SharedTargetDistances(count, [], precision=precision)
+        for block in layer_blocks(source, layer, features_per_block(count, block_bytes)):
+            shared.update(block, [], check_finite=False)   # layer_blocks checked it
+        packed = shared.self_packed()
+        if entry is not None:
+            cache.store(entry, *packed)
+    return unpack(packed[0], count), unpack(packed[1], count)
 
 
 def _packed_pairs(rows: np.ndarray, count: int) -> np.ndarray:

@@ -38,7 +38,12 @@ import numpy as np
 
 from posteriorzoo._api import public
 from posteriorzoo.errors import InvalidOptionError, SampleSizeError, ShapeMismatchError
-from posteriorzoo.mmd.distances import DEFAULT_BLOCK_FEATURES, Distances, pooled_distances
+from posteriorzoo.mmd.distances import (
+    DEFAULT_BLOCK_FEATURES,
+    DEFAULT_PRECISION,
+    Distances,
+    pooled_distances,
+)
 from posteriorzoo.mmd.kernels import default_tasks, kernel_sums
 from posteriorzoo.mmd.pair_sums import KernelPairSums
 
@@ -222,7 +227,8 @@ def kernel_mmds_from_distances(distances: Distances, number_bandwidths: int = 10
 @public
 def kernel_mmds(X: np.ndarray, Y: np.ndarray, number_bandwidths: int = 10, *,
                 statistic: Statistic = "complete",
-                block_features: int = DEFAULT_BLOCK_FEATURES) -> KernelMMDs:
+                block_features: int = DEFAULT_BLOCK_FEATURES,
+                precision: str = DEFAULT_PRECISION, device: str = "cpu") -> KernelMMDs:
     """MMD^2 of X against Y under MMDAgg's 2 x ``number_bandwidths`` kernels.
 
     Parameters
@@ -237,7 +243,12 @@ def kernel_mmds(X: np.ndarray, Y: np.ndarray, number_bandwidths: int = 10, *,
     statistic : {"complete", "paired"}
         The U-statistic (see the module notes); "paired" needs m == n.
     block_features : int
-        Features per block of the distance pass (does not change the result).
+        Features per block of the distance pass (does not change the exact result).
+    precision : {"exact", "fast"}
+        How the distances are computed (see
+        :class:`~posteriorzoo.mmd.distances.SharedTargetDistances`); default exact.
+    device : str
+        ``"cpu"``, or a torch device such as ``"cuda"`` (fast precision only).
 
     Returns
     -------
@@ -257,4 +268,5 @@ def kernel_mmds(X: np.ndarray, Y: np.ndarray, number_bandwidths: int = 10, *,
     _check_statistic(statistic, int(np.shape(X)[0]) if np.ndim(X) else 0,
                      int(np.shape(Y)[0]) if np.ndim(Y) else 0)
     return kernel_mmds_from_distances(
-        pooled_distances(X, Y, block_features=block_features), number_bandwidths, statistic)
+        pooled_distances(X, Y, block_features=block_features,
+                         precision=precision, device=device), number_bandwidths, statistic)
