@@ -13,28 +13,35 @@ relative to the spread of the rows instead of their distance from 0.
 * **L2** through GEMM: ``|c_i - c_j|^2 = N_i + N_j - 2 G_ij``, with ``G`` the Gram matrix
   of the centred rows, summed in float32 by ``numpy.matmul`` over chunks of at most
   :data:`GRAM_CHUNK` features and added into float64, and ``N`` the squared norms summed
-  in float64. Self blocks compute the upper triangle only, a block row at a time. The
-  result is clamped at 0 (the true value is >= 0).
+  in float64. Self blocks take the whole square (with OpenBLAS a triangle, by SYRK or by
+  block rows, took as long). The result is clamped at 0 (the true value is >= 0).
 * **L1** through a SIMD numba kernel: ``sum_k |c_ik - c_jk|`` in float32 over chunks of
-  at most :data:`L1_CHUNK` features (vectorised across pairs j, four features per pass
-  over the accumulators), each chunk's sums added into float64: three operations per
-  pair-weight (subtract, absolute value, add).
+  at most :data:`L1_CHUNK` features (vectorised across pairs j, two rows i and four
+  features per pass over the accumulators), each chunk's sums added into float64: three
+  operations per pair-weight (subtract, absolute value, add).
 
-Error bound, per pair (c the exactly centred rows, u = 2^-24, gamma(k) = k u / (1 - k u);
-the rounding to float32 moves every centred value by at most u |c|, to first order):
+Error bound, per pair, with c the exactly centred rows (either reference), ``u32`` and
+``u64`` the unit roundoffs, ``g32(k) = k u32 / (1 - k u32)`` (Higham's gamma; it allows
+any order of summation, with or without FMA), ``v = (1 + u32)(1 + u64) - 1`` the rounding
+of a centred value to float32 (``|c~ - c| <= v |c|``), ``S = |c_i|_1 + |c_j|_1``,
+``P = sum_k |c_ik| |c_jk|``, ``N = |c|_2^2`` and ``q`` the number of chunks summed::
 
-    |l1 - l1_exact|   <= u (|c_i|_1 + |c_j|_1) (1 + gamma(L1_CHUNK + 1))
-                         + gamma(L1_CHUNK + 1) l1_exact + gamma64(chunks + 1) l1_exact
-    |l2sq - l2sq_exact| <= 2 u sum_k |c_ik - c_jk| (|c_ik| + |c_jk|) + (2u + u^2)... (input)
-                         + 2 gamma(GRAM_CHUNK) sum_k |c_ik c_jk|
-                         + gamma64(d + 2) (N_i + N_j + 2 sum_k |c_ik c_jk|)
+    |l1 - l1_exact| <= v S + g32(L1_CHUNK + 1) (l1_exact + v S)
+                       + g64(q) (1 + g32(L1_CHUNK + 1)) (l1_exact + v S)
 
-The L2 bound is relative to the centred norms, not to the distance (Gram cancellation):
-two rows much closer to each other than to the reference get a relatively larger error;
-centring on the sample's own mean keeps that small for draws of one posterior. The tests
-(``tests/test_mmd_distances_fast.py``) check both bounds against the exact kernels and
-that a missing centring or a dropped feature would exceed them. Unlike the exact path the
-result depends (within the bound) on the blocking and on the BLAS library.
+    |l2 - l2_exact| <= 2 v sum_k |c_ik - c_jk| (|c_ik| + |c_jk|) + v^2 sum_k (|c_ik| + |c_jk|)^2
+                       + w [2 g32(GRAM_CHUNK) P + g64(d) (N_i + N_j)
+                            + 2 g64(q) (1 + g32(GRAM_CHUNK)) P
+                            + g64(2) (N_i + N_j + 2 (1 + g32(GRAM_CHUNK)) P)]
+
+with ``w = (1 + v)^2`` (the rounded values' products against the exact ones'). The L1
+bound is relative to the distance (its sums have no cancellation); the L2 bound is
+relative to the centred norms (Gram cancellation): two rows much closer to each other
+than to the reference get a relatively larger error, which is why each sample is centred
+on its own mean for its self-distances. ``tests/test_mmd_distances_fast.py`` evaluates
+both bounds, checks the fast results against the exact kernels within them, and checks
+that a missing centring or a dropped feature would exceed them. Unlike the exact path,
+the bits depend (within the bound) on the blocking and on the BLAS library and CPU.
 """
 
 from __future__ import annotations
