@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from posteriorzoo._pipeline import read_ahead
 from posteriorzoo.dtypes import as_numpy
 from posteriorzoo.errors import ChecksumError, PosteriorZooError, ZooFormatError, ZooSchemaError
 from posteriorzoo.zoo.architecture import check_architecture
@@ -137,6 +138,8 @@ class ImportStream:
         self.unchecked: list[str] = []
         self.skipped_existing = self.skipped_repeated = 0
         self.sources: list[str] = []
+        #: The SHA-256 of each archive, taken from its one read (for the provenance).
+        self.file_digests: dict[Path, str] = {}
 
     # ------------------------------------------------------------------ reading
     def _review(self, name: str, header: Mapping[str, str], limits: ReadLimits
@@ -150,7 +153,10 @@ class ImportStream:
             raise type(error)(f"{name}: {error}") from None
 
     def _inputs(self) -> Iterator[tuple[str, dict[str, torch.Tensor], dict[str, str]]]:
-        return read_inputs(self.files, lambda: self.bounds, self._review)
+        """Every checkpoint of the inputs, decompressed and decoded by a thread of its own
+        one or two checkpoints ahead (zlib and the file reads release the GIL)."""
+        return read_ahead(read_inputs(self.files, lambda: self.bounds, self._review,
+                                      self.file_digests), depth=2)
 
     def _first(self, name: str, state: dict[str, torch.Tensor],
                header: Mapping[str, str]) -> None:

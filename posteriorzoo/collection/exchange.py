@@ -541,7 +541,6 @@ def import_checkpoints(
         # Archive members are named "ARCHIVE:MEMBER"; their numbers may tell their modes.
         archives = [f"{file.name}:" for file in files
                     if sniff_format(file, current) != "safetensors"]
-        described = {f"input {i}": describe_input(file) for i, file in enumerate(files)}
         stream = ImportStream(
             zoo_path, files, {**given, "model_options": model_options}, writer=writer,
             attributes=attributes, tensor_layout=tensor_layout, stored=stored,
@@ -568,6 +567,8 @@ def import_checkpoints(
         with stream.staging:  # published as the block ends
             pass
     skipped_existing, skipped_repeated = stream.skipped_existing, stream.skipped_repeated
+    described = {f"input {i}": describe_input(file, stream.file_digests.get(file))
+                 for i, file in enumerate(files)}
     indices, sources = range(first, first + len(stream.sources)), stream.sources
     options = {"architecture": architecture, "dataset": dataset, "method": method,
                "num_classes": num_classes,

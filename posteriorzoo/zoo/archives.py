@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import hashlib
 import os
 import re
 import tarfile
@@ -134,19 +135,38 @@ def read_release_archive(path: str | os.PathLike, *, limits: ReadLimits | None =
         yield name, state
 
 
-def _members(path: Path, limits: ReadLimits
+class _Hashing:
+    """A read-only file that feeds every byte read to a SHA-256."""
+
+    def __init__(self, raw: BinaryIO, digest: Any) -> None:
+        self.raw, self.digest = raw, digest
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.raw.read(size)
+        self.digest.update(data)
+        return data
+
+    def drain(self) -> None:
+        """Hash what the tar stream left unread (its end-of-archive padding)."""
+        while self.read(_READ_CHUNK):
+            pass
+
+
+def _members(path: Path, limits: ReadLimits, digests: dict[Path, str] | None = None
              ) -> Iterator[tuple[tarfile.TarInfo, BinaryIO | None]]:
     """Every member of an archive stream, in order, with a handle on its data when it is
     a safetensors file (None for the members skipped), under ``limits``: the number of
     members, each member's declared size, the bytes the archive expands to. The caller
     reads a handle before asking for the next member (:func:`_archive_errors` words
-    what goes wrong)."""
+    what goes wrong). With ``digests``, the archive file's SHA-256 is put there when the
+    stream ends, from the same read (no second read for the provenance)."""
     require_file(path)
     kind = sniff_format(path, limits)
     if kind == "safetensors":
         raise ZooFormatError(f"{path}: a safetensors file, not a tar archive")
     members = 0
-    with open(path, "rb") as raw:
+    with open(path, "rb") as opened:
+        raw: Any = _Hashing(opened, hashlib.sha256()) if digests is not None else opened
         stream: BinaryIO = gzip.GzipFile(fileobj=raw, mode="rb") if kind == "tar.gz" else raw
         reader = _BoundedReader(stream, str(path), limits)
         with tarfile.open(fileobj=reader, mode="r|") as archive:  # type: ignore[call-overload]
@@ -163,6 +183,9 @@ def _members(path: Path, limits: ReadLimits
                 taken = (member.isfile() and not member.issparse()
                          and member.name.endswith(".safetensors"))
                 yield member, archive.extractfile(member) if taken else None
+        if digests is not None:
+            raw.drain()
+            digests[path] = raw.digest.hexdigest()
 
 
 @contextlib.contextmanager
@@ -174,16 +197,18 @@ def _archive_errors(path: Path) -> Iterator[None]:
         raise ZooFormatError(f"{path}: not a readable tar archive ({error})"[:400]) from None
 
 
-def read_archive(path: Path, limits: ReadLimits, review: Review | None = None
+def read_archive(path: Path, limits: ReadLimits, review: Review | None = None,
+                 digests: dict[Path, str] | None = None
                  ) -> Iterator[tuple[str, dict[str, torch.Tensor], dict[str, str]]]:
     """Like :func:`read_release_archive`, with each member's header metadata too.
 
     Each safetensors member is read as a stream (:func:`~posteriorzoo.zoo.formats.
     read_safetensors`): its header first, then ``review`` (which may tighten the limits,
-    or refuse), then exactly the tensor bytes the header declares.
+    or refuse), then exactly the tensor bytes the header declares. With ``digests``, the
+    archive's SHA-256 is put there once it is read to its end.
     """
     with _archive_errors(path):
-        for member, handle in _members(path, limits):
+        for member, handle in _members(path, limits, digests):
             if handle is None:
                 continue
             name = f"{path.name}:{member.name}"
