@@ -14,6 +14,7 @@ from posteriorzoo.cli._types import (
     number_in,
     seed_option,
 )
+from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.text import MMD_DISPLAY_SCALE
 
 # The ranges of the numeric options (each is checked when the command line is parsed).
@@ -29,6 +30,8 @@ RESAMPLES = integer_in(1, 50_000)
 BISECTIONS = integer_in(1, 100)
 #: MiB of features per block: smaller blocks only stream slower; the block is in memory.
 BLOCK_MB = number_in(1, 1e6)
+#: Rows per tile block: a tile holds 2 x N^2 float64 per layer (16 MiB at 1,024).
+TILE_ROWS = integer_in(2, 65_536)
 
 #: The display factor as the help shows it ("x 100").
 _X = f"x {MMD_DISPLAY_SCALE:g}"
@@ -63,6 +66,7 @@ examples:
   posteriorzoo mmd target.h5 swag.h5 laplace.h5 --out mmd-report
   posteriorzoo mmd target.h5 SWAG=runs/swag.h5 DE=runs/de.h5 --symmetries keep
   posteriorzoo mmd target.h5 de.h5 --layers 'layer4.*' --test --seed 1
+  posteriorzoo mmd target.h5 de.h5 --symmetries keep --tiles-dir tiles --ray-address auto
 """
 
 
@@ -137,6 +141,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--keep-canonical", action="store_true",
                         help="keep the canonical copies in OUT/canonical (default: they are "
                              "built inside the temporary output and deleted)")
+    parser.add_argument("--tiles-dir", type=Path, metavar="DIR",
+                        help="compute the distance matrices as tiles kept in DIR: a rerun "
+                             "computes only the missing tiles (resumes a killed run); "
+                             "compares the inputs as they are (raw: --symmetries keep; "
+                             "canonical copies from 'posteriorzoo canonicalize': remove)")
+    parser.add_argument("--ray-address", metavar="ADDRESS",
+                        help="with --tiles-dir: compute the tiles as Ray tasks on this "
+                             "cluster (auto, HOST:PORT, ray://HOST:10001), or 'local' for a "
+                             "private local instance; the collection files and DIR must be "
+                             "at the same paths on every node (default: in this process)")
+    parser.add_argument("--tile-rows", type=TILE_ROWS, metavar="N",
+                        help=f"with --tiles-dir: rows per tile block, {TILE_ROWS.range_text} "
+                             "(a tile holds 2 x N^2 float64 per layer; default: 1024)")
     add_json_option(parser, "the report's JSON instead of the Markdown table")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     parser.set_defaults(func=run_mmd)
@@ -148,13 +165,19 @@ def run_mmd(args: argparse.Namespace) -> int:
 
     methods = file_stem_names(args.methods)
     inputs = [args.target, *methods.values()]
+    if args.tiles_dir is None and (args.ray_address or args.tile_rows):
+        raise InvalidOptionError("--ray-address and --tile-rows are options of --tiles-dir")
+    if args.tiles_dir is not None and args.keep_canonical:
+        raise InvalidOptionError("--tiles-dir compares the inputs as they are: canonicalize "
+                                 "them first ('posteriorzoo canonicalize') instead of "
+                                 "--keep-canonical")
     # Everything, canonical copies included, is built inside the temporary output folder:
     # a killed run leaves nothing behind but that folder, which the next run reclaims.
     with atomic_directory(args.out, overwrite=args.overwrite, inputs=inputs) as partial:
         canonical = partial / "canonical"
         if args.keep_canonical:
             canonical.mkdir()
-        report = compare(
+        report = _tiled(args, methods) if args.tiles_dir is not None else compare(
             args.target, methods, symmetries=args.symmetries, layers=args.layers,
             group=args.group, include_buffers=args.include_buffers,
             permutation=args.permutation, scaling=args.scaling,
@@ -175,3 +198,22 @@ def run_mmd(args: argparse.Namespace) -> int:
     for name in names:
         print(f"wrote {args.out / name}")
     return 0
+
+
+def _tiled(args: argparse.Namespace, methods: dict) -> object:
+    """``compare_tiles`` with the command's options (``--symmetries both``: what the
+    inputs hold)."""
+    from posteriorzoo.collection.tiles import compare_tiles
+    from posteriorzoo.mmd.tiles import DEFAULT_BLOCK_ROWS
+
+    address = None if args.ray_address in (None, "local") else args.ray_address
+    return compare_tiles(
+        args.target, methods, tiles_dir=args.tiles_dir,
+        backend="serial" if args.ray_address is None else "ray", ray_address=address,
+        block_rows=args.tile_rows or DEFAULT_BLOCK_ROWS,
+        symmetries=None if args.symmetries == "both" else args.symmetries,
+        layers=args.layers, group=args.group, include_buffers=args.include_buffers,
+        number_bandwidths=args.bandwidths, test=args.test, alpha=args.alpha, B1=args.b1,
+        B2=args.b2, B3=args.b3, seed=args.seed, block_bytes=int(args.block_mb * (1 << 20)),
+        precision=getattr(args, "precision", "fast"), verify=not args.no_verify,
+        progress=not args.no_progress, command=args.command_line)

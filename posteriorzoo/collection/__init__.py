@@ -2,7 +2,8 @@
 
 Describe (:func:`describe`), diagnose (:func:`diagnose`), verify (:func:`verify`),
 canonicalize and min-mass
-(:func:`canonicalize`, :func:`min_mass`), compare (:func:`compare`), import and export
+(:func:`canonicalize`, :func:`min_mass`), compare (:func:`compare`; as resumable
+tiles, also on Ray: :func:`compare_tiles`), import and export
 (:func:`import_checkpoints`, :func:`export_checkpoint`, :func:`export_all`) and evaluate
 (:func:`evaluate`). Each function takes a path or an open :class:`~posteriorzoo.zoo.Zoo`
 (import: the path of the collection to create or append to), validates its options once,
@@ -35,11 +36,13 @@ from posteriorzoo.collection.exchange import (
     import_checkpoints,
     plan_import,
 )
+from posteriorzoo.collection.tiles import compare_tiles
 from posteriorzoo.collection.verification import VerifyResult, require_ok, verify
 from posteriorzoo.results import CollectionResult
 
 __all__ = ["CanonicalizeResult", "CollectionResult", "CompareResult", "CompatibilityWarning",
            "DescribeResult", "DiagnoseResult", "EvaluateResult", "ExportResult",
            "ImportResult", "MinMassResult", "VerifyResult", "canonicalize", "compare",
+           "compare_tiles",
            "describe", "diagnose", "evaluate", "export_all", "export_checkpoint",
            "import_checkpoints", "min_mass", "plan_import", "require_ok", "verify"]
