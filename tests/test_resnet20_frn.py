@@ -39,6 +39,7 @@ from posteriorzoo.models import FilterResponseNorm2d, build, parameter_count
 from posteriorzoo.symmetry import (
     apply_symmetry,
     canonicalize,
+    min_mass,
     random_symmetry,
     sample_permutations,
     sample_signs,
@@ -453,3 +454,25 @@ def test_canonical_forms_agree_and_keep_the_function():
     original = _logits(_twin(model), x)
     limit = 2 * _first_order(model, x, norms) + bound * float(original.abs().max())
     assert ((kept - original).abs() <= limit).all()
+
+
+def test_frn_output_scale_has_a_mass_minimum_under_relu():
+    """With ReLU in place of SiLU, FRN's output scale (tau, beta, gamma, laid out (1, C,
+    1, 1)) passes to the next convolution: min-mass moves it, lowers the mass and keeps
+    the function (exactly with eps = 0; FRN's own input scale is left to ``norm``)."""
+    model, x = _model(6), _inputs()
+    for module in model.modules():
+        if hasattr(module, "activation"):
+            module.activation = nn.ReLU()
+    state = model.state_dict()
+    result = min_mass(model, state, input_shape=(3, 32, 32))
+    assert result.mass_after < 0.9 * result.mass_before
+    moved = [i for i, factors in result.scales.items()
+             if np.abs(np.log(factors)).max() > 1e-3]
+    structure = symmetry_structure(model, state, input_shape=(3, 32, 32))
+    assert moved and all(any(a.key.endswith(".tau") for a in structure.scales[i].writers)
+                         for i in moved)
+    canonical = canonicalize(model, state, scaling="minmass", input_shape=(3, 32, 32))
+    more = canonical_roundings(model, state, {"input_shape": (3, 32, 32)}, "minmass")
+    assert _relative(_logits(_twin(model, canonical, 0.0), x),
+                     _logits(_twin(model, eps=0.0), x)) <= _rounding_bound(model, x, more)

@@ -153,6 +153,7 @@ def mass_problem(structure: SymmetryStructure, template: Mapping[str, torch.Tens
             start += size
     fixed = start
     row_of: dict[str, np.ndarray] = {}
+    per_channel: set[str] = set()   # (1, C, ...) parameters, units on axis 1 (FRN's)
     col_of: dict[str, tuple[np.ndarray, object]] = {}
     batchnorm_weights = set()
     for index, variable in enumerate(structure.scales):
@@ -162,6 +163,8 @@ def mass_problem(structure: SymmetryStructure, template: Mapping[str, torch.Tens
                 batchnorm_weights.add(axis.key)
             if ids is not None and axis.power == 1:
                 row_of[axis.key] = ids
+                if axis.axis == 1:
+                    per_channel.add(axis.key)
         for axis in variable.readers:
             if ids is not None and axis.power == -1:
                 col_of[axis.key] = (ids, axis)
@@ -185,8 +188,12 @@ def mass_problem(structure: SymmetryStructure, template: Mapping[str, torch.Tens
                 cols = np.broadcast_to(ids, (tensor.shape[0], columns // block))
         else:
             cols = np.full((tensor.shape[0], columns), fixed)
-        pair = rows[:, None] * (fixed + 1) + cols
-        pair[rows[:, None] == cols] = fixed * (fixed + 1) + fixed  # constant pairs
+        if key in per_channel:   # one row whose columns are the units: (unit, fixed)
+            rows, cols = rows[None, :], np.full((1, rows.size), fixed)
+        else:
+            rows = np.broadcast_to(rows[:, None], cols.shape)
+        pair = rows * (fixed + 1) + cols
+        pair[rows == cols] = fixed * (fixed + 1) + fixed  # constant pairs
         raw_terms.append((key, block, pair.reshape(-1)))
     everything = np.concatenate([np.array([fixed * (fixed + 1) + fixed])]
                                 + [pair for _, _, pair in raw_terms])
