@@ -19,6 +19,7 @@ from posteriorzoo.collection._open import Source, architecture_fit, opened, sour
 from posteriorzoo.errors import ChecksumError, PosteriorZooError, ZooFormatError
 from posteriorzoo.provenance import describe_input, record
 from posteriorzoo.results import CollectionResult, csv_text
+from posteriorzoo.zoo import verified
 from posteriorzoo.zoo.manifest import MANIFEST_NAME, read_manifest, sha256_file
 from posteriorzoo.zoo.reorder import collection_row_order
 from posteriorzoo.zoo.schema import HDF5_FORMAT, HDF5_FORMAT_ATTRIBUTE
@@ -158,6 +159,7 @@ def verify(source: Source, *, progress: bool = False, command: str | None = None
     """
     path = source_path(source)
     result = VerifyResult(path=path)
+    seen = verified.snapshot(path)  # how the file looked before the checks
     with opened(source, verify=False) as zoo:
         result.checkpoints = len(zoo)
         _check_objects(zoo, result)
@@ -172,7 +174,14 @@ def verify(source: Source, *, progress: bool = False, command: str | None = None
         _check_records(zoo, result)
         _check_row_order(zoo, result)
         _check_architecture(zoo, result)
+        content = zoo._content_digest(result.checkpoints)
     digest = _check_manifest(path, result)
+    # Later opens trust what was just checked while the file stays as it is (the note
+    # is in the user's cache; the collection is not touched), and distrust it otherwise.
+    if result.ok and result.checkpoints:
+        verified.remember(path, seen, result.checkpoints, content)
+    elif not result.ok:
+        verified.forget(path)
     result.provenance = record("posteriorzoo verify", command=command,
                                inputs={"collection": describe_input(path, digest)})
     return result

@@ -24,6 +24,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ from posteriorzoo.errors import (
     ZooSchemaError,
 )
 from posteriorzoo.provenance import library_versions
-from posteriorzoo.zoo import schema
+from posteriorzoo.zoo import schema, verified
 from posteriorzoo.zoo.architecture import check_architecture
 from posteriorzoo.zoo.layout import (
     COMMITTED,
@@ -82,6 +83,18 @@ _STACK_BYTES = 1 << 24
 _STATE_GROUP = STATE_GROUP
 #: Bytes of whole checkpoints read at once while verifying digests.
 _VERIFY_BLOCK_BYTES = 1 << 28
+#: Checkpoints at least this large are hashed by several threads (smaller ones are not
+#: worth a thread's start).
+_PARALLEL_CHECK_BYTES = 1 << 20
+
+
+def _check_threads() -> int:
+    """Threads that hash checkpoints: the CPUs this process may use, at most 8."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus))
 _CRASHED_WRITER_MARKERS = ("already open for write", "consistency flags")
 #: What HDF5 says, reading in SWMR mode, of a file whose writer had not started SWMR.
 _NON_SWMR_WRITER_MARKER = "not already open for SWMR writing"
@@ -452,6 +465,10 @@ class Zoo:
         self.verify = bool(verify)
         self._verified_upto = 0
         self._verified: set[int] = set()
+        #: The file as it was before its first check (posteriorzoo.zoo.verified), and
+        #: whether a note in the user's cache says it is verified.
+        self._seen: tuple[dict[str, int] | None, int] | None = None
+        self._noted = False
         with self._reading("the collection's structure"):
             layout = read_layout(handle, path)
         self.layout = layout
@@ -603,50 +620,104 @@ class Zoo:
         A problem is a tensor digest that differs from the stored SHA-256, a metadata row
         that differs from its stored digest (schema 2), or NaN/inf weights in a checkpoint
         not flagged diverged. ``arrays`` (``{key: (stop-start, *shape)}``) avoids reading
-        the tensors again when the caller already has them.
+        the tensors again when the caller already has them. Large checkpoints are hashed
+        by several threads at once (SHA-256 and numpy's checks release the GIL).
         """
         with self._reading(f"checkpoints {start}..{stop - 1}"):
             if arrays is None:
                 arrays = {key: self._datasets[key][start:stop] for key in self._keys}
             rows = self._file[METADATA][start:stop]
             digests = self._file[ROW_DIGESTS][start:stop] if self.has_row_digests else None
-        problems = []
-        for offset in range(stop - start):
+
+        def check(offset: int) -> list[tuple[int, str]]:
             index = start + offset
+            found = []
             checkpoint = {key: arrays[key][offset] for key in self._keys}
             if checkpoint_digest(checkpoint, self._keys) != bytes(rows["sha256"][offset]).decode(
                     errors="replace"):
-                problems.append((index, "its tensors differ from their stored SHA-256"))
+                found.append((index, "its tensors differ from their stored SHA-256"))
             if digests is not None and row_digest(rows[offset]) != bytes(
                     digests[offset]).decode(errors="replace"):
-                problems.append((index, "its metadata row differs from its stored SHA-256"))
+                found.append((index, "its metadata row differs from its stored SHA-256"))
             finite = all(np.isfinite(value).all() for value in checkpoint.values()
                          if value.dtype.kind == "f")
             if not finite and not rows["diverged"][offset]:
-                problems.append((index, "it holds NaN/inf weights without the diverged flag"))
-        return problems
+                found.append((index, "it holds NaN/inf weights without the diverged flag"))
+            return found
+
+        offsets = range(stop - start)
+        if self.checkpoint_bytes >= _PARALLEL_CHECK_BYTES and len(offsets) > 1:
+            with ThreadPoolExecutor(min(len(offsets), _check_threads())) as pool:
+                found = list(pool.map(check, offsets))
+        else:
+            found = [check(offset) for offset in offsets]
+        return [problem for problems in found for problem in problems]
 
     def _raise_problems(self, problems: list[tuple[int, str]]) -> None:
         if problems:
+            verified.forget(self.path)
             index, problem = problems[0]
             more = f" ({len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
             raise ChecksumError(f"{self.path}: checkpoint {index} is corrupt: {problem}{more}; "
                                 "'posteriorzoo verify' reports all damage")
 
+    def _content_digest(self, count: int) -> str:
+        """:func:`posteriorzoo.zoo.verified.content_digest` of the first ``count`` rows."""
+        with self._reading("the metadata table"):
+            rows = self._file[METADATA][:count]
+            digests = self._file[ROW_DIGESTS][:count] if self.has_row_digests else None
+        return verified.content_digest(rows, digests)
+
+    def _trust_note(self) -> None:
+        """With ``verify=True``, before the first check: when a note in the user's cache
+        says this file, unchanged since, was verified (:mod:`posteriorzoo.zoo.verified`),
+        its committed checkpoints count as checked; otherwise remember how the file looked
+        before the checks start, to note it once they all pass."""
+        if not self.verify or self._seen is not None or not verified.enabled():
+            return
+        self._seen = verified.snapshot(self.path)
+        count = len(self)
+        if count and verified.recorded(self.path, self._seen[0], count,
+                                       self._content_digest(count)):
+            self._verified_upto = max(self._verified_upto, count)
+            self._noted = True
+
+    def _checked_through(self, stop: int) -> None:
+        """Rows ``0 .. stop-1`` are checked; once they are all the committed ones, note it
+        in the user's cache (see :meth:`_trust_note`)."""
+        self._verified_upto = stop
+        count = len(self)
+        if stop >= count and not self._noted and self._seen is not None and count:
+            self._noted = verified.remember(self.path, self._seen, count,
+                                            self._content_digest(count))
+
     def verify_all(self) -> None:
-        """With ``verify=True``: check every checkpoint not yet checked (once per zoo)."""
+        """With ``verify=True``: check every checkpoint not yet checked (once per zoo),
+        unless a note in the user's cache says this file, unchanged, was verified
+        (:mod:`posteriorzoo.zoo.verified`). Blocks are read ahead of the hashing."""
+        from posteriorzoo._pipeline import read_ahead
+
         if not self.verify:
             return
+        self._trust_note()
         count = len(self)
         rows = self.block_rows()
-        for start in range(self._verified_upto, count, rows):
-            stop = min(count, start + rows)
-            self._raise_problems(self.check_checkpoints(start, stop))
-            self._verified_upto = stop
+
+        def blocks() -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
+            for start in range(self._verified_upto, count, rows):
+                stop = min(count, start + rows)
+                with self._reading(f"checkpoints {start}..{stop - 1}"):
+                    yield start, stop, {key: self._datasets[key][start:stop]
+                                        for key in self._keys}
+
+        for start, stop, block in read_ahead(blocks(), depth=1):
+            self._raise_problems(self.check_checkpoints(start, stop, block))
+            self._checked_through(stop)
 
     def _verify_rows(self) -> None:
         if not self.verify or not self.has_row_digests:
             return
+        self._trust_note()
         with self._reading("the metadata table"):
             count = len(self)
             if count <= self._verified_upto:  # verify_all already checked these rows
@@ -724,6 +795,7 @@ class Zoo:
         With ``verify=True`` each block is checked as it is read (no second read).
         """
         rows = rows or self.block_rows()
+        self._trust_note()
         count = len(self)
         for start in range(0, count, rows):
             stop = min(count, start + rows)
@@ -732,7 +804,7 @@ class Zoo:
             if self.verify and stop > self._verified_upto:
                 self._raise_problems(self.check_checkpoints(start, stop, block))
                 if start <= self._verified_upto:
-                    self._verified_upto = stop
+                    self._checked_through(stop)
             yield start, block
 
     def arrays(self, index: int) -> dict[str, np.ndarray]:
@@ -741,6 +813,7 @@ class Zoo:
         if not -count <= index < count:
             raise IndexError(f"checkpoint {index} out of range; the zoo holds {count}")
         index %= count
+        self._trust_note()
         with self._reading(f"checkpoint {index}"):
             arrays = {key: ds[index] for key, ds in self._datasets.items()}
         if self.verify and index >= self._verified_upto and index not in self._verified:
