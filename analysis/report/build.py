@@ -191,7 +191,8 @@ def build_report(target: str | os.PathLike,
                  seed: int = 0, figures: bool = True, workdir: str | os.PathLike | None = None,
                  progress: bool = False, command: str | None = None,
                  predict: Callable[[Any, Any], np.ndarray] | None = None,
-                 timings: dict[str, float] | None = None) -> ReportResult:
+                 timings: dict[str, float] | None = None,
+                 predictions: bool = True) -> ReportResult:
     """The benchmark report of method collections against a target collection.
 
     Parameters
@@ -243,6 +244,11 @@ def build_report(target: str | os.PathLike,
         one that runs torch modules holds
         :data:`posteriorzoo.symmetry.structure.FX_TRACING` meanwhile (torch.fx patches
         ``nn.Module`` for the whole process while the first thread traces a model).
+    predictions : bool
+        Compute the predictive metrics (default). False gives a weights-only report (MMD,
+        NS-MMD, the noise floors, diagnostics, the weight figures) that reads no data set
+        and runs no network: for when the data set or a GPU is missing. Table 1's
+        predictive columns are then empty and the collapse figure is not drawn.
     timings : dict, optional
         Filled with the wall seconds each stage took: ``load``, ``canonicalize``,
         ``mmd``, ``noise floor``, ``predictions``, ``metrics``, ``diagnostics``,
@@ -252,7 +258,7 @@ def build_report(target: str | os.PathLike,
         more than the report's time.
     """
     from posteriorzoo.collection import compare, diagnose
-    from posteriorzoo.collection.comparison import parameter_keys
+    from posteriorzoo.collection.comparison import ZooSource, parameter_keys
     from posteriorzoo.collection.evaluation import (
         member_probabilities,
         read_images_first,
@@ -290,12 +296,14 @@ def build_report(target: str | os.PathLike,
     stopping = threading.Event()
     with reusing_images(), \
             tempfile.TemporaryDirectory(prefix="report-", dir=workdir) as scratch, \
+            contextlib.ExitStack() as files, \
             ThreadPoolExecutor(1, thread_name_prefix="report-metrics") as pool:
         # The datasets first, in this thread: a missing one is refused before any long
         # stage, and the evaluations reuse the images read here.
-        with stage("load"):
-            read_images_first(id_data, ood_data, n_images=n_images)
-        todo = list(entries)
+        if predictions:
+            with stage("load"):
+                read_images_first(id_data, ood_data, n_images=n_images)
+        todo = list(entries) if predictions else []
         evaluations: dict[str, Any] = {}
         options = ({"dataset": id_data, "ood_dataset": ood_data, "ood_score": ood_score,
                     "bins": bins, "n_images": n_images, "seed": seed},
@@ -304,18 +312,20 @@ def build_report(target: str | os.PathLike,
                                  *options)
         with _stops_on_error(stopping):
             held_out = held_out_size(info["n"], [e["n"] for e in entries])
-            target_arrays, digests = {}, {}   # digests: the distance cache's key
-            with stage("load"), open_zoo(target) as zoo:
+            # The target's weights are never held in memory: the noise floors and figures
+            # stream them from the files (a 1,000-checkpoint ResNet-18 target is 45 GB),
+            # through the distance cache keyed by the checkpoints' recorded digests.
+            targets = {}
+            with stage("load"):
+                zoo = files.enter_context(open_zoo(target, verify=True))
                 keys = parameter_keys(zoo)
-                target_arrays["keep"] = {key: zoo.layer(key) for key in keys}
-                digests["keep"] = zoo.digests
+                targets["keep"] = ZooSource("target", zoo, keys=keys)
             # The stored weights' noise floor first: mostly kernels that release the GIL,
             # while the metrics thread starts (reading datasets, importing), which needs it
             noise = {}
             with stage("noise floor"):
-                noise["keep"] = noise_floor(target_arrays["keep"], symmetries="keep",
-                                            held_out=held_out, splits=splits, seed=seed,
-                                            row_digests=digests["keep"])
+                noise["keep"] = noise_floor(targets["keep"], symmetries="keep",
+                                            held_out=held_out, splits=splits, seed=seed)
             canonical = Path(scratch) / "canonical"
             canonical.mkdir()
             with stage("mmd"):
@@ -330,13 +340,13 @@ def build_report(target: str | os.PathLike,
             timings["mmd"] -= canonicalizing
             # compare's canonical copy of the target (the target itself if it is canonical
             # already), named by compare: never guessed from the file name
-            with stage("load"), open_zoo(comparison.canonical_target or target) as zoo:
-                target_arrays["remove"] = {key: zoo.layer(key) for key in keys}
-                digests["remove"] = zoo.digests
+            with stage("load"):
+                zoo = files.enter_context(open_zoo(comparison.canonical_target or target,
+                                                   verify=True))
+                targets["remove"] = ZooSource("target", zoo, keys=keys)
             with stage("noise floor"):
-                noise["remove"] = noise_floor(target_arrays["remove"], symmetries="remove",
-                                              held_out=held_out, splits=splits, seed=seed,
-                                              row_digests=digests["remove"])
+                noise["remove"] = noise_floor(targets["remove"], symmetries="remove",
+                                              held_out=held_out, splits=splits, seed=seed)
             per_layer: dict[str, dict[str, dict[str, float]]] = {}
             tests = [{"method": r.method, "symmetries": r.symmetries, "layer": r.layer,
                       "reject": bool(r.test.reject),
@@ -355,19 +365,21 @@ def build_report(target: str | os.PathLike,
             _evaluations(todo, evaluations, stopping, stage, predict, *options)   # help
             evaluating.result()
         timings["metrics"] -= timings.get("predictions", 0.0)
-        rows = [_row(entry, comparison, evaluations[entry["name"]]) for entry in entries]
+        rows = [_row(entry, comparison, evaluations.get(entry["name"])) for entry in entries]
         drawn, notes = ({}, {})
         if figures:
             from analysis.report.figures import report_figures
 
             with stage("figures"):
-                drawn, notes = report_figures(target, target_arrays, per_layer, noise,
-                                              evaluations[collapse], collapse, entries)
-    first = evaluations[entries[0]["name"]]
+                drawn, notes = report_figures(target, targets, per_layer, noise,
+                                              evaluations.get(collapse), collapse, entries)
+    first = evaluations.get(entries[0]["name"])
     return ReportResult(
         info, rows, noise, per_layer,
-        {"id": id_data, "ood": ood_data, "images": first.image_counts, "bins": bins,
-         "ood_score": ood_score, "collapse": collapse},
+        {"id": id_data if predictions else None, "ood": ood_data if predictions else None,
+         "images": first.image_counts if first else None, "bins": bins,
+         "ood_score": ood_score, "collapse": collapse if predictions else None,
+         "predictions": predictions},
         tests=tests, diagnostics=diagnostics, figures=drawn, figure_notes=notes,
         provenance=record(
             "posteriorzoo report", command=command,
@@ -375,7 +387,8 @@ def build_report(target: str | os.PathLike,
                     **{f"method {e['name']}": describe_input(Path(e["path"]))
                        for e in entries}},
             seeds={"noise_floor": seed, "pairs": seed, "test": seed if test else None},
-            options={"id_data": id_data, "ood_data": ood_data, "allow_mixed": allow_mixed,
+            options={"predictions": predictions,
+                     "id_data": id_data, "ood_data": ood_data, "allow_mixed": allow_mixed,
                      "test": test, "bins": bins, "ood_score": ood_score,
                      "n_images": n_images, "splits": splits, "n_pairs": n_pairs,
                      "collapse": collapse, "held_out": held_out}))
@@ -467,7 +480,8 @@ def diagnosis_row(name: str, diagnosis: Any) -> dict[str, Any]:
             "summary": "; ".join(parts)}
 
 
-def _row(entry: Mapping[str, Any], comparison: Any, evaluation: Any) -> dict[str, Any]:
+def _row(entry: Mapping[str, Any], comparison: Any, evaluation: Any | None
+         ) -> dict[str, Any]:
     row = {key: entry[key] for key in ("name", "path", "method", "group", "n")}
     for treatment, prefix in (("keep", "mmd"), ("remove", "ns_mmd")):
         try:
@@ -478,6 +492,7 @@ def _row(entry: Mapping[str, Any], comparison: Any, evaluation: Any) -> dict[str
                     f"{prefix}_mean": summary.mean, f"{prefix}_max": summary.max})
         if summary.rejected_layers is not None:
             row["rejected_layers"] = (row.get("rejected_layers") or 0) + summary.rejected_layers
-    row.update({key: value for key, value in evaluation.metrics().items()
-                if key != "nll"}, nll=evaluation.ensemble_nll)
+    if evaluation is not None:   # None: a weights-only report
+        row.update({key: value for key, value in evaluation.metrics().items()
+                    if key != "nll"}, nll=evaluation.ensemble_nll)
     return row

@@ -11,12 +11,19 @@ import numpy as np
 from posteriorzoo.mmd.noise import NoiseFloor
 
 
-def report_figures(target: Path, target_arrays: Mapping[str, Mapping[str, np.ndarray]],
+def report_figures(target: Path, targets: Mapping[str, Any],
                    per_layer: Mapping[str, Mapping[str, Mapping[str, float]]],
                    noise: Mapping[str, NoiseFloor], collapse: Any, collapse_name: str,
                    entries: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any],
                                                                   dict[str, str]]:
-    """Name -> Figure, and name -> a sentence of numbers for its caption."""
+    """Name -> Figure, and name -> a sentence of numbers for its caption.
+
+    ``targets``: the target's sample sources by treatment (``"keep"``, and ``"remove"``
+    when drawn; :class:`~posteriorzoo.collection.comparison.ZooSource`), read in blocks:
+    the marginals read a few weights per layer, the PCA curves come from the squared
+    distances between checkpoints (summed over layers; the target's through the distance
+    cache the noise floor filled), so no figure holds a collection's weights in memory.
+    """
     from analysis.figures.draw import (
         collapse_figure,
         marginals_figure,
@@ -25,20 +32,23 @@ def report_figures(target: Path, target_arrays: Mapping[str, Mapping[str, np.nda
         pca_figure,
     )
     from analysis.figures.sources import unit_layout
-    from analysis.figures.statistics import pca_explained_variance, pearson
+    from analysis.figures.statistics import pearson
     from analysis.figures.styles import collection_style, method_style
     from posteriorzoo.collection import min_mass
+    from posteriorzoo.collection.comparison import ZooSource
     from posteriorzoo.zoo import open_zoo
 
     figures: dict[str, Any] = {}
     notes: dict[str, str] = {}
     with open_zoo(target) as zoo:
         layout = unit_layout(zoo)
-    raw = target_arrays["keep"]
+    raw = targets["keep"]
+    axes = {key: layout[key][0] for key in raw.shapes}
+    shown = {treatment: _unit_weights(source, axes, UNITS_SHOWN)
+             for treatment, source in targets.items()}
     figures["marginals"] = marginals_figure(
-        raw, target_arrays.get("remove"),
-        unit_axes={key: layout[key][0] for key in raw},
-        exchangeable={key: layout[key][1] for key in raw})
+        shown["keep"], shown.get("remove"), UNITS_SHOWN, unit_axes=axes,
+        exchangeable={key: layout[key][1] for key in raw.shapes})
     masses = min_mass(target)
     figures["mass"] = mass_figure(masses.mass_before, masses.mass_after,
                                   masses.max_abs_before, masses.max_abs_after)
@@ -47,7 +57,8 @@ def report_figures(target: Path, target_arrays: Mapping[str, Mapping[str, np.nda
                      f"{len(ratio)} checkpoints (median {np.nanmedian(masses.mass_before):.3g}"
                      f" -> {np.nanmedian(masses.mass_after):.3g}; largest ratio after / "
                      f"before {np.nanmax(ratio):.4f}).")
-    if collapse.pairwise_id is not None and collapse.pairwise_ood is not None:
+    if collapse is not None and collapse.pairwise_id is not None \
+            and collapse.pairwise_ood is not None:
         figures["collapse"] = collapse_figure(collapse.pairwise_id, collapse.pairwise_ood,
                                               id_name=collapse.dataset,
                                               ood_name=collapse.ood_dataset)
@@ -56,12 +67,12 @@ def report_figures(target: Path, target_arrays: Mapping[str, Mapping[str, np.nda
                              f"{r:.2f}.")
     # each method drawn in the style of what its file holds, as posteriorzoo plot draws it
     styles = {"target": method_style("target")}
-    curves = {"target": pca_explained_variance(_flat(raw))}
+    curves = {"target": _explained_variance(raw)}
     for entry in entries:
-        with open_zoo(Path(entry["path"])) as zoo:
+        with open_zoo(Path(entry["path"]), verify=True) as zoo:
             styles[entry["name"]] = collection_style(zoo, entry["name"])
-            curves[entry["name"]] = pca_explained_variance(
-                _flat({key: zoo.layer(key) for key in raw}))
+            curves[entry["name"]] = _explained_variance(
+                ZooSource(entry["name"], zoo, keys=list(raw.shapes)))
     for treatment, name in (("keep", "mmd"), ("remove", "ns-mmd")):
         if treatment in per_layer and treatment in noise:
             floor = noise[treatment]
@@ -72,7 +83,39 @@ def report_figures(target: Path, target_arrays: Mapping[str, Mapping[str, np.nda
     return figures, notes
 
 
-def _flat(arrays: Mapping[str, np.ndarray]) -> np.ndarray:
-    """``(N, D)``: every layer of each checkpoint in one row."""
-    return np.concatenate([np.asarray(a, dtype=np.float64).reshape(len(a), -1)
-                           for a in arrays.values()], axis=1)
+#: Units per layer whose marginals the figure draws (marginals_figure's default).
+UNITS_SHOWN = 4
+
+
+def _unit_weights(source: Any, axes: Mapping[str, int], units: int) -> dict[str, np.ndarray]:
+    """Per layer, the hyperslab of the first ``units`` units along its unit axis and index
+    0 on every other axis: all that :func:`~analysis.figures.statistics.unit_marginals`
+    reads, so the figure equals the one drawn from the whole arrays."""
+    shown = {}
+    for key, shape in source.shapes.items():
+        index = tuple(slice(0, units) if axis == axes[key] else slice(0, 1)
+                      for axis in range(len(shape)))
+        kept = tuple(min(units, size) if axis == axes[key] else min(1, size)
+                     for axis, size in enumerate(shape))
+        shown[key] = source.read(key, index).reshape(source.rows, *kept)
+    return shown
+
+
+def _explained_variance(source: Any) -> np.ndarray:
+    """The PCA curve of a source's flattened checkpoints, from their squared distances.
+
+    With H the centring matrix, ``-H D H / 2`` is the Gram matrix of the centred weights
+    (D: squared Euclidean distances, summed over the layers), whose eigenvalues are the
+    squared singular values :func:`~analysis.figures.statistics.pca_explained_variance`
+    takes; memory is one block and the (N, N) matrices.
+    """
+    from analysis.figures.statistics import gram_explained_variance
+    from posteriorzoo.mmd import self_distances
+    from posteriorzoo.mmd.sources import group_layers
+
+    layers = group_layers(list(source.shapes), source.shapes)
+    squared = sum(self_distances(source, layer, getattr(source, "row_digests", None))[1]
+                  for layer in layers)
+    centred = squared - squared.mean(axis=0) - squared.mean(axis=1, keepdims=True) \
+        + squared.mean()
+    return gram_explained_variance(-centred / 2, sum(layer.size for layer in layers))

@@ -121,12 +121,15 @@ def _captions(report: ReportResult, escape: Callable[[str], str] = _same
     images = data.get("images") or {}
     ood = (f"OOD: {escape(data['ood'])} ({images.get('ood', 0)} images, score "
            f"{data['ood_score']})" if data.get("ood") else "no OOD set")
+    metrics = (("Predictive metrics of each "
+                f"collection's posterior predictive (average softmax) on {escape(data['id'])} "
+                f"({images.get('id', 0)} images; ECE with {data['bins']} bins); {ood}. "
+                f"Acc, ECE, AUPR, FPR95 in %; Brier x 100; IDMI and OODMI in nats x 100. ")
+               if data.get("predictions", True) else
+               "A weights-only report (no predictions): the predictive metrics are not "
+               "computed. ")
     table1 = (f"Table 1. MMD and NS-MMD: layer-weighted median over the 20 MMDAgg kernels "
-              f"of the unbiased MMD^2 to the target, x {MMD_DISPLAY_SCALE:g}. Predictive "
-              "metrics of each "
-              f"collection's posterior predictive (average softmax) on {escape(data['id'])} "
-              f"({images.get('id', 0)} images; ECE with {data['bins']} bins); {ood}. "
-              f"Acc, ECE, AUPR, FPR95 in %; Brier x 100; IDMI and OODMI in nats x 100. "
+              f"of the unbiased MMD^2 to the target, x {MMD_DISPLAY_SCALE:g}. {metrics}"
               f"Blue rows: the target against itself (the noise floor).")
     table2 = ("Table 2 detail: the median, mean and maximum over the 20 kernels, each "
               f"averaged over layers with their parameter counts, MMD^2 x {MMD_DISPLAY_SCALE:g}; "

@@ -50,6 +50,10 @@ before and after min-mass (Fig. 2), functional collapse: pairwise MI in and out 
 distribution (Figs. 3 and 7, for --collapse), MMD per layer with the noise band, and the
 PCA explained-variance curve.
 
+--no-predictions leaves the predictive metrics out (a weights-only report). The target's
+weights are streamed from its file, never held in memory (memory: a block of features and
+the (m, m) distance matrices of one layer).
+
 Collections trained on another dataset than the target's are refused unless
 --allow-mixed. Nothing is written unless the whole report succeeds.
 """
@@ -109,6 +113,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--collapse", metavar="NAME", default=None,
                         help="the method of the collapse figure (default: DE if present)")
     parser.add_argument("--no-figures", action="store_true", help="tables only")
+    parser.add_argument("--no-predictions", action="store_true",
+                        help="a weights-only report: MMD, NS-MMD, noise floor, diagnostics "
+                             "and the weight figures, without the predictive metrics (reads "
+                             "no data set, runs no network: for when the data set or a GPU "
+                             "is missing)")
     seed_option(parser, "seed of every random choice of the command: the noise floor's "
                         "splits, the pairs, the test")
     add_json_option(parser, "the report's JSON instead of Table 1")
@@ -130,7 +139,7 @@ def run_report(args: argparse.Namespace) -> int:
             ood_score=args.ood_score, n_images=args.n_images, splits=args.splits,
             n_pairs=args.n_pairs, collapse=args.collapse, seed=args.seed,
             figures=not args.no_figures, workdir=partial, progress=not args.no_progress,
-            command=args.command_line)
+            command=args.command_line, predictions=not args.no_predictions)
         report.write_into(partial)
     if args.json:
         print(report.to_json(), end="")

@@ -78,12 +78,16 @@ class ZooSource:
     are read even when a chunk holds a whole checkpoint.
     """
 
-    def __init__(self, name: str, zoo: Zoo, sha256: str | None = None) -> None:
+    def __init__(self, name: str, zoo: Zoo, sha256: str | None = None,
+                 keys: Sequence[str] | None = None) -> None:
         self.name = name
         self.zoo = zoo
         self.label = str(zoo.path)
         self.rows = len(zoo)
-        self.shapes = zoo.shapes
+        # ``keys``: the tensors this source offers (default every one), e.g. the
+        # parameters only (parameter_keys), for a consumer that takes every layer given
+        self.shapes = (zoo.shapes if keys is None
+                       else {key: zoo.shapes[key] for key in keys})
         # each checkpoint's recorded SHA-256: the distance cache's key of these rows
         self.row_digests = zoo.digests
         self._direct: dict[str, h5py.Dataset] = {}

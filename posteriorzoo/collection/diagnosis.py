@@ -31,6 +31,7 @@ in the collection, never computed with.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,13 +152,27 @@ def _finite_rows(zoo) -> np.ndarray:
     return finite
 
 
-def _parameters(zoo) -> dict[str, np.ndarray]:
-    """Every floating tensor of the collection as ``(N, count)`` float64."""
-    layers = {}
-    for key, (_, dtype) in zoo.tensor_layout.items():
-        if np.dtype(dtype).kind == "f" and "running_" not in key:
-            layers[key] = np.asarray(zoo.layer(key), dtype=np.float64).reshape(len(zoo), -1)
-    return layers
+class _Parameters(Mapping):
+    """Every floating tensor of the collection as ``(N, count)`` float64, read when asked
+    for: a method without chain or sigma statistics (an ensemble, SWAG) reads none, and
+    the sigma statistics hold one layer at a time (100 ResNet-18 checkpoints in float64
+    are 9 GB)."""
+
+    def __init__(self, zoo) -> None:
+        self._zoo = zoo
+        self._keys = [key for key, (_, dtype) in zoo.tensor_layout.items()
+                      if np.dtype(dtype).kind == "f" and "running_" not in key]
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key not in self._keys:
+            raise KeyError(key)
+        return np.asarray(self._zoo.layer(key), dtype=np.float64).reshape(len(self._zoo), -1)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def _chain_part(modes, layers, options, records, lags, flags, unknown, finite):
@@ -329,7 +344,7 @@ def diagnose(source: Source, *, predictions: bool = True, data_dir: str | None =
         records = zoo.training_records()
         finite = _finite_rows(zoo)
         modes = _by_mode(metadata)
-        layers = _parameters(zoo)
+        layers = _Parameters(zoo)
         chains = variational = None
         if zoo.method in CHAIN_METHODS:
             chains = _chain_part(modes, layers, options, records, lags, flags, unknown,

@@ -49,6 +49,7 @@ from posteriorzoo.mmd.noise import (
     NoiseFloor,
     held_out_size,
     noise_floor,
+    self_distances,
     small_target_warning,
 )
 from posteriorzoo.mmd.pair_sums import KernelPairSums, PairSums
@@ -82,6 +83,7 @@ __all__ = [
     "mmdagg",
     "mmdagg_from_distances",
     "noise_floor",
+    "self_distances",
     "held_out_size",
     "small_target_warning",
     "pooled_distances",
