@@ -44,6 +44,8 @@ RELEASE_TASKS: dict[str, dict[str, Any]] = {
     "cifar100-resnet18": {"architecture": "resnet18", "dataset": "cifar100", "num_classes": 100},
     "tiny-imagenet-resnet18": {"architecture": "resnet18-tiny", "dataset": "tinyimagenet",
                                "num_classes": 200},
+    "cifar10-resnet20-frn-silu": {"architecture": "resnet20-frn-silu", "dataset": "cifar10",
+                                  "num_classes": 10},
 }
 
 _READ_CHUNK = 2**20
