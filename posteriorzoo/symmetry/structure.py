@@ -13,7 +13,7 @@ Three kinds of objects are found:
   only where everything between writers and readers is positively homogeneous (ReLU,
   LeakyReLU, PReLU, max/average pooling, dropout, flatten, additions; the table is in
   :mod:`posteriorzoo.symmetry.operations`). A normalization layer (one table,
-  :data:`NORMALIZATIONS`: BatchNorm, Filter Response Normalization) divides each channel
+  :func:`normalizations`: BatchNorm, Filter Response Normalization) divides each channel
   by a statistic of degree 1 in that channel, so it normalises away the scale of its
   input: the writers of that input get a scale variable (``through_batchnorm``) read by
   the layer's stored statistics instead of by a next layer (BatchNorm's running mean,
@@ -41,8 +41,8 @@ square over its positions, so ``FRN_eps(a x) = FRN_(eps / a**2)(x)`` exactly: a 
 The normalised values ``x_hat`` move by a factor ``r`` with ``|r - 1| <= eps / nu2 *
 |1 - 1 / a**2|`` (``r**2 - 1 = eps (1 - a**-2) / (nu2 + eps a**-2)``), so each output
 moves by at most ``|gamma| |x_hat| eps / nu2 |1 - 1 / a**2|`` (the threshold is
-1-Lipschitz): about 1e-5 of it for eps = 1e-6, a channel of mean square 0.1 and ``a``
-within [0.5, 2], but not small for a channel whose mean square is near eps. Such a scale
+1-Lipschitz): at most 3e-5 of it for eps = 1e-6, a channel of mean square 0.1 and
+``a`` within [0.5, 2], but not small for a channel whose mean square is near eps. Such a scale
 variable records the eps (``epsilon``) and a note says it. The canonical representative
 (``scaling="norm"``) gives each convolution output channel that feeds an FRN unit norm
 over its weights and bias together: the canonical network is the original with that
