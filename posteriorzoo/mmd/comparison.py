@@ -17,7 +17,7 @@ collection files and wraps it in a report that writes CSV, JSON and Markdown.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from posteriorzoo._faults import fault_point
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 from posteriorzoo.mmd.aggregated import MMDAggResult, check_test_options, mmdagg_from_distances
 from posteriorzoo.mmd.cache import DistanceCache, layer_distances
-from posteriorzoo.mmd.distances import DEFAULT_PRECISION, check_precision
+from posteriorzoo.mmd.distances import DEFAULT_PRECISION, Distances, check_precision
 from posteriorzoo.mmd.pair_sums import KernelPairSums
 from posteriorzoo.mmd.sources import (
     DEFAULT_BLOCK_BYTES,
@@ -224,6 +224,27 @@ def describe_options(layers: Sequence[Layer], number_bandwidths: int, block_byte
             "block_bytes": block_bytes, "mmdagg_test": dict(test) if test else None, **extra}
 
 
+def score_layer(pooled: Sequence[Distances], names: Sequence[str], layer: Layer, *,
+                symmetries: str, number_bandwidths: int,
+                test: Mapping[str, Any] | None) -> Iterator[LayerResult]:
+    """Each method's statistics on one layer, from its pooled distances with the target
+    (``pooled[k]``: target and method ``names[k]``), one method at a time.
+
+    The one scoring of :func:`compare_sources` and of the tiles
+    (:func:`posteriorzoo.collection.compare_tiles`): the same distances give the same bits.
+    """
+    # The target's own pairs are summed for every method's bandwidths: one table of them
+    # (PairSums) for the smallest bandwidth any method's cross distances choose.
+    chosen = [bandwidths_from_distances(d, number_bandwidths) for d in pooled]
+    target_pairs = KernelPairSums(*pooled[0].xx, *(min(c[family][0] for c in chosen)
+                                                   for family in range(2)))
+    for name, distances in zip(names, pooled, strict=True):
+        mmd = kernel_mmds_from_distances(distances, number_bandwidths, x_pairs=target_pairs)
+        outcome = (mmdagg_from_distances(distances, number_bandwidths=number_bandwidths,
+                                         **test) if test else None)
+        yield LayerResult(name, symmetries, layer.name, layer.keys, layer.size, mmd, outcome)
+
+
 def compare_sources(target, methods: Sequence, layers: Sequence[Layer], *,
                     symmetries: str = "keep", number_bandwidths: int = 10,
                     block_bytes: int = DEFAULT_BLOCK_BYTES,
@@ -265,19 +286,10 @@ def compare_sources(target, methods: Sequence, layers: Sequence[Layer], *,
         streams = [layer_blocks(source, layer, features) for source in (target, *methods)]
         pooled = layer_distances(target, methods, layer, zip(*streams, strict=True),
                                  cache=cache, precision=precision, device=device)
-        # The target's own pairs are summed for every method's bandwidths: one table of
-        # them (PairSums) for the smallest bandwidth any method's cross distances choose.
-        chosen = [bandwidths_from_distances(d, number_bandwidths) for d in pooled]
-        target_pairs = KernelPairSums(*pooled[0].xx, *(min(c[family][0] for c in chosen)
-                                                       for family in range(2)))
-        for k, method in enumerate(methods):
-            distances = pooled[k]
-            mmd = kernel_mmds_from_distances(distances, number_bandwidths,
-                                             x_pairs=target_pairs)
-            outcome = (mmdagg_from_distances(distances, number_bandwidths=number_bandwidths,
-                                             **test) if test else None)
-            results.append(LayerResult(method.name, symmetries, layer.name, layer.keys,
-                                       layer.size, mmd, outcome))
+        scored = score_layer(pooled, [m.name for m in methods], layer, symmetries=symmetries,
+                             number_bandwidths=number_bandwidths, test=test)
+        for method, result in zip(methods, scored, strict=True):
+            results.append(result)
             if bar is not None:
                 bar.set_postfix_str(f"{symmetries} {layer.name} {method.name}", refresh=False)
                 bar.update(1)
