@@ -204,6 +204,7 @@ def _tiled(args: argparse.Namespace, methods: dict) -> object:
     """``compare_tiles`` with the command's options (``--symmetries both``: what the
     inputs hold)."""
     from posteriorzoo.collection.tiles import compare_tiles
+    from posteriorzoo.mmd.distances import DEFAULT_PRECISION
     from posteriorzoo.mmd.tiles import DEFAULT_BLOCK_ROWS
 
     address = None if args.ray_address in (None, "local") else args.ray_address
@@ -215,5 +216,5 @@ def _tiled(args: argparse.Namespace, methods: dict) -> object:
         layers=args.layers, group=args.group, include_buffers=args.include_buffers,
         number_bandwidths=args.bandwidths, test=args.test, alpha=args.alpha, B1=args.b1,
         B2=args.b2, B3=args.b3, seed=args.seed, block_bytes=int(args.block_mb * (1 << 20)),
-        precision=getattr(args, "precision", "fast"), verify=not args.no_verify,
+        precision=getattr(args, "precision", DEFAULT_PRECISION), verify=not args.no_verify,
         progress=not args.no_progress, command=args.command_line)

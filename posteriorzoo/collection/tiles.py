@@ -39,16 +39,14 @@ from posteriorzoo.collection.comparison import (
 )
 from posteriorzoo.collection.comparison_result import CompareResult
 from posteriorzoo.errors import ChecksumError, InvalidOptionError
-from posteriorzoo.mmd.aggregated import mmdagg_from_distances
 from posteriorzoo.mmd.comparison import (
     Comparison,
-    LayerResult,
     check_treatment,
     describe_options,
     mmdagg_options,
+    score_layer,
 )
-from posteriorzoo.mmd.distances import Distances
-from posteriorzoo.mmd.pair_sums import KernelPairSums
+from posteriorzoo.mmd.distances import DEFAULT_PRECISION, check_precision
 from posteriorzoo.mmd.sources import (
     DEFAULT_BLOCK_BYTES,
     Layer,
@@ -59,9 +57,7 @@ from posteriorzoo.mmd.sources import (
     select_layers,
 )
 from posteriorzoo.mmd.statistics import (
-    bandwidths_from_distances,
     check_number_bandwidths,
-    kernel_mmds_from_distances,
     kernel_names,
 )
 from posteriorzoo.mmd.tiles import DEFAULT_BLOCK_ROWS, TilePlan, TileStore, plan_tiles, run_serial
@@ -200,24 +196,6 @@ def run_ray(store: TileStore, rows: ZooRows, features: int, *, address: str | No
             ray.shutdown()
 
 
-def score_layer(pooled: Sequence[Distances], names: Sequence[str], layer: Layer,
-                symmetries: str, number_bandwidths: int,
-                test: Mapping[str, Any] | None) -> list[LayerResult]:
-    """Each method's statistics on one layer from its pooled distances with the target,
-    as :func:`~posteriorzoo.mmd.comparison.compare_sources` computes them."""
-    chosen = [bandwidths_from_distances(d, number_bandwidths) for d in pooled]
-    target_pairs = KernelPairSums(*pooled[0].xx, *(min(c[family][0] for c in chosen)
-                                                   for family in range(2)))
-    results = []
-    for name, distances in zip(names, pooled, strict=True):
-        mmd = kernel_mmds_from_distances(distances, number_bandwidths, x_pairs=target_pairs)
-        outcome = (mmdagg_from_distances(distances, number_bandwidths=number_bandwidths,
-                                         **test) if test else None)
-        results.append(LayerResult(name, symmetries, layer.name, layer.keys, layer.size,
-                                   mmd, outcome))
-    return results
-
-
 @public
 def compare_tiles(target: str | os.PathLike,
                   methods: Sequence[str | os.PathLike] | Mapping[str, str | os.PathLike], *,
@@ -228,7 +206,8 @@ def compare_tiles(target: str | os.PathLike,
                   include_buffers: bool = False, number_bandwidths: int = 10,
                   test: bool = False, alpha: float = 0.05, B1: int = 2000, B2: int = 2000,
                   B3: int = 50, seed: int = 0, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                  precision: str = "fast", verify: bool = True, progress: bool = False,
+                  precision: str = DEFAULT_PRECISION, verify: bool = True,
+                  progress: bool = False,
                   command: str | None = None) -> CompareResult:
     """Compare method collections with the target through tiles of the distance matrices.
 
@@ -257,13 +236,15 @@ def compare_tiles(target: str | os.PathLike,
     block_bytes, verify, progress, command
         As :func:`~posteriorzoo.collection.compare`; ``block_bytes`` budgets one block
         of features over a tile's rows.
-    precision : {"fast", "exact"}
+    precision : {"exact", "fast"}
         The distance kernels (:func:`~posteriorzoo.mmd.distances.cross_distances`):
-        ``exact`` gives the one-machine matrices bit for bit.
+        ``exact`` (default, as :func:`~posteriorzoo.collection.compare`) gives the
+        one-machine matrices bit for bit; ``fast`` within its stated bound.
     """
     from posteriorzoo.progress import progress as progress_bar
 
     check_choice("backend", backend, TILE_BACKENDS)
+    check_precision(precision, "cpu")
     check_number_bandwidths(number_bandwidths)
     if symmetries is not None:
         check_treatment(symmetries)
@@ -324,7 +305,8 @@ def compare_tiles(target: str | os.PathLike,
     names = [name for name, _ in inputs[1:]]
     for number, layer in enumerate(chosen):
         pooled = [store.pooled(number, k) for k in range(1, len(inputs))]
-        results += score_layer(pooled, names, layer, label, number_bandwidths, mmdagg)
+        results += score_layer(pooled, names, layer, symmetries=label,
+                               number_bandwidths=number_bandwidths, test=mmdagg)
     options = describe_options(chosen, number_bandwidths, block_bytes, mmdagg,
                                symmetries=label, computed=[label], group=group,
                                include_buffers=include_buffers,

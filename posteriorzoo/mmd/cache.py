@@ -61,7 +61,7 @@ DEFAULT_LIMIT_MB = 4096
 MIN_PAIR_WEIGHTS = 2e8
 #: How the distances are computed (part of the key): :mod:`~posteriorzoo.mmd.distances`'
 #: precision on a kind of device (:func:`precision_key`).
-DEFAULT_PRECISION = "fast@cpu"
+DEFAULT_PRECISION_KEY = "exact@cpu"
 _SUFFIX = ".npz"
 _FORMAT = "posteriorzoo-distance-cache-1"
 
@@ -70,7 +70,7 @@ class DistanceCacheWarning(UserWarning):
     """A cache entry could not be read, failed its checks, or could not be written."""
 
 
-def precision_key(precision: str = "fast", device: str = "cpu") -> str:
+def precision_key(precision: str = "exact", device: str = "cpu") -> str:
     """The key's precision mode: the distances' precision and the kind of device
     (``"fast@cpu"``, ``"fast@cuda"``): each rounds differently."""
     return f"{precision}@{device.split(':')[0]}"
@@ -106,7 +106,7 @@ class DistanceKey:
     rows: tuple[str, ...]
     keys: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
-    precision: str = DEFAULT_PRECISION
+    precision: str = DEFAULT_PRECISION_KEY
 
     @property
     def features(self) -> int:
@@ -303,7 +303,7 @@ def resolve(cache: DistanceCache | bool) -> DistanceCache | None:
 
 
 def layer_distances(target, methods: Sequence, layer, blocks: Iterable[Sequence[np.ndarray]],
-                    *, cache: DistanceCache | bool = True, precision: str = "fast",
+                    *, cache: DistanceCache | bool = True, precision: str = "exact",
                     device: str = "cpu") -> list[Distances]:
     """The pooled distances of the target with each method on one layer, in one pass
     over ``blocks`` (the target's block, then each method's, feature block by block).

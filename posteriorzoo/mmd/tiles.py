@@ -48,7 +48,7 @@ import numpy as np
 
 from posteriorzoo.errors import InvalidOptionError, OutputExistsError
 from posteriorzoo.mmd.cache import _algorithm, precision_key
-from posteriorzoo.mmd.distances import Distances, cross_distances
+from posteriorzoo.mmd.distances import DEFAULT_PRECISION, Distances, cross_distances
 from posteriorzoo.mmd.sources import Layer
 
 __all__ = ["Block", "TilePlan", "TileStore", "TileWarning", "compute_tile", "plan_tiles"]
@@ -105,13 +105,13 @@ class TilePlan:
     tiles: tuple[tuple[int, int], ...]
     layers: tuple[Layer, ...]
     fingerprint: str
-    precision: str = "fast"
+    precision: str = DEFAULT_PRECISION
     device: str = "cpu"
 
 
 def plan_tiles(row_digests: Sequence[Sequence[str]], layers: Sequence[Layer],
                shapes: dict[str, tuple[int, ...]], *, block_rows: int = DEFAULT_BLOCK_ROWS,
-               precision: str = "fast", device: str = "cpu") -> TilePlan:
+               precision: str = DEFAULT_PRECISION, device: str = "cpu") -> TilePlan:
     """The tiles of a target (``row_digests[0]``, one content hash per row) and its methods.
 
     Raises
