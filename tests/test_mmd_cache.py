@@ -290,3 +290,15 @@ def test_the_noise_floor_reuses_the_distances_of_mmd(tmp_path, folder, loads):
     assert shared.splits.shape == plain.splits.shape
     with pytest.raises(InvalidOptionError, match="row_digests"):
         noise_floor(arrays, symmetries="keep", held_out=4, row_digests=digests[:-1])
+
+
+def test_ns_mmd_reuses_the_canonical_targets_distances(tmp_path, folder, loads):
+    # The canonical copy is made again by each run, in a temporary folder, with the same
+    # content: its recorded digests, and so its cache keys, are the same.
+    target = make_zoo(tmp_path / "target.h5", range(10))
+    method = make_zoo(tmp_path / "method.h5", range(100, 105))
+    first = compare(target, {"m": method}, symmetries="remove")
+    layers = len(first.comparison.results)
+    second = compare(target, {"m": method}, symmetries="remove")
+    assert loads == [False] * layers + [True] * layers
+    assert_same(first, second)
