@@ -302,3 +302,29 @@ def test_ns_mmd_reuses_the_canonical_targets_distances(tmp_path, folder, loads):
     second = compare(target, {"m": method}, symmetries="remove")
     assert loads == [False] * layers + [True] * layers
     assert_same(first, second)
+
+
+def test_a_hit_gives_the_same_bits_with_the_fast_kernels_too(tmp_path, folder, loads):
+    # On a hit only X-Y and Y-Y are computed (within=False, and Y's own pass): the fast
+    # kernels centre and sum them exactly as in the pass that also computes X-X, so the
+    # statistics are the same bits, in several blocks of features as in one.
+    from posteriorzoo.collection.comparison import ZooSource, parameter_keys
+    from posteriorzoo.mmd.comparison import compare_sources
+    from posteriorzoo.mmd.sources import group_layers, select_layers
+
+    target = make_zoo(tmp_path / "target.h5", range(16))
+    method = make_zoo(tmp_path / "method.h5", range(100, 108))
+
+    def run(cache: bool) -> list[np.ndarray]:
+        with open_zoo(target) as x, open_zoo(method) as y:
+            layers = select_layers(group_layers(parameter_keys(x), x.shapes), None)
+            results = compare_sources(ZooSource("t", x), [ZooSource("m", y)], layers,
+                                      precision="fast", cache=cache,
+                                      block_bytes=8 * 24 * 40)   # 40 features a block
+        return [np.concatenate([r.mmd.values, r.mmd.bandwidths.ravel()]) for r in results]
+
+    first, second, without = run(True), run(True), run(False)
+    assert loads == [False] * 4 + [True] * 4
+    for a, b, c in zip(first, second, without, strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
