@@ -34,7 +34,7 @@ from test_canonicalize_batch import canonical_roundings
 from torch import nn
 
 from posteriorzoo.collection import import_checkpoints
-from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.errors import InvalidOptionError, ZooSchemaError
 from posteriorzoo.models import FilterResponseNorm2d, build, parameter_count
 from posteriorzoo.symmetry import (
     apply_symmetry,
@@ -269,12 +269,21 @@ def test_one_sgd_step_through_the_trainers_model():
                model.named_parameters())
 
 
-def _torch_uncertainty_state(seed: int) -> dict[str, torch.Tensor]:
+def _torch_uncertainty_state(seed: int, **options) -> dict[str, torch.Tensor]:
     """What the release holds: the network's state under the training routine's attribute
     ``model``, in float16."""
     torch.manual_seed(seed)
     return {f"model.{key}": value.half().contiguous()
-            for key, value in build(NAME).state_dict().items()}
+            for key, value in build(NAME, **options).state_dict().items()}
+
+
+def _release_archive(path, states: list[dict[str, torch.Tensor]]) -> None:
+    with tarfile.open(path, "w:gz") as tar:
+        for index, state in enumerate(states):
+            data = save_safetensors_bytes(state)
+            info = tarfile.TarInfo(f"cifar10-resnet20-frn-silu/model_{index}.safetensors")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
 
 
 @pytest.mark.filterwarnings("ignore:.* input checkpoint.s. record no SHA-256")
@@ -284,12 +293,7 @@ def test_release_keys_import_with_no_key_map(tmp_path):
     a loose file of the same kind appends to it; every tensor as saved."""
     states = [_torch_uncertainty_state(seed) for seed in range(3)]
     archive = tmp_path / "cifar10-resnet20-frn-silu-0-1.tgz"
-    with tarfile.open(archive, "w:gz") as tar:
-        for index, state in enumerate(states[:2]):
-            data = save_safetensors_bytes(state)
-            info = tarfile.TarInfo(f"cifar10-resnet20-frn-silu/model_{index}.safetensors")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    _release_archive(archive, states[:2])
     result = import_checkpoints(tmp_path / "z.h5", [archive])
     assert result.indices == range(2)
     assert result.provenance["options"]["key_map"]["rules"] == [("^model\\.", "")]
@@ -304,6 +308,14 @@ def test_release_keys_import_with_no_key_map(tmp_path):
             assert set(stored) == {key[len("model."):] for key in state}
             assert all(torch.equal(stored[key[len("model."):]], value)
                        for key, value in state.items())
+    # convolutions without biases (torch-uncertainty's default since 2025): the option
+    biasless = tmp_path / "cifar10-resnet20-frn-silu-0-0.tgz"
+    _release_archive(biasless, [_torch_uncertainty_state(0, conv_bias=False)])
+    with pytest.raises(ZooSchemaError, match="does not fit model 'resnet20-frn-silu'"):
+        import_checkpoints(tmp_path / "refused.h5", [biasless])
+    assert not (tmp_path / "refused.h5").exists()
+    assert import_checkpoints(tmp_path / "biasless.h5", [biasless],
+                              model_options={"conv_bias": False}).indices == range(1)
 
 
 # ------------------------------------------------------------------ the symmetries
