@@ -214,8 +214,9 @@ def random_symmetry(model_or_name: nn.Module | str, state_dict: Mapping[str, tor
     scalable unit gets a log-uniform scale in ``scale_range``; the output biases are
     shifted by a standard normal constant; with ``signs``, every unit an odd activation
     lets flip gets a uniformly random sign. ``batchnorm_prescale=False`` leaves out the
-    scalings a BatchNorm's running statistics absorb (they are exact too: the running
-    variance becomes ``lambda**2 * (var + eps) - eps``).
+    scalings a normalization layer absorbs: a BatchNorm's running statistics (exact too:
+    the running variance becomes ``lambda**2 * (var + eps) - eps``) and an FRN (exact
+    but for its eps, see :mod:`posteriorzoo.symmetry.structure`).
     """
     _require_finite(state_dict)
     structure = symmetry_structure(model_or_name, state_dict, **options)
