@@ -7,9 +7,9 @@ are normalised, flipped or sorted. Every pass works on a batch ``{key: (B, *shap
 once.
 
 **Sign rule.** Where an odd activation (or an FRN's gamma) allows a unit's sign to be
-flipped (see :mod:`posteriorzoo.symmetry.structure`), the canonical sign makes the sum of the unit's
-incoming values positive: its weights over all its inputs (and kernel positions) plus its
-bias. That sum does not depend on the order of the inputs, and the inputs' scales and
+flipped (see :mod:`posteriorzoo.symmetry.structure`), the canonical sign makes the sum of
+the unit's incoming values positive: its weights over all its inputs (and kernel
+positions) plus its bias. That sum does not depend on the order of the inputs, and the inputs' scales and
 signs are already canonical when it is taken, so it depends only on the orbit. When it is
 zero (at most 1e-9 of the sum of absolute values), the sum of cubes decides, then the sum
 of fifth powers; a unit for which all three vanish (a dead unit, or incoming values that
@@ -19,8 +19,8 @@ scaled to unit standard deviation: a standard deviation changes when an input un
 flipped, a norm does not.
 
 ``scaling="minmass"`` first applies ``norm`` (which also fixes the scales a BatchNorm or
-an FRN absorbs, on which the mass has no minimum) and then rescales to the minimum mass over the
-remaining scalings (:mod:`posteriorzoo.symmetry.minmass`). Both steps depend only on the
+an FRN absorbs, on which the mass has no minimum) and then rescales to the minimum mass
+over the remaining scalings (:mod:`posteriorzoo.symmetry.minmass`). Both steps depend only on the
 orbit, so the result is canonical; without BatchNorm it has the same mass as
 :func:`~posteriorzoo.symmetry.min_mass` of the input.
 """
