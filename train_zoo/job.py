@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 from train_zoo import fast, vectorised
 from train_zoo.data import TrainingData, check_channels, load_training_data
+from train_zoo.device import CPU, TrainingDevice, resolve_device
 from train_zoo.methods.registry import get_method
 from train_zoo.programs import produce_mode
 from train_zoo.result import CheckpointResult
@@ -23,10 +24,18 @@ from train_zoo.spec import ZooSpec
 ENGINES = ("auto", "torch", "fast", "vectorised")
 
 
-def resolve_engine(spec: ZooSpec, engine: str) -> str:
-    """The engine that will train ``spec`` when ``engine`` is asked for."""
+def resolve_engine(spec: ZooSpec, engine: str, device: TrainingDevice = CPU) -> str:
+    """The engine that will train ``spec`` when ``engine`` is asked for (on ``device``:
+    the torch engine, the only one that runs off CPU or under autocast)."""
     if engine not in ENGINES:
         raise UnknownNameError(f"unknown engine {engine!r}; engines: {', '.join(ENGINES)}")
+    if not device.is_cpu_default:
+        if engine not in ("auto", "torch"):
+            raise InvalidOptionError(
+                f"the {engine} engine trains on CPU in float32 only; on {device.name}"
+                f"{' with bf16 autocast' if device.mixed else ''} choose the engine auto "
+                "or torch")
+        return "torch"
     if engine == "auto":
         kernels = get_method(spec.method).uses_fast_kernels
         return "fast" if kernels and fast.supports(spec) else "torch"
@@ -46,16 +55,19 @@ def resolve_engine(spec: ZooSpec, engine: str) -> str:
 
 
 def train_checkpoints(spec: ZooSpec, indices: Sequence[int], data: TrainingData | None = None,
-                      engine: str = "auto", callbacks: Sequence[object] = ()
-                      ) -> list[CheckpointResult]:
+                      engine: str = "auto", callbacks: Sequence[object] = (),
+                      device: str | TrainingDevice | None = None) -> list[CheckpointResult]:
     """Produce modes ``indices`` of ``spec``: their checkpoints, mode by mode, each mode's
-    samples in order (:func:`train_zoo.programs.produce_mode`)."""
+    samples in order (:func:`train_zoo.programs.produce_mode`). ``device`` (``cpu``,
+    ``cuda``, ``cuda:N`` or a :class:`~train_zoo.device.TrainingDevice`): where the torch
+    engine trains (the numba engines run on CPU only)."""
+    device = resolve_device(device)
     data = data or load_training_data(spec.dataset, spec.data_dir)
     check_channels(spec.architecture, spec.model_options, data)
-    chosen = resolve_engine(spec, engine)
+    chosen = resolve_engine(spec, engine, device)
     if chosen == "vectorised":
         if callbacks:
             raise InvalidOptionError("callbacks are not supported by the vectorised engine")
         return vectorised.train_vectorised(spec, list(indices), data)
     return [result for index in indices
-            for result in produce_mode(spec, index, data, chosen, callbacks)]
+            for result in produce_mode(spec, index, data, chosen, callbacks, device)]

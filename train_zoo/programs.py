@@ -27,6 +27,7 @@ holds whole modes only, and a killed run resumes with the next mode.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from train_zoo.data import TrainingData
+from train_zoo.device import CPU, TrainingDevice
 from train_zoo.fast.bbb import FastBBB, FastBBBStepper
 from train_zoo.fast.engine import FastNet, batches_for, layout_for
 from train_zoo.fast.engine import evaluate as fast_evaluate
@@ -71,9 +73,10 @@ class ModeEngine:
     torch otherwise. :attr:`name` is the engine that ran the last piece asked for."""
 
     def __init__(self, spec: ZooSpec, index: int, data: TrainingData, engine: str,
-                 callbacks: Sequence[object] = ()) -> None:
+                 callbacks: Sequence[object] = (), device: TrainingDevice = CPU) -> None:
         self.spec, self.index, self.data, self.requested = spec, index, data, engine
         self.callbacks = callbacks
+        self.device = device
         self.seeds = checkpoint_seeds(spec.base_seed, index)
         self.name = "torch"
 
@@ -86,7 +89,8 @@ class ModeEngine:
             model, steps, self.name = fast_train_base(self.spec, self.index, self.data,
                                                       self.callbacks)
             return model, steps
-        model, steps = torch_train_base(self.spec, self.index, self.data, self.callbacks)
+        model, steps = torch_train_base(self.spec, self.index, self.data, self.callbacks,
+                                        self.device)
         self.name = "torch"
         return model, steps
 
@@ -166,8 +170,8 @@ class ModeEngine:
 
 
 def _mode_run(spec: ZooSpec, index: int, data: TrainingData, engine: str,
-              callbacks: Sequence[object]) -> ModeRun:
-    modes = ModeEngine(spec, index, data, engine, callbacks)
+              callbacks: Sequence[object], device: TrainingDevice = CPU) -> ModeRun:
+    modes = ModeEngine(spec, index, data, engine, callbacks, device)
     return ModeRun(spec, index, modes.seeds, data, modes, callbacks)
 
 
@@ -178,7 +182,8 @@ def train_bbb(spec: ZooSpec, index: int, data: TrainingData, engine: str,
 
 
 def produce_mode(spec: ZooSpec, index: int, data: TrainingData, engine: str,
-                 callbacks: Sequence[object] = ()) -> list[CheckpointResult]:
+                 callbacks: Sequence[object] = (), device: TrainingDevice = CPU
+                 ) -> list[CheckpointResult]:
     """The ``samples_per_mode`` checkpoints of mode ``index`` of ``spec``.
 
     Parameters
@@ -192,6 +197,9 @@ def produce_mode(spec: ZooSpec, index: int, data: TrainingData, engine: str,
         back to torch for a phase its kernels do not cover.
     callbacks : sequence
         Called in every phase (:class:`~train_zoo.callbacks.StepInfo` says which).
+    device : TrainingDevice
+        Where the torch engine trains the base network and evaluates the samples
+        (:mod:`train_zoo.device`); the method's own phases run on CPU.
 
     Returns
     -------
@@ -200,27 +208,29 @@ def produce_mode(spec: ZooSpec, index: int, data: TrainingData, engine: str,
     """
     started = time.perf_counter()
     method = get_method(spec.method)
-    run = _mode_run(spec, index, data, engine, callbacks)
+    run = _mode_run(spec, index, data, engine, callbacks, device)
     posterior = method.fit(run)
     samples = method.sample(posterior.state, generator_for(run.seeds.sample),
                             spec.samples_per_mode)
     return _evaluate(spec, index, samples, run.seeds, posterior.steps, started,
-                     posterior.engine, data, posterior.record)
+                     posterior.engine, data, posterior.record, device)
 
 
 def _evaluate(spec: ZooSpec, index: int, samples: Sequence[StateDict], seeds: CheckpointSeeds,
               steps: int, started: float, engine: str, data: TrainingData,
-              record: dict | None = None) -> list[CheckpointResult]:
+              record: dict | None = None, device: TrainingDevice = CPU
+              ) -> list[CheckpointResult]:
     """Each sample loaded into the base architecture and evaluated; the mode's shared time
     is split evenly over its samples, and every sample carries the mode's ``record``."""
     share = (time.perf_counter() - started) / len(samples)
-    base = initial_model(spec, seeds.init, training=False)
+    base = device.place(initial_model(spec, seeds.init, training=False))
     results = []
     for number, sample in enumerate(samples):
         base.load_state_dict(sample)
         result = finish(spec, index, base, seeds, steps, time.perf_counter() - share,
                         engine, data, sample=number,
-                        measure=fast_evaluate if engine == "fast" else evaluate)
+                        measure=fast_evaluate if engine == "fast"
+                        else functools.partial(evaluate, device=device))
         result.record = record
         results.append(result)
     return results

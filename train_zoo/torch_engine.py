@@ -17,6 +17,7 @@ from torch.func import grad_and_value
 from posteriorzoo.data import iterate_batches
 from posteriorzoo.models import build
 from train_zoo.data import TrainingData, eval_transform, train_transform
+from train_zoo.device import CPU, TrainingDevice
 from train_zoo.loop import fit
 from train_zoo.methods import sghmc
 from train_zoo.methods.common import Params
@@ -42,30 +43,49 @@ def initial_model(spec: ZooSpec, init_seed: int, *, training: bool = True) -> nn
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset, batch_size: int = 1000) -> tuple[float, float]:
-    """Mean cross-entropy (nats) and accuracy of ``model`` in eval mode on ``dataset``."""
+def evaluate(model: nn.Module, dataset, batch_size: int = 1000,
+             device: TrainingDevice = CPU) -> tuple[float, float]:
+    """Mean cross-entropy (nats) and accuracy of ``model`` in eval mode on ``dataset``
+    (on ``device``, where the model is; the loss summed in float32 there, then in
+    float64 over batches)."""
     model.eval()
     loss, correct = 0.0, 0
     for images, labels in iterate_batches(dataset, batch_size, seed=0, epoch=0,
-                                          transform=eval_transform(dataset), shuffle=False):
-        logits = model(images)
+                                          transform=eval_transform(dataset), shuffle=False,
+                                          resident=resident(dataset, device)):
+        with device.compute():
+            logits = model(device.inputs(images)).float()
         loss += nn.functional.cross_entropy(logits, labels, reduction="sum").item()
         correct += int((logits.argmax(1) == labels).sum())
     return loss / len(dataset), correct / len(dataset)
 
 
+def resident(dataset, device: TrainingDevice) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The dataset's images and labels copied to a non-CPU device once, for
+    :func:`~posteriorzoo.data.iterate_batches` to gather and augment batches there (None
+    on CPU: batches are gathered from the arrays)."""
+    if device.device.type == "cpu":
+        return None
+    return (torch.from_numpy(dataset.images).to(device.device),
+            torch.from_numpy(dataset.labels).to(device.device))
+
+
 def torch_batches(data: TrainingData, recipe: Recipe, seed: int, *, augment: bool = True,
-                  replacement: bool = False) -> Callable[[int], Iterable[Batch]]:
+                  replacement: bool = False, device: TrainingDevice = CPU
+                  ) -> Callable[[int], Iterable[Batch]]:
     """``batches(epoch)`` for :func:`train_zoo.loop.fit`: the recipe's batches of the
     training split in the order ``seed`` gives, augmented as the recipe says (or only
     normalised with ``augment=False``); with ``replacement``, each epoch's examples drawn
-    independently (:func:`posteriorzoo.data.iterate_batches`)."""
+    independently (:func:`posteriorzoo.data.iterate_batches`); on a GPU ``device`` the
+    training split is copied there once and batched and augmented there."""
     transform = (train_transform(recipe, data.train) if augment
                  else eval_transform(data.train))
+    on_device = resident(data.train, device)
 
     def batches(epoch: int) -> Iterable[Batch]:
         return iterate_batches(data.train, recipe.batch_size, seed=seed, epoch=epoch,
-                               transform=transform, replacement=replacement)
+                               transform=transform, replacement=replacement,
+                               resident=on_device)
 
     return batches
 
@@ -75,11 +95,14 @@ class TorchSGD:
 
     Dropout draws come from a private torch random state seeded with ``noise_seed``
     (swapped in for each step), so they form one stream per network whatever else runs
-    in the process.
+    in the process (on CPU; a GPU's dropout draws from its own generator). ``device``:
+    where ``model`` is and how it computes (:mod:`train_zoo.device`).
     """
 
-    def __init__(self, model: nn.Module, recipe: Recipe, noise_seed: int) -> None:
+    def __init__(self, model: nn.Module, recipe: Recipe, noise_seed: int,
+                 device: TrainingDevice = CPU) -> None:
         self.model = model
+        self.device = device
         self.optimizer = torch.optim.SGD(model.parameters(), lr=recipe.lr,
                                          momentum=recipe.momentum, nesterov=recipe.nesterov,
                                          weight_decay=recipe.weight_decay)
@@ -96,7 +119,9 @@ class TorchSGD:
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(self._rng)
             self.optimizer.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(self.model(images), labels)
+            with self.device.compute():
+                logits = self.model(self.device.inputs(images))
+            loss = nn.functional.cross_entropy(logits.float(), labels)
             loss.backward()
             self.optimizer.step()
             self._rng = torch.get_rng_state()
@@ -105,19 +130,21 @@ class TorchSGD:
         return value
 
     def arrays(self) -> Mapping[str, np.ndarray]:
-        return {key: value.detach().numpy() for key, value in self.model.state_dict().items()}
+        return {key: value.detach().cpu().numpy()
+                for key, value in self.model.state_dict().items()}
 
 
-def train_base(spec: ZooSpec, index: int, data: TrainingData, callbacks: Sequence[object] = ()
-               ) -> tuple[nn.Module, int]:
-    """Train mode ``index``'s base network with torch; returns it and the steps taken."""
+def train_base(spec: ZooSpec, index: int, data: TrainingData, callbacks: Sequence[object] = (),
+               device: TrainingDevice = CPU) -> tuple[nn.Module, int]:
+    """Train mode ``index``'s base network with torch (on ``device``); returns it, back
+    on CPU in the standard layout, and the steps taken."""
     seeds = checkpoint_seeds(spec.base_seed, index)
-    model = initial_model(spec, seeds.init)
-    stepper = TorchSGD(model, spec.recipe, seeds.noise)
-    result = fit(stepper, torch_batches(data, spec.recipe, seeds.data),
+    model = device.place(initial_model(spec, seeds.init))
+    stepper = TorchSGD(model, spec.recipe, seeds.noise, device)
+    result = fit(stepper, torch_batches(data, spec.recipe, seeds.data, device=device),
                  spec.recipe.learning_rate, spec.recipe.epochs, index=index,
                  callbacks=callbacks)
-    return model, result.steps
+    return model.to("cpu", memory_format=torch.contiguous_format), result.steps
 
 
 def train_torch(spec: ZooSpec, index: int, data: TrainingData,
@@ -137,7 +164,8 @@ def finish(spec: ZooSpec, index: int, model: nn.Module, seeds: CheckpointSeeds, 
     evaluation, :func:`evaluate` or the fast engine's :func:`train_zoo.fast.evaluate`)."""
     train_loss, train_accuracy = measure(model, data.train)
     test_loss, test_accuracy = measure(model, data.test)
-    state = {key: value.detach().clone().numpy() for key, value in model.state_dict().items()}
+    state = {key: value.detach().cpu().clone().contiguous().numpy()
+             for key, value in model.state_dict().items()}
     metrics = {"train_loss": train_loss, "train_accuracy": train_accuracy,
                "test_loss": test_loss, "test_accuracy": test_accuracy}
     return CheckpointResult(

@@ -142,6 +142,15 @@ def add_no_verify_option(parser: argparse.ArgumentParser) -> None:
                              "(default: check, and refuse a corrupt input)")
 
 
+def add_device_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--device``: where ``what`` runs (torch's device names; default cpu)."""
+    from posteriorzoo.devices import device_name
+
+    parser.add_argument("--device", type=device_name, default="cpu", metavar="DEVICE",
+                        help=f"where {what} runs: cpu, cuda or cuda:N (a CUDA build of "
+                             "torch and a GPU) (default: %(default)s)")
+
+
 def add_json_option(parser: argparse.ArgumentParser, what: str) -> None:
     """``--json``: print ``what`` (the command's result as JSON) instead of the text."""
     parser.add_argument("--json", action="store_true", help=f"print {what}")

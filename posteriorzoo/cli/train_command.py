@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from posteriorzoo.cli._types import (
+    add_device_option,
     add_json_option,
     add_no_verify_option,
     integer_in,
@@ -103,6 +104,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"ray: GPUs per task, {NUM_GPUS.range_text}: a fraction below "
                              "1 shares a GPU among small models, above 1 whole GPUs; the "
                              "task trains on cuda (default: %(default)s, CPU only)")
+    add_device_option(parser, "the torch engine trains (local and serial backends; with "
+                              "cuda under bf16 autocast and channels-last, the data set and "
+                              "its augmentation on the GPU; ray tasks: --num-gpus)")
     parser.add_argument("--checkpoints", type=CHECKPOINTS,
                         help=f"override the spec's number of checkpoints, "
                              f"{CHECKPOINTS.range_text} as in a spec (the number of modes "
@@ -145,7 +149,8 @@ def run_train(args: argparse.Namespace) -> int:
     if at_terminal:
         _say_derived(spec)
     backend = make_backend(args.backend, workers=args.workers, group_size=args.group_size,
-                           address=args.ray_address, num_gpus=args.num_gpus)
+                           address=args.ray_address, num_gpus=args.num_gpus,
+                           device=args.device)
     summary = train_collection(spec, args.out, backend=backend, engine=args.engine,
                                progress=not args.no_progress, command=args.command_line,
                                verify=not args.no_verify)

@@ -89,6 +89,7 @@ def iterate_batches(
     shuffle: bool = True,
     drop_last: bool = False,
     replacement: bool = False,
+    resident: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield one epoch of ``(images, labels)`` batches.
 
@@ -118,6 +119,10 @@ def iterate_batches(
         ``minibatches = "independent"``). Within a permutation the batches of an
         epoch add up to the whole dataset, so their noise cancels over the epoch.
         Needs ``shuffle``.
+    resident : (images, labels) tensors, optional
+        The dataset's images and labels already on a device (a GPU): each batch is
+        gathered and transformed there, in the same order and with the same random
+        draws (from the CPU generator) as from ``dataset``'s arrays.
 
     Yields
     ------
@@ -134,8 +139,12 @@ def iterate_batches(
     stop = n - n % batch_size if drop_last else n
     for start in range(0, stop, batch_size):
         idx = order[start:start + batch_size]
-        images = torch.from_numpy(dataset.images[idx])
-        labels = torch.from_numpy(dataset.labels[idx])
+        if resident is None:
+            images = torch.from_numpy(dataset.images[idx])
+            labels = torch.from_numpy(dataset.labels[idx])
+        else:
+            where = torch.from_numpy(np.asarray(idx)).to(resident[0].device)
+            images, labels = resident[0][where], resident[1][where]
         if transform is not None:
             images = transform(images, augment_gen)
         images = images.float() / 255.0 if images.dtype == torch.uint8 else images.float()

@@ -20,6 +20,7 @@ from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.models.plugins import WorkerPlugins, worker_plugins
 from train_zoo.backends.tasks import groups
 from train_zoo.data import load_training_data
+from train_zoo.device import resolve_device
 from train_zoo.job import resolve_engine, train_checkpoints
 from train_zoo.result import CheckpointResult
 from train_zoo.spec import ZooSpec
@@ -28,16 +29,19 @@ from train_zoo.spec import ZooSpec
 class SerialBackend:
     """Train in this process, one group after another (callbacks are supported here)."""
 
-    def __init__(self, group_size: int = 1, callbacks: Sequence[object] = ()) -> None:
+    def __init__(self, group_size: int = 1, callbacks: Sequence[object] = (),
+                 device: str = "cpu") -> None:
         self.group_size = group_size
         self.callbacks = tuple(callbacks)
+        self.device = resolve_device(device)   # refused here: cuda without a GPU
 
     def run(self, spec: ZooSpec, indices: Sequence[int], engine: str = "auto"
             ) -> Iterator[CheckpointResult]:
-        resolve_engine(spec, engine)
+        resolve_engine(spec, engine, self.device)
         data = load_training_data(spec.dataset, spec.data_dir)
         for group in groups(indices, self.group_size):
-            yield from train_checkpoints(spec, group, data, engine, self.callbacks)
+            yield from train_checkpoints(spec, group, data, engine, self.callbacks,
+                                         self.device)
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -89,10 +93,11 @@ def _stop_pool(pool: ProcessPoolExecutor) -> None:
 
 
 def _train_group(spec: ZooSpec, group: list[int], engine: str,
-                 plugins: WorkerPlugins | None = None) -> list[CheckpointResult]:
+                 plugins: WorkerPlugins | None = None, device: str = "cpu"
+                 ) -> list[CheckpointResult]:
     if plugins is not None:  # a fresh interpreter knows only the built-in models
         plugins.load()
-    return train_checkpoints(spec, group, engine=engine)
+    return train_checkpoints(spec, group, engine=engine, device=device)
 
 
 class LocalBackend:
@@ -113,17 +118,18 @@ class LocalBackend:
     remaining tasks are dropped and the workers stopped at once.
     """
 
-    def __init__(self, workers: int | None = None, threads: int = 1, group_size: int = 1
-                 ) -> None:
+    def __init__(self, workers: int | None = None, threads: int = 1, group_size: int = 1,
+                 device: str = "cpu") -> None:
         self.workers = workers or os.cpu_count() or 1
         if self.workers < 1 or threads < 1:
             raise InvalidOptionError("workers and threads must be at least 1")
         self.threads = threads
         self.group_size = group_size
+        self.device = resolve_device(device)   # each worker trains there
 
     def run(self, spec: ZooSpec, indices: Sequence[int], engine: str = "auto"
             ) -> Iterator[CheckpointResult]:
-        resolve_engine(spec, engine)  # fail here, not in a worker
+        resolve_engine(spec, engine, self.device)  # fail here, not in a worker
         # The models of your own this process knows, for the workers to load too.
         plugins = worker_plugins(spec.architecture)
         pending_groups = groups(indices, self.group_size)
@@ -140,7 +146,7 @@ class LocalBackend:
             while pending_groups or window:
                 while pending_groups and len(window) < 2 * self.workers:
                     window.append(pool.submit(_train_group, spec, pending_groups.pop(0), engine,
-                                              plugins))
+                                              plugins, self.device.name))
                 running = [future for future in window if not future.done()]
                 if running:
                     done, _ = wait(running, return_when=FIRST_COMPLETED)
