@@ -9,11 +9,12 @@ once.
 **Sign rule.** Where an odd activation (or an FRN's gamma) allows a unit's sign to be
 flipped (see :mod:`posteriorzoo.symmetry.structure`), the canonical sign makes the sum of
 the unit's incoming values positive: its weights over all its inputs (and kernel
-positions) plus its bias. That sum does not depend on the order of the inputs, and the inputs' scales and
-signs are already canonical when it is taken, so it depends only on the orbit. When it is
-zero (at most 1e-9 of the sum of absolute values), the sum of cubes decides, then the sum
-of fifth powers; a unit for which all three vanish (a dead unit, or incoming values that
-come in +/- pairs) keeps its sign and is reported in :attr:`CanonicalReport.sign_ties`.
+positions) plus its bias. That sum does not depend on the order of the inputs, and the
+inputs' scales and signs are already canonical when it is taken, so it depends only on
+the orbit. When it is zero (at most 1e-9 of the sum of absolute values), the sum of
+cubes decides, then the sum of fifth powers; a unit for which all three vanish (a dead
+unit, or incoming values that come in +/- pairs) keeps its sign and is reported in
+:attr:`CanonicalReport.sign_ties`.
 Under ``scaling="std"`` the units are first scaled to unit norm, then flipped, then
 scaled to unit standard deviation: a standard deviation changes when an input unit is
 flipped, a norm does not.
