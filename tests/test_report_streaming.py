@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from rounding_bounds import U64, gamma
 from zoo_helpers import checkpoint, run
 
@@ -130,3 +131,20 @@ def test_a_weights_only_report_reads_no_dataset_and_no_whole_layer(collections,
     assert code == 0, err
     page = (tmp_path / "weights" / "report.md").read_text()
     assert "weights-only report" in page
+
+
+def test_a_device_this_torch_lacks_is_refused_before_any_work(collections, tmp_path,
+                                                               capsys):
+    """--device cuda without a CUDA torch: one line, exit 2, no output folder; the API's
+    evaluate says the same."""
+    from posteriorzoo.collection import evaluate
+    from posteriorzoo.errors import InvalidOptionError
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code, _, err = run(capsys, "report", collections["target"], collections["de"],
+                       "--device", "cuda", "--out", tmp_path / "r", "--no-progress")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "sees no CUDA GPU" in err
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(InvalidOptionError, match="sees no CUDA GPU"):
+        evaluate(collections["de"], dataset="digits", n_images=10, device="cuda:0")

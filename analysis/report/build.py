@@ -12,6 +12,7 @@ CSV, JSON and the figures as PNG and PDF.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import tempfile
@@ -192,7 +193,7 @@ def build_report(target: str | os.PathLike,
                  progress: bool = False, command: str | None = None,
                  predict: Callable[[Any, Any], np.ndarray] | None = None,
                  timings: dict[str, float] | None = None,
-                 predictions: bool = True) -> ReportResult:
+                 predictions: bool = True, device: str = "cpu") -> ReportResult:
     """The benchmark report of method collections against a target collection.
 
     Parameters
@@ -249,6 +250,10 @@ def build_report(target: str | os.PathLike,
         NS-MMD, the noise floors, diagnostics, the weight figures) that reads no data set
         and runs no network: for when the data set or a GPU is missing. Table 1's
         predictive columns are then empty and the collapse figure is not drawn.
+    device : str
+        Where the members' predictions run (``cpu``, ``cuda``, ``cuda:N``; batched, one
+        checkpoint's weights at a time:
+        :func:`~posteriorzoo.collection.evaluation.member_probabilities`).
     timings : dict, optional
         Filled with the wall seconds each stage took: ``load``, ``canonicalize``,
         ``mmd``, ``noise floor``, ``predictions``, ``metrics``, ``diagnostics``,
@@ -264,6 +269,7 @@ def build_report(target: str | os.PathLike,
         read_images_first,
         reusing_images,
     )
+    from posteriorzoo.devices import check_device
     from posteriorzoo.metrics import OOD_SCORES
     from posteriorzoo.outputs import check_folder
     from posteriorzoo.provenance import describe_input, record
@@ -279,7 +285,9 @@ def build_report(target: str | os.PathLike,
     target = Path(target)
     timings = {} if timings is None else timings
     stage = _stage_timer(timings)
-    predict = _timed(predict or member_probabilities, timings, "predictions")
+    check_device(device)
+    predict = _timed(predict or functools.partial(member_probabilities, device=device),
+                     timings, "predictions")
     with stage("load"):
         info, entries = _inputs(target, methods, allow_mixed)
     names = [e["name"] for e in entries]
@@ -387,7 +395,7 @@ def build_report(target: str | os.PathLike,
                     **{f"method {e['name']}": describe_input(Path(e["path"]))
                        for e in entries}},
             seeds={"noise_floor": seed, "pairs": seed, "test": seed if test else None},
-            options={"predictions": predictions,
+            options={"predictions": predictions, "device": device,
                      "id_data": id_data, "ood_data": ood_data, "allow_mixed": allow_mixed,
                      "test": test, "bins": bins, "ood_score": ood_score,
                      "n_images": n_images, "splits": splits, "n_pairs": n_pairs,

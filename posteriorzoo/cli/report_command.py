@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from posteriorzoo.cli._types import (
+    add_device_option,
     add_json_option,
     add_overwrite_option,
     integer_in,
@@ -118,6 +119,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "and the weight figures, without the predictive metrics (reads "
                              "no data set, runs no network: for when the data set or a GPU "
                              "is missing)")
+    add_device_option(parser, "the members' predictions")
     seed_option(parser, "seed of every random choice of the command: the noise floor's "
                         "splits, the pairs, the test")
     add_json_option(parser, "the report's JSON instead of Table 1")
@@ -139,7 +141,8 @@ def run_report(args: argparse.Namespace) -> int:
             ood_score=args.ood_score, n_images=args.n_images, splits=args.splits,
             n_pairs=args.n_pairs, collapse=args.collapse, seed=args.seed,
             figures=not args.no_figures, workdir=partial, progress=not args.no_progress,
-            command=args.command_line, predictions=not args.no_predictions)
+            command=args.command_line, predictions=not args.no_predictions,
+            device=args.device)
         report.write_into(partial)
     if args.json:
         print(report.to_json(), end="")

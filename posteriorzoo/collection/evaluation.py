@@ -25,6 +25,7 @@ from posteriorzoo.collection._open import (
     source_path,
 )
 from posteriorzoo.data import ArrayDataset, Normalize, load_dataset
+from posteriorzoo.devices import check_device
 from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.metrics import (
     DEFAULT_ECE_BINS,
@@ -66,7 +67,8 @@ PREDICTION_ENGINES = ("auto", "torch")
 @torch.no_grad()
 def member_probabilities(source: Source, images: torch.Tensor,
                          indices: Sequence[int] | None = None, batch_size: int = 2000,
-                         verify: bool = True, engine: str = "auto") -> np.ndarray:
+                         verify: bool = True, engine: str = "auto", device: str = "cpu"
+                         ) -> np.ndarray:
     """Softmax outputs of each checkpoint, in eval mode.
 
     Parameters
@@ -86,6 +88,10 @@ def member_probabilities(source: Source, images: torch.Tensor,
         by numba kernels (:mod:`posteriorzoo.collection._optunet_kernels`; the same
         probabilities to about 1e-6), anything else by torch; ``"torch"``: one torch
         module per checkpoint, ``batch_size`` images at a time.
+    device : str
+        ``cpu``, ``cuda`` or ``cuda:N``: where the torch modules run (the images are
+        copied there once; each checkpoint's weights in turn). Off CPU the torch path is
+        used whatever ``engine`` says (the numba kernels run on CPU).
 
     Returns
     -------
@@ -94,9 +100,10 @@ def member_probabilities(source: Source, images: torch.Tensor,
     """
     check_integer("batch_size", batch_size, 1)
     check_choice("engine", engine, PREDICTION_ENGINES)
+    where = check_device(device)
     with opened(source, verify=verify) as zoo:
         require_architecture_fit(zoo)  # the kernels, too, compute the registered network
-        if engine == "auto" and indices is None:
+        if engine == "auto" and indices is None and where.type == "cpu":
             from posteriorzoo.collection import _optunet_kernels
 
             fast = _optunet_kernels.probabilities(zoo, images)
@@ -104,6 +111,8 @@ def member_probabilities(source: Source, images: torch.Tensor,
                 return fast
         with FX_TRACING:   # not while another thread traces a model (the report's)
             model, _ = model_of(zoo)
+        model.to(where)
+        images = images.to(where)
         indices = range(len(zoo)) if indices is None else indices
         outputs = []
         for index in indices:
@@ -113,7 +122,7 @@ def member_probabilities(source: Source, images: torch.Tensor,
                 probabilities = [torch.softmax(model(images[start:start + batch_size]),
                                                dim=1)
                                  for start in range(0, len(images), batch_size)]
-            outputs.append(torch.cat(probabilities).numpy())
+            outputs.append(torch.cat(probabilities).cpu().numpy())
     return np.stack(outputs)
 
 
@@ -257,8 +266,8 @@ def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
              bins: int = DEFAULT_ECE_BINS, n_images: int | None = None, n_pairs: int = 0,
              seed: int = 0, data_dir: str | None = None, batch_size: int = 2000,
              verify: bool = True, command: str | None = None,
-             predict: Callable[[Any, torch.Tensor], np.ndarray] | None = None
-             ) -> EvaluateResult:
+             predict: Callable[[Any, torch.Tensor], np.ndarray] | None = None,
+             device: str = "cpu") -> EvaluateResult:
     """The posterior predictive's metrics (paper's Table 1) on a dataset split.
 
     Every image, in and out of distribution, is normalised as the collection's training
@@ -297,7 +306,9 @@ def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
     predict : callable, optional
         ``predict(zoo, images)``: the members' softmax outputs ``(N, n, K)`` on normalised
         images, in place of :func:`member_probabilities` (the default, engine
-        ``"auto"``; ``batch_size`` is its).
+        ``"auto"``; ``batch_size`` and ``device`` are its).
+    device : str
+        Where the members' predictions run: ``cpu``, ``cuda`` or ``cuda:N``.
     """
     check_choice("ood_score", ood_score, OOD_SCORES)
     check_integer("bins", bins, 1)
@@ -308,7 +319,8 @@ def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
     with opened(source, verify=verify) as zoo:
         name = dataset or zoo.dataset
         labels, images, stats = _split_images(name, split, data_dir, n_images)
-        predict = predict or functools.partial(member_probabilities, batch_size=batch_size)
+        predict = predict or functools.partial(member_probabilities, batch_size=batch_size,
+                                               device=device)
         members = predict(zoo, images)
         ood = None
         if ood_dataset is not None:
@@ -351,4 +363,5 @@ def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
                           seeds={"pairs": seed if n_pairs else None},
                           options={"dataset": name, "split": split, "ood_dataset": ood_dataset,
                                    "ood_score": ood_score, "bins": bins, "n_images": n_images,
-                                   "n_pairs": n_pairs, "verify": verify}))
+                                   "n_pairs": n_pairs, "verify": verify,
+                                   "device": device}))
