@@ -5,26 +5,26 @@ straight to its row in mode order.
 (the collection, its digests and modes, the read limits) and hands the inputs to
 :class:`ImportStream`, which
 
-1. reads every checkpoint once (:func:`~posteriorzoo.zoo.import_checks.read_inputs`),
-   checks it (keys, shapes, dtypes, finite values, metadata row; the digest its header
-   records) and skips one already stored or repeated;
-2. writes each new checkpoint, uncommitted, into a staging collection at the row it is
+1. reads every checkpoint once (:func:`~posteriorzoo.zoo.import_checks.read_inputs`,
+   decoded a checkpoint or two ahead by a thread of its own), checks it (keys, shapes,
+   dtypes, finite values, metadata row; the digest its header records) and skips one
+   already stored or repeated;
+2. for a new collection, writes each new checkpoint, uncommitted, at the row it is
    expected to take (:meth:`~posteriorzoo.zoo.Zoo.write_uncommitted`): the mode its
    archive member's name numbers (:func:`~posteriorzoo.zoo.archives.member_mode_guess`),
    counted from the archives' first mode, or else the order of arrival;
 3. at the end, knowing every name, takes the modes the names give
    (:func:`~posteriorzoo.zoo.archives.member_modes`) and the final order (rows of known
    mode by ``(mode_id, sample_id)``, then the others in the order they came), and checks
-   each checkpoint was written where that order puts it, with no hole and no repeat;
-   when one was not (members whose names do not number them, a numbering the archive's
-   name does not tell, an input holding modes out of order), the inputs are read a
-   second time and written at the rows now known;
-4. commits. A new collection is the staging collection itself, published when
-   complete; an existing one gets the staged rows appended in batches, each committed
-   atomically, only after every input was checked.
+   each checkpoint was written where that order puts it, with no hole and no repeat.
+   Where one was not (inputs holding their modes out of order, a numbering the last
+   member settles), and always for an existing collection (which is not written to
+   before every input is checked), the inputs are read again and each checkpoint
+   written at its row, now known;
+4. commits the rows in batches. A new collection is published by the caller.
 
-Memory holds one checkpoint (and one batch of the staged rows for an existing
-collection), plus a metadata row per checkpoint.
+Memory holds a few checkpoints (the one checked, those decoded ahead) and a metadata row
+per checkpoint.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from posteriorzoo.zoo.import_checks import (
 )
 from posteriorzoo.zoo.keymap import KeyMap, wrapper_prefix_map
 from posteriorzoo.zoo.layout import MAX_APPEND_ROWS
-from posteriorzoo.zoo.lifecycle import create_zoo, normalise_template, staging_path
+from posteriorzoo.zoo.lifecycle import create_zoo, normalise_template
 from posteriorzoo.zoo.schema import METADATA_DTYPE
 from posteriorzoo.zoo.store import Zoo
 
@@ -131,7 +131,7 @@ class ImportStream:
         self.bounds = limits
         self.base = min((numbering_start(prefix[:-1]) for prefix in archives), default=0)
         self.template: dict[str, torch.Tensor] | None = None
-        self.staging: Zoo | None = None
+        self.target: Zoo | None = writer  # where the rows are written
         self.placer: _Placer | None = None
         self.entries: list[Entry] = []
         self.members: dict[str, list[str]] = {prefix: [] for prefix in archives}
@@ -184,26 +184,19 @@ class ImportStream:
                 raise ZooSchemaError(f"{name}: {error}{hint}") from None
             self.bounds = self.bounds.for_shapes(self.tensor_layout)
 
-    def _new_staging(self) -> Zoo:
-        """The collection the rows are written to: the new collection itself (under its
-        temporary name until published), or one beside an existing collection, never
-        published, whose rows are then appended to it."""
-        layout = self.tensor_layout
-        assert layout is not None
+    def _new_collection(self) -> Zoo:
+        """The new collection, under its temporary name until it is published."""
+        assert self.template is not None
         attributes = {key: self.attributes[key] for key in
                       ("architecture", "dataset", "method", "num_classes", "model_options")}
-        if self.writer is None:
-            assert self.template is not None
-            return create_zoo(self.zoo_path, template=self.template, command=self.command,
-                              validate=True, publish=False, **attributes)
-        return create_zoo(staging_path(self.zoo_path), template=layout,
-                          command=self.command, validate=False, publish=False, **attributes)
+        return create_zoo(self.zoo_path, template=self.template, command=self.command,
+                          validate=True, publish=False, **attributes)
 
     def _prepare(self, name: str, state: dict[str, torch.Tensor], header: Mapping[str, str],
                  count_unchecked: bool) -> tuple[np.void, dict[str, list[np.ndarray]], bool]:
         """The checked checkpoint: its metadata row (digest included), its arrays, and
         whether its header gave its mode."""
-        assert self.tensor_layout is not None and self.staging is not None
+        assert self.tensor_layout is not None and self.target is not None
         if self.verify and not check_recorded_digest(state, header, name) and count_unchecked:
             self.unchecked.append(name)
         state = convert_floats(self.key_map.apply(state), self.dtype)
@@ -212,7 +205,7 @@ class ImportStream:
                              diverged=bool(row.get("diverged", False)))
         arrays = {key: as_numpy(state[key]) for key in self.tensor_layout}
         try:
-            rows, stacks = self.staging.prepare([arrays], [row])
+            rows, stacks = self.target.prepare([arrays], [row])
         except PosteriorZooError as error:
             raise type(error)(f"{name}: {error}") from None
         return rows[0], stacks, "mode_id" in row
@@ -227,7 +220,8 @@ class ImportStream:
                 self._inputs(), desc="import", unit="ckpt", enabled=self.progress)):
             if arrival == 0:
                 self._first(name, state, header)
-                self.staging = self._new_staging()
+                if self.writer is None:
+                    self.target = self._new_collection()
             row, stacks, header_mode = self._prepare(name, state, header, True)
             archive = next((p for p in self.archives if name.startswith(p)), None)
             if archive is not None:
@@ -247,10 +241,10 @@ class ImportStream:
             if self.placer is None:
                 self.placer = _Placer(self.attributes["method"] == "de" and guess is not None,
                                       self.base)
-            slot = self.placer.place(guess)
+            slot = self.placer.place(guess) if self.writer is None else None
             if slot is not None:
-                assert self.staging is not None
-                self.staging.write_uncommitted(slot, stacks)
+                assert self.target is not None
+                self.target.write_uncommitted(slot, stacks)
             self.entries.append(Entry(arrival, name, archive, row, header_mode, slot))
         if not self.entries and not (self.skipped_existing or self.skipped_repeated):
             raise ZooFormatError("the inputs hold no safetensors checkpoints")
@@ -283,10 +277,16 @@ class ImportStream:
         """Pass 2: read the inputs again and write each new checkpoint at its row."""
         from posteriorzoo.progress import progress as progress_bar
 
-        assert self.staging is not None
-        self.staging.discard()
-        self.staging = None
-        self.staging = self._new_staging()
+        if self.writer is None:  # a new collection: start again, rows placed
+            assert self.target is not None
+            self.target.discard()
+            self.target = None
+            self.target = self._new_collection()
+        assert self.target is not None
+        if self.writer is not None:
+            # Refused on a full disk before the collection changes at all (a row written
+            # past the committed ones still changes the file's bytes).
+            self.target.check_space(len(order))
         slot_of = {self.entries[i].arrival: slot for slot, i in enumerate(order)}
         digest_of = {entry.arrival: entry.digest for entry in self.entries}
         for arrival, (name, state, header) in enumerate(progress_bar(
@@ -297,38 +297,23 @@ class ImportStream:
             if bytes(row["sha256"]).decode() != digest_of[arrival]:
                 raise ChecksumError(f"{name}: changed while it was imported; nothing was "
                                     "written")
-            self.staging.write_uncommitted(slot_of[arrival], stacks)
+            self.target.write_uncommitted(slot_of[arrival], stacks)
         for slot, i in enumerate(order):
             self.entries[i].placed = slot
 
     # ------------------------------------------------------------------ committing
     def commit(self, order: list[int], checkpoints_per_batch: int) -> Iterator[range]:
-        """Commit the staged rows in batches of ``checkpoints_per_batch``, yielding the
-        indices each batch added (:attr:`sources` names them, in row order). A new
-        collection is the staging collection; an existing one gets them appended, each
-        batch checked against its digests as it is read back."""
-        assert self.staging is not None
+        """Commit the written rows in batches of ``checkpoints_per_batch``, yielding the
+        indices each batch added (:attr:`sources` names them, in row order)."""
+        assert self.target is not None
         self.sources = [self.entries[i].name for i in order]
         rows = np.array([self.entries[i].row for i in order], dtype=METADATA_DTYPE)
-        if self.writer is None:
-            for start in range(0, len(rows), checkpoints_per_batch):
-                yield self.staging.commit_uncommitted(rows[start:start + checkpoints_per_batch])
-            return
-        if not len(rows):
-            return
-        self.staging.commit_uncommitted(rows)
-        for start, block in self.staging.checkpoint_blocks(checkpoints_per_batch):
-            stop = start + len(next(iter(block.values())))
-            problems = self.staging.check_checkpoints(start, stop, block)
-            if problems:
-                index, problem = problems[0]
-                raise ChecksumError(f"{self.sources[index]}: {problem} once staged (a disk "
-                                    "or memory fault); nothing more was appended")
-            yield self.writer.append_prepared(rows[start:stop], block)
+        for start in range(0, len(rows), checkpoints_per_batch):
+            yield self.target.commit_uncommitted(rows[start:start + checkpoints_per_batch])
 
     def close(self, failed: bool) -> None:
-        """Delete the staging file of an existing collection (and, after a failure, a new
-        collection's), leaving the collections as they are."""
-        staging, self.staging = self.staging, None
-        if staging is not None and (failed or self.writer is not None):
-            staging.discard()
+        """After a failure, delete a new collection (an existing one keeps its committed
+        rows; rows written past them are never read and cut off by its next writer)."""
+        target, self.target = self.target, None
+        if failed and target is not None and self.writer is None:
+            target.discard()

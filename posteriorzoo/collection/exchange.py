@@ -443,12 +443,14 @@ def import_checkpoints(
     release archive's name (e.g. ``mnist-optunet-0-1023.tgz``). Floating tensors are
     cast to ``dtype`` if given (the release is float16).
 
-    One streaming pass, rows in mode order (:mod:`posteriorzoo.collection._import_stream`):
-    every input is read once and each new checkpoint written straight to its row, rows
-    of known mode by ``(mode_id, sample_id)`` and the others after them in input order,
-    so no reorder is needed. Only when the names do not tell the rows while streaming
-    (members not numbered, inputs holding their modes out of order) are the inputs read
-    a second time.
+    Rows in mode order, with no reorder pass
+    (:mod:`posteriorzoo.collection._import_stream`): each new checkpoint is written
+    straight to its row, rows of known mode by ``(mode_id, sample_id)`` and the others
+    after them in input order. A new collection is built in one streaming pass, every
+    input read once, unless the names do not tell the rows while streaming (inputs
+    holding their modes out of order, a numbering only the last member settles): then
+    the inputs are read a second time. An existing collection is not written to before
+    every input is checked, so its inputs are read twice: once to check, once to write.
 
     All or nothing, and idempotent:
 
@@ -458,11 +460,10 @@ def import_checkpoints(
       collection as it was (nothing at ``zoo_path`` for a new one).
     - A new collection is built under a temporary name and appears only when complete:
       a failure or a kill leaves nothing at ``zoo_path``.
-    - For an existing collection the new rows are staged in a temporary file beside it,
-      then appended in batches of ``checkpoints_per_batch``, each committed atomically.
-      An input whose tensors (as they would be stored) are already in the collection,
-      or repeat an earlier input, is skipped and counted, so an import killed part-way
-      is completed by running it again.
+    - An existing collection gets batches of ``checkpoints_per_batch``, each committed
+      atomically. An input whose tensors (as they would be stored) are already in the
+      collection, or repeat an earlier input, is skipped and counted, so an import
+      killed part-way is completed by running it again.
 
     What the inputs tell is recorded: an exported checkpoint keeps its metadata row; a
     member of a release archive whose name numbers it (``.../model_17.safetensors``) gets
@@ -560,11 +561,10 @@ def import_checkpoints(
             writer.close()
         raise
     if writer is not None:
-        stream.close(failed=False)
         writer.close()
     else:
-        assert stream.staging is not None
-        with stream.staging:  # published as the block ends
+        assert stream.target is not None
+        with stream.target:  # published as the block ends
             pass
     skipped_existing, skipped_repeated = stream.skipped_existing, stream.skipped_repeated
     described = {f"input {i}": describe_input(file, stream.file_digests.get(file))

@@ -378,13 +378,6 @@ def _upgraded_attributes(attrs: dict[str, Any]) -> dict[str, Any]:
     return {**attrs, "schema_version": SCHEMA_VERSION, HDF5_FORMAT_ATTRIBUTE: HDF5_FORMAT[1]}
 
 
-def staging_path(path: Path) -> Path:
-    """Where an import into the collection ``path`` stages its rows: never published, its
-    temporary file (``.NAME.staged.partial-PID-RANDOM``) is deleted when the import ends
-    and reclaimed by the next writer of ``path`` if the import was killed."""
-    return path.with_name(path.name + ".staged")
-
-
 def _open_for_append(path: Path) -> Zoo:
     """A writer on ``path``: locked and checked. A clean file is opened in SWMR mode at
     once (which changes no byte of it before an append); one that must be rebuilt first
@@ -392,8 +385,6 @@ def _open_for_append(path: Path) -> Zoo:
     writer and being refused an append leave the file as it was."""
     fd = _lock(path)
     try:
-        # Only a writer holding the lock stages rows for it: any staged file is dead.
-        outputs.reclaim_partials(staging_path(path))
         # Checked under the lock, so no other writer changes it meanwhile; a damaged or
         # crafted file is refused here and never opened for writing.
         open_zoo(path).close()

@@ -972,24 +972,6 @@ class Zoo:
         rows, stacks = self.prepare(state_dicts, metadata)
         return self._write_block(stacks, rows, self.prepare_records(records, rows))
 
-    def append_prepared(self, rows: np.ndarray, blocks: Mapping[str, np.ndarray]) -> range:
-        """Append checkpoints already checked and prepared: their metadata rows ``rows``
-        (as :meth:`prepare` builds them, digests included) and their tensors
-        ``{key: (len(rows), *shape)}``, committed atomically like :meth:`append_many`.
-
-        For copying rows between collections of one layout (an import appends the rows
-        it staged); the caller has checked the tensors against the rows' digests.
-        """
-        if not self.writable:
-            raise ZooFormatError(f"{self.path}: opened read-only; use open_zoo(path, mode='r+')")
-        for key in self._keys:
-            shape, dtype = self._row_layout[key]
-            block = blocks[key]
-            if block.shape != (len(rows), *shape) or block.dtype != dtype:
-                raise ZooSchemaError(f"{key}: a block of {block.shape} {block.dtype}, the "
-                                     f"collection stores ({len(rows)}, *{shape}) {dtype}")
-        return self._write_block(blocks, rows)
-
     def prepare_records(self, records: Mapping[int, Mapping[str, Any]] | None,
                         rows: np.ndarray) -> np.ndarray:
         """Validate training records for the checkpoints whose metadata rows are ``rows``
