@@ -49,6 +49,7 @@ from posteriorzoo.zoo.import_checks import (
     check_recorded_digest,
     collection_attributes,
     convert_floats,
+    expected_keys,
     in_model_order,
     limits_for_new_collection,
     read_inputs,
@@ -166,8 +167,6 @@ class ImportStream:
             self.attributes = collection_attributes(self.files[0], header, **self.given)
         if self.wrapped:
             self.wrapped = False
-            from posteriorzoo.collection.exchange import expected_keys
-
             expected = self.tensor_layout or expected_keys(self.attributes)
             self.key_map = wrapper_prefix_map(state, expected) or self.key_map
         if self.tensor_layout is None:

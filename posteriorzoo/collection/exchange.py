@@ -53,6 +53,7 @@ from posteriorzoo.zoo.formats import (
 )
 from posteriorzoo.zoo.import_checks import (
     collection_attributes,
+    expected_keys,
     limits_for_architecture,
 )
 from posteriorzoo.zoo.keymap import KeyMap, wrapper_prefix_map
@@ -403,19 +404,6 @@ def plan_import(files: Iterable[str | os.PathLike], *, architecture: str | None 
             "key_map": {"rename": chosen.rename, "rules": chosen.rules, "drop": chosen.drop,
                         "implied": implied is not None},
             "written": False}
-
-
-def expected_keys(attributes: Mapping[str, Any]) -> list[str]:
-    """The state keys of the model ``attributes`` name (none when it is unknown: then
-    the architecture's own check names the problem)."""
-    from posteriorzoo import models
-
-    try:
-        return list(models.expected_state_shapes(
-            attributes["architecture"], attributes["num_classes"],
-            **attributes["model_options"]))
-    except PosteriorZooError:
-        return []
 
 
 @public

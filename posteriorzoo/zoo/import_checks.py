@@ -230,3 +230,16 @@ def check_against_layout(tensor_layout: TensorLayout, state: Mapping[str, torch.
         if not diverged and tensor.is_floating_point() and not np.isfinite(
                 as_numpy(tensor)).all():
             raise NonFiniteWeightsError(f"{name}: {key} has NaN or infinite values")
+
+
+def expected_keys(attributes: Mapping[str, Any]) -> list[str]:
+    """The state keys of the model ``attributes`` name (none when it is unknown: then
+    the architecture's own check names the problem)."""
+    from posteriorzoo import models
+
+    try:
+        return list(models.expected_state_shapes(
+            attributes["architecture"], attributes["num_classes"],
+            **attributes["model_options"]))
+    except PosteriorZooError:
+        return []
