@@ -303,3 +303,26 @@ def test_a_float16_collection_is_canonicalized_in_float32_and_its_storage_report
     assert main(["canonicalize", str(tmp_path / "half.h5"), "--out", str(tmp_path / "cli-c.h5"),
                  "--dtype", "float32", "--n-verify", "2", "--no-progress"]) == 0
     assert "as computed" in capsys.readouterr().out
+
+
+def test_a_device_this_torch_lacks_is_refused_in_one_line_and_cpu_is_the_default(
+        tmp_path, capsys):
+    """--device moves each batch to the device and back (the same torch code: here cpu,
+    whose result is the default's bit for bit); cuda without a CUDA torch is one line,
+    exit 2, before anything is written."""
+    states = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        states.append(build("optunet").state_dict())
+    _zoo(tmp_path / "a.h5", states)
+    default = canonicalize_file(tmp_path / "a.h5", tmp_path / "d.h5")
+    explicit = canonicalize_file(tmp_path / "a.h5", tmp_path / "e.h5", device="cpu")
+    with open_zoo(default.path) as first, open_zoo(explicit.path) as second:
+        assert first.digests == second.digests
+    if torch.cuda.is_available():
+        return
+    code = main(["canonicalize", str(tmp_path / "a.h5"), "--out", str(tmp_path / "g.h5"),
+                 "--device", "cuda", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "sees no CUDA GPU" in err
+    assert not (tmp_path / "g.h5").exists()

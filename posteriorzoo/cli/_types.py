@@ -142,13 +142,13 @@ def add_no_verify_option(parser: argparse.ArgumentParser) -> None:
                              "(default: check, and refuse a corrupt input)")
 
 
-def add_device_option(parser: argparse.ArgumentParser, what: str) -> None:
-    """``--device``: where ``what`` runs (torch's device names; default cpu)."""
+def add_device_option(parser: argparse.ArgumentParser, where: str) -> None:
+    """``--device``: ``where`` says what runs there (torch's device names; default cpu)."""
     from posteriorzoo.devices import device_name
 
     parser.add_argument("--device", type=device_name, default="cpu", metavar="DEVICE",
-                        help=f"where {what} runs: cpu, cuda or cuda:N (a CUDA build of "
-                             "torch and a GPU) (default: %(default)s)")
+                        help=f"{where}: cpu, cuda or cuda:N (a CUDA build of torch and a "
+                             "GPU) (default: %(default)s)")
 
 
 def add_json_option(parser: argparse.ArgumentParser, what: str) -> None:

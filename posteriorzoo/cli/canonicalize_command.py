@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from posteriorzoo.cli._types import (
+    add_device_option,
     add_json_option,
     add_no_verify_option,
     add_overwrite_option,
@@ -72,6 +73,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "(float64 if stored or asked for) either way; float16 "
                              "storage (the release's, half the disk) rounds it by 4.9e-4 "
                              "relative, which --n-verify reports")
+    add_device_option(parser, "where the batches are canonicalized (the min-mass solver "
+                              "runs on cpu)")
     seed_option(parser, "seed of every random choice of the command: here, which checkpoints "
                         "--n-verify checks")
     add_overwrite_option(parser)
@@ -121,7 +124,7 @@ def run_canonicalize(args: argparse.Namespace) -> int:
         dtype=None if args.dtype is None else getattr(torch, args.dtype),
         checkpoints_per_batch=args.checkpoints_per_batch, verify=not args.no_verify,
         overwrite=args.overwrite,
-        progress=not args.no_progress, command=args.command_line)
+        progress=not args.no_progress, command=args.command_line, device=args.device)
     if args.json:
         print(result.to_json(), end="")
         return 0

@@ -119,7 +119,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "and the weight figures, without the predictive metrics (reads "
                              "no data set, runs no network: for when the data set or a GPU "
                              "is missing)")
-    add_device_option(parser, "the members' predictions")
+    add_device_option(parser, "where the members' predictions run")
     seed_option(parser, "seed of every random choice of the command: the noise floor's "
                         "splits, the pairs, the test")
     add_json_option(parser, "the report's JSON instead of Table 1")

@@ -104,7 +104,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"ray: GPUs per task, {NUM_GPUS.range_text}: a fraction below "
                              "1 shares a GPU among small models, above 1 whole GPUs; the "
                              "task trains on cuda (default: %(default)s, CPU only)")
-    add_device_option(parser, "the torch engine trains (local and serial backends; with "
+    add_device_option(parser, "where the torch engine trains (local and serial backends; with "
                               "cuda under bf16 autocast and channels-last, the data set and "
                               "its augmentation on the GPU; ray tasks: --num-gpus)")
     parser.add_argument("--checkpoints", type=CHECKPOINTS,

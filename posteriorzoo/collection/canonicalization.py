@@ -229,8 +229,8 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
                             n_verify: int = 0, dtype: torch.dtype | None = None,
                             seed: int = 0, checkpoints_per_batch: int | None = None,
                             verify: bool = True, overwrite: bool = False,
-                            progress: bool = False, command: str | None = None
-                            ) -> CanonicalizeResult:
+                            progress: bool = False, command: str | None = None,
+                            device: str = "cpu") -> CanonicalizeResult:
     """Write the canonical form of every checkpoint of ``source`` to a new collection.
 
     The structure is traced once; checkpoints are canonicalized ``checkpoints_per_batch`` at a time
@@ -262,10 +262,14 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
     ``verify`` (default True) checks every source checkpoint's SHA-256 as it is read and
     refuses a corrupt source. The target is built under a temporary name and appears only
     when complete; it must not exist unless ``overwrite``, and is never the source.
+    ``device`` (``cpu``, ``cuda``, ``cuda:N``): where each batch is canonicalized (the
+    same torch code; the min-mass solver runs on CPU).
     """
+    from posteriorzoo.devices import check_device
     from posteriorzoo.progress import progress as progress_bar
 
     check_options(permutation, scaling, solver)
+    where = check_device(device)
     check_integer("n_verify", n_verify, 0)
     check_integer("seed", seed, 0)
     if dtype is not None and dtype not in (torch.float16, torch.float32, torch.float64):
@@ -317,8 +321,10 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
             # one is canonicalized (posteriorzoo._pipeline).
             for start, block, batch, non_finite in read_ahead(
                     _batches(zoo, checkpoints_per_batch, computing)):
-                canonical, report = canonicalize_batch(batch, structure, permutation,
-                                                       scaling, softmax, solver, signs)
+                canonical, report = canonicalize_batch(
+                    {key: value.to(where) for key, value in batch.items()}, structure,
+                    permutation, scaling, softmax, solver, signs)
+                canonical = {key: value.cpu() for key, value in canonical.items()}
                 dead += sum(1 for unit in report.dead_units if not non_finite[unit[0]])
                 size = len(non_finite)
                 converted = {key: value.to(dtypes[key]) for key, value in canonical.items()}
@@ -362,7 +368,8 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
                                    "softmax": softmax, "solver": solver, "signs": signs,
                                    "dtype": None if dtype is None
                                    else str(dtype).removeprefix("torch."),
-                                   "n_verify": n_verify, "verify": verify}))
+                                   "n_verify": n_verify, "verify": verify,
+                                   "device": device}))
 
 
 def _append(out: Zoo, states: list[dict], rows: list[dict], bar: Any) -> None:

@@ -111,7 +111,7 @@ def canonical_signs(states: State, structure: SymmetryStructure, report: Canonic
         if rows is None:
             continue
         rows = rows.double()
-        signs = torch.zeros(rows.shape[:2], dtype=torch.float64)
+        signs = torch.zeros(rows.shape[:2], dtype=torch.float64, device=rows.device)
         for power in (1, 3, 5):
             moment = (rows ** power).sum(dim=2)
             decided = (signs == 0) & (moment.abs() > SIGN_TOLERANCE
@@ -154,9 +154,9 @@ def canonical_permutations(states: State, structure: SymmetryStructure, key: str
         batch, per_group = keys.shape[0], space.size // groups
         grouped = keys.reshape(batch, groups, per_group)
         within = (torch.argsort(grouped, dim=2, stable=True)
-                  + (torch.arange(groups) * per_group)[None, :, None])
+                  + (torch.arange(groups, device=keys.device) * per_group)[None, :, None])
         permutations = {}
-        block_order = torch.arange(groups).expand(batch, groups)
+        block_order = torch.arange(groups, device=keys.device).expand(batch, groups)
         if side == "in" and layer not in frozen:
             # Groups are ordered by their smallest key; the convolution's output groups
             # move with them in the same step (its input axis is local to each group).
@@ -164,7 +164,8 @@ def canonical_permutations(states: State, structure: SymmetryStructure, key: str
             out = outputs[layer]
             per_out = structure.spaces[out].size // groups
             permutations[out] = (block_order[:, :, None] * per_out
-                                 + torch.arange(per_out)).reshape(batch, -1)
+                                 + torch.arange(per_out, device=keys.device)
+                                 ).reshape(batch, -1)
         permutations[index] = within.gather(
             1, block_order[:, :, None].expand(batch, groups, per_group)).reshape(batch, -1)
         states = transformed_batch(states, structure, permutations=permutations)
@@ -205,7 +206,11 @@ def canonicalize_batch(states: Mapping[str, torch.Tensor], structure: SymmetrySt
     if scaling == "minmass":
         from posteriorzoo.symmetry.minmass import solve_min_mass_batch
 
-        result = solve_min_mass_batch(result, structure, solver).states
+        # the solver works on CPU (scipy, cvxpy); the batch goes back to its device
+        device = next(iter(result.values())).device
+        result = {key: value.to(device) for key, value in solve_min_mass_batch(
+            {key: value.cpu() for key, value in result.items()}, structure,
+            solver).states.items()}
     if flip:
         result = canonical_signs(result, structure, report)
     if late_std:

@@ -31,10 +31,11 @@ from posteriorzoo.symmetry.structure import (
 State = dict[str, torch.Tensor]
 
 
-def _grouped_unit_index(rows: int, local: int, groups: int) -> torch.Tensor:
+def _grouped_unit_index(rows: int, local: int, groups: int, device: torch.device
+                        ) -> torch.Tensor:
     """For a grouped reader, the input unit of each (row, local column): shape (rows, local)."""
-    group = torch.arange(rows) // (rows // groups)
-    return group[:, None] * local + torch.arange(local)[None, :]
+    group = torch.arange(rows, device=device) // (rows // groups)
+    return group[:, None] * local + torch.arange(local, device=device)[None, :]
 
 
 def _unit_multiplier(factors: torch.Tensor, shape: torch.Size, axis: TensorAxis
@@ -46,7 +47,7 @@ def _unit_multiplier(factors: torch.Tensor, shape: torch.Size, axis: TensorAxis
     powered = factors ** axis.power
     trailing = len(shape) - 2
     if axis.groups > 1:
-        index = _grouped_unit_index(shape[0], shape[1], axis.groups)
+        index = _grouped_unit_index(shape[0], shape[1], axis.groups, factors.device)
         return powered[:, index].reshape(*powered.shape[:1], shape[0], shape[1],
                                          *([1] * trailing))
     multiplier = powered.repeat_interleave(axis.block, dim=1)
@@ -64,11 +65,12 @@ def _permute_axis(tensor: torch.Tensor, axis: TensorAxis, order: torch.Tensor
         # Rows already hold their new groups; within new group g the local columns are
         # reordered as the block of `order` that group g reads.
         rows, local = tensor.shape[1], tensor.shape[2]
-        group = torch.arange(rows) // (rows // axis.groups)
+        group = torch.arange(rows, device=tensor.device) // (rows // axis.groups)
         columns = order.reshape(batch, axis.groups, local)[:, group, :] % local
         index = columns.reshape(batch, rows, local, *([1] * (tensor.dim() - 3)))
         return tensor.gather(2, index.expand_as(tensor))
-    index = (order[:, :, None] * axis.block + torch.arange(axis.block)).reshape(batch, -1)
+    index = (order[:, :, None] * axis.block
+             + torch.arange(axis.block, device=order.device)).reshape(batch, -1)
     view = [batch] + [1] * (tensor.dim() - 1)
     view[axis.axis + 1] = index.shape[1]
     return tensor.gather(axis.axis + 1, index.reshape(view).expand_as(tensor))
@@ -79,8 +81,9 @@ def _multiply(result: State, variable: ScaleVariable | SignVariable,
     """Multiply every writer and reader of ``variable`` in ``result`` by its factors."""
     for axis in (*variable.writers, *variable.readers):
         tensor = result[axis.key]
-        multiplier = _unit_multiplier(torch.as_tensor(factors, dtype=tensor.dtype),
-                                      tensor.shape[1:], axis)
+        multiplier = _unit_multiplier(
+            torch.as_tensor(factors, dtype=tensor.dtype, device=tensor.device),
+            tensor.shape[1:], axis)
         result[axis.key] = ((tensor + axis.epsilon) * multiplier - axis.epsilon
                             if axis.epsilon else tensor * multiplier)
 
@@ -103,7 +106,10 @@ def transformed_batch(states: Mapping[str, torch.Tensor], structure: SymmetryStr
         _multiply(result, structure.scales[index], factors)
     for index, factors in (signs or {}).items():
         _multiply(result, structure.signs[index], factors)
-    permutations = {index: torch.as_tensor(np.asarray(order), dtype=torch.long)
+    device = next(iter(states.values())).device if states else None
+    permutations = {index: torch.as_tensor(order if isinstance(order, torch.Tensor)
+                                           else np.asarray(order), dtype=torch.long,
+                                           device=device)
                     for index, order in (permutations or {}).items()}
     for side in ("writers", "readers"):
         for index, order in permutations.items():
@@ -112,7 +118,8 @@ def transformed_batch(states: Mapping[str, torch.Tensor], structure: SymmetryStr
                 result[axis.key] = _permute_axis(result[axis.key], axis, order)
     if softmax_shift is not None and structure.output_bias is not None:
         bias = result[structure.output_bias]
-        shift = torch.as_tensor(softmax_shift, dtype=bias.dtype).reshape(-1, 1)
+        shift = torch.as_tensor(softmax_shift, dtype=bias.dtype,
+                                device=bias.device).reshape(-1, 1)
         result[structure.output_bias] = bias + shift
     return result
 
