@@ -240,3 +240,28 @@ def test_create_zoo_never_replaces_a_folder(tmp_path):
                        num_classes=10, template=checkpoint(0), overwrite=overwrite)
     assert (folder / "kept").read_text() == "x"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["zoo.h5"]
+
+
+def test_rows_written_out_of_order_are_committed_in_place(tmp_path):
+    """write_uncommitted puts a checkpoint at any row past the committed ones; readers
+    see none of them until commit_uncommitted, which refuses rows never written."""
+    path = tmp_path / "placed.h5"
+    with create_zoo(path, architecture="optunet", dataset="digits", method="de",
+                    num_classes=10, template=checkpoint(0)) as zoo:
+        zoo.append(checkpoint(0), seed=0)
+        prepared = {}
+        for seed in (3, 1, 2):  # arrive out of order, land at row seed
+            rows, stacks = zoo.prepare([checkpoint(seed)], [{"seed": seed}])
+            zoo.write_uncommitted(seed - 1, stacks)
+            prepared[seed] = rows[0]
+        with open_zoo(path) as reader:
+            assert len(reader) == 1
+        with pytest.raises(ZooSchemaError, match="never written"):
+            zoo.commit_uncommitted(np.array([prepared[s] for s in (1, 2, 3, 3)]))
+        assert zoo.commit_uncommitted(np.array([prepared[s] for s in (1, 2, 3)])) \
+            == range(1, 4)
+    with open_zoo(path, verify=True) as zoo:
+        zoo.verify_all()
+        assert zoo.metadata["seed"].tolist() == [0, 1, 2, 3]
+        for seed in range(4):
+            assert torch.equal(zoo.state_dict(seed)["fc.weight"], checkpoint(seed)["fc.weight"])
