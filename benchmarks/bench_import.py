@@ -83,9 +83,10 @@ print(json.dumps(times))
 """
 
 
-def build_archive(path: Path, count: int, seed: int, width: int) -> int:
-    """The release-shaped archive; returns the bytes of its members."""
-    order = list(range(count))
+def build_archive(path: Path, count: int, seed: int, width: int, first: int = 0) -> int:
+    """The release-shaped archive of members ``first .. first + count - 1``; returns the
+    bytes of its members."""
+    order = list(range(first, first + count))
     random.Random(seed).shuffle(order)
     total = 0
     with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1) as gz, \
