@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-SEEDS = {"methods": 2024, "resnet_target": 11, "resnet_method": 12}
+SEEDS = {"methods": 2024, "resnet_target": 11, "resnet_method": 12, "kernels": 13}
 LAYER_SHAPE = (512, 512, 3, 3)
 GB = 1e9
 
@@ -399,6 +399,122 @@ def print_resnet(result: dict[str, Any]) -> None:
           f"{result['all_values_finite']}")
 
 
+# ------------------------------------------------------------------------ item 4
+def bare_l1_kernel():
+    """A bare float32 L1 reduction over all pairs i < j of the columns of ``t`` (features,
+    rows) into float32 sums: the arithmetic of the fast kernel (subtract, absolute value,
+    add; vectorised across pairs, four features per pass, 256 features at a time so that
+    they stay in cache) without its centring, two-row sharing or float64 sums."""
+    import numba
+    from numba import prange, uint64
+
+    @numba.njit(parallel=True, nogil=True)
+    def bare_l1(t, out):  # pragma: no cover - compiled
+        features, rows = t.shape
+        tasks = numba.get_num_threads()
+        for task in prange(tasks):
+            for start in range(0, features - features % 4, 256):
+                stop = min(start + 256, features - features % 4)
+                for i in range(task, rows - 1, tasks):
+                    acc = out[i, i + 1:]
+                    for c in range(start, stop, 4):
+                        c0 = t[c, i + 1:]
+                        c1 = t[c + 1, i + 1:]
+                        c2 = t[c + 2, i + 1:]
+                        c3 = t[c + 3, i + 1:]
+                        x0, x1, x2, x3 = t[c, i], t[c + 1, i], t[c + 2, i], t[c + 3, i]
+                        for k in range(uint64(rows - i - 1)):
+                            acc[k] += (abs(x0 - c0[k]) + abs(x1 - c1[k]) + abs(x2 - c2[k])
+                                       + abs(x3 - c3[k]))
+
+    return bare_l1
+
+
+def bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
+    """The distance kernels at a ResNet-like shape, beside the arithmetic limit.
+
+    X (target) and Y (method) rows of ``features`` float32 weights, fed in the blocks a
+    comparison streams (``features_per_block``). Timed in interleaved rounds (the fastest
+    of each is kept, then the median): a bare float32 GEMM ``Z @ Z.T`` of the pooled rows
+    Z = [X; Y]; the bare L1 reduction over the same pairs (:func:`bare_l1_kernel`); the
+    exact path and the fast path (X-X, X-Y, Y-Y in one pass, then ``pooled``)."""
+    import numba
+    from threadpoolctl import threadpool_limits
+
+    from posteriorzoo.mmd.distances import SharedTargetDistances
+    from posteriorzoo.mmd.sources import DEFAULT_BLOCK_BYTES, features_per_block
+
+    m, n, d = ((200, 20, 4096) if args.quick else
+               (args.kernel_rows[0], args.kernel_rows[1], args.kernel_features))
+    rows = m + n
+    rng = np.random.default_rng(SEEDS["kernels"])
+    Z = rng.standard_normal((rows, d), dtype=np.float32)
+    Z += np.float32(0.5)
+    width = features_per_block(rows, DEFAULT_BLOCK_BYTES)
+    blocks = [(np.ascontiguousarray(Z[:m, s:s + width]), np.ascontiguousarray(Z[m:, s:s + width]))
+              for s in range(0, d, width)]
+    t = np.ascontiguousarray(Z.T)
+    bare_l1 = bare_l1_kernel()
+    l1_out = np.zeros((rows, rows), dtype=np.float32)
+
+    def distances(precision: str):
+        shared = SharedTargetDistances(m, [n], precision=precision)
+        for x_block, y_block in blocks:
+            shared.update(x_block, [y_block], check_finite=False)
+        return shared.pooled(0)
+
+    runs = {"gemm": lambda: Z @ Z.T, "l1_bare": lambda: bare_l1(t, l1_out),
+            "exact": lambda: distances("exact"), "fast": lambda: distances("fast")}
+    threads = args.threads or numba.get_num_threads()
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    try:
+        with threadpool_limits(threads):
+            for run in runs.values():   # compilation, first touches
+                run()
+            gc.disable()
+            for _ in range(1 if args.quick else args.kernel_repeats):
+                for name, run in runs.items():
+                    start = time.perf_counter()
+                    run()
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        gc.enable()
+        numba.set_num_threads(before)
+    pair_weights = rows * (rows - 1) / 2 * d      # what the distances need
+    products = rows * rows * d                    # what the GEMM computes
+    gemm = min(times["gemm"])
+    out = {"m": m, "n": n, "features": d, "block_features": width, "threads": threads,
+           "gemm_ns_per_product": gemm / products * 1e9, "rows": {}}
+    for name, values in times.items():
+        fastest = min(values)
+        out["rows"][name] = {"fastest_seconds": fastest,
+                             "median_seconds": statistics.median(values),
+                             "ns_per_pair_weight": fastest / pair_weights * 1e9,
+                             "x_gemm_time": fastest / gemm,
+                             "x_gemm_per_pair_weight": (fastest / pair_weights)
+                             / (gemm / products)}
+    return out
+
+
+def print_kernels(result: dict[str, Any]) -> None:
+    m, n, d = result["m"], result["n"], result["features"]
+    print(f"\n4. Distance kernels: X = {m}, Y = {n} rows of {d:,} float32 features, blocks "
+          f"of {result['block_features']:,}, {result['threads']} thread(s); fastest of the "
+          "interleaved rounds")
+    print(f"   GEMM: {result['gemm_ns_per_product']:.4f} ns per product ((m + n)^2 d of "
+          "them); the rest per pair-weight ((m + n)(m + n - 1) d / 2)")
+    print(f"   {'':22s}{'seconds':>9s}{'median':>9s}{'ns/pair-w':>11s}{'x GEMM time':>13s}"
+          f"{'x GEMM per pw':>15s}")
+    labels = {"gemm": "bare float32 GEMM", "l1_bare": "bare L1 (numba f32)",
+              "exact": "exact path (float64)", "fast": "fast path (L1 + L2)"}
+    for name, row in result["rows"].items():
+        print(f"   {labels[name]:22s}{row['fastest_seconds']:9.3f}{row['median_seconds']:9.3f}"
+              f"{row['ns_per_pair_weight']:11.4f}{row['x_gemm_time']:13.2f}"
+              f"{row['x_gemm_per_pair_weight']:15.2f}")
+
+
 # ------------------------------------------------------------------------ main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -411,6 +527,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-mb", type=float, default=128.0,
                         help="block budget of the streaming in item 3 (MiB)")
     parser.add_argument("--skip-resnet", action="store_true", help="leave out item 3")
+    parser.add_argument("--kernel-rows", type=int, nargs=2, default=[1000, 100],
+                        metavar=("M", "N"), help="rows of X and Y in item 4")
+    parser.add_argument("--kernel-features", type=int, default=262144,
+                        help="features per row in item 4 (quick: 4096, 200 + 20 rows)")
+    parser.add_argument("--kernel-repeats", type=int, default=3,
+                        help="interleaved rounds in item 4")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="threads of numba and BLAS in item 4 (0: all)")
+    parser.add_argument("--only-kernels", action="store_true",
+                        help="run item 4 only")
     parser.add_argument("--workdir", type=Path, help="where the temporary files go")
     parser.add_argument("--json", type=Path, help="also write every number here")
     args = parser.parse_args(argv)
@@ -436,13 +562,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-mmd-", dir=args.workdir) as workdir:
-        results["layer"] = bench_layer(args)
-        print_layer(results["layer"])
-        results["table"] = bench_table(args, Path(workdir))
-        print_table(results["table"])
-        if not args.skip_resnet:
-            results["resnet"] = bench_resnet(args, Path(workdir))
-            print_resnet(results["resnet"])
+        if not args.only_kernels:
+            results["layer"] = bench_layer(args)
+            print_layer(results["layer"])
+            results["table"] = bench_table(args, Path(workdir))
+            print_table(results["table"])
+            if not args.skip_resnet:
+                results["resnet"] = bench_resnet(args, Path(workdir))
+                print_resnet(results["resnet"])
+        results["kernels"] = bench_kernels(args)
+        print_kernels(results["kernels"])
     wall = time.perf_counter() - started
     print(f"\nwall time of the benchmark: {wall:.0f} s")
     if args.json is not None:

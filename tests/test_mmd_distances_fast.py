@@ -29,7 +29,12 @@ from posteriorzoo.errors import (
     PosteriorZooError,
     ShapeMismatchError,
 )
-from posteriorzoo.mmd import SharedTargetDistances, cross_distances, pooled_distances
+from posteriorzoo.mmd import (
+    SharedTargetDistances,
+    cross_distances,
+    kernel_mmds,
+    pooled_distances,
+)
 from posteriorzoo.mmd import distances_fast as fast
 from posteriorzoo.mmd.distances import unpack
 from posteriorzoo.mmd.distances_torch import TorchDistances
@@ -151,6 +156,46 @@ def test_the_bounds_catch_a_dropped_feature():
     cx, cy = centred(X, X.mean(0)), centred(Y, X.mean(0))
     assert np.all(np.abs(d1 - e1) > l1_bound(cx, cy, e1))
     assert np.all(np.abs(d2 - e2) > l2_bound(cx, cy, e2))
+
+
+def test_kernel_mmds_move_within_the_bound_the_distances_carry():
+    """The 20 MMD^2 values of the fast path against the exact path's, within the change
+    the distance bounds allow: each kernel ``exp(-a)``, ``a = d / s`` (Laplace) or
+    ``d2 / s^2`` (Gaussian), moves by at most ``exp(-a (1 - r)) a r`` with
+    ``r = (1 + e_ij) / (1 - e_s)^p - 1`` (``e_ij`` the pair's relative distance bound,
+    ``e_s`` the bandwidths': ``lower^(1 - t) upper^t`` keeps the cross distances' largest
+    relative bound, the L2 family's rule reads square roots), plus both runs' float64
+    rounding (sums of (m + n)^2 terms, the engine's exp within 1e-14)."""
+    m, n = 12, 10
+    X, Y = sample(m, 20), sample(n, 21, scale=1.2)
+    got = kernel_mmds(X, Y, precision="fast", block_features=BLOCK)
+    want = kernel_mmds(X, Y, precision="exact", block_features=BLOCK)
+    Z = np.vstack([X, Y])
+    exact = exact_cross(Z, Z)
+    cz, cy = np.vstack([X, Y]) - X.mean(0), Y - Y.mean(0)
+    off = ~np.eye(m + n, dtype=bool)
+    weights = np.zeros((m + n, m + n))
+    weights[:m, :m], weights[m:, m:] = 1 / (m * (m - 1)), 1 / (n * (n - 1))
+    weights[:m, m:] = weights[m:, :m] = 1 / (m * n)
+    weights[~off] = 0.0
+    count = len(want.bandwidths) // 2
+    bound = []
+    for family, (function, power) in enumerate(((l1_bound, 1), (l2_bound, 2))):
+        relative = np.zeros((m + n, m + n))
+        relative[off] = (function(cz, cz, exact[family]) / np.where(off, exact[family], 1))[off]
+        own = function(cy, cy, exact[family][m:, m:])
+        relative[m:, m:][off[m:, m:]] = (own / np.where(off[m:, m:], exact[family][m:, m:],
+                                                        1))[off[m:, m:]]
+        e_s = relative[:m, m:].max() + (count + 3) * 16 * U64
+        for s in want.bandwidths[family * count:(family + 1) * count]:
+            a = exact[family] / s**power
+            r = (1 + relative) / (1 - e_s) ** power - 1
+            moved = np.exp(-a * (1 - r)) * a * r
+            rounding = 2 * (gamma((m + n) ** 2, U64) + 1e-14) * np.exp(-a)
+            bound.append(float((weights * (moved + rounding)).sum()))
+    difference = np.abs(got.values - want.values)
+    assert np.all(difference <= np.array(bound)), float(np.max(difference / bound))
+    assert difference.max() > 0     # the paths do differ: the check is not vacuous
 
 
 # ---------------------------------------------------------------------------- structure

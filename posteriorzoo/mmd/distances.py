@@ -1,4 +1,4 @@
-"""Pairwise L1 and squared-L2 distances, accumulated over blocks of features (numba).
+"""Pairwise L1 and squared-L2 distances, accumulated over blocks of features.
 
 The MMD of a layer needs, for the pooled sample Z = [X; Y] (m + n rows of d weights),
 the matrices of L1 distances ``sum_k |z_ik - z_jk|`` and of squared L2 distances
@@ -6,11 +6,19 @@ the matrices of L1 distances ``sum_k |z_ik - z_jk|`` and of squared L2 distances
 columns (features), so a layer with millions of weights can stream from an HDF5 zoo:
 memory is O((m + n)^2 + block), never O((m + n) d).
 
-Exactness. Every distance is accumulated in float64 (whatever the input dtype), in the
-order of the features, one feature at a time: the kernels vectorise across *pairs* (the
-j loop), never across features. The result is therefore bit-for-bit the same for every
-way of cutting the features into blocks, every number of threads, and whether a pair
-(i, j) is computed as part of X's self-distances, Y's, or X-against-Y.
+Exactness. In the exact path every distance is accumulated in float64 (whatever the
+input dtype), in the order of the features, one feature at a time: the kernels vectorise
+across *pairs* (the j loop), never across features. The result is therefore bit-for-bit
+the same for every way of cutting the features into blocks, every number of threads, and
+whether a pair (i, j) is computed as part of X's self-distances, Y's, or X-against-Y.
+
+Precision. ``precision="exact"`` (the default of the existing entry points,
+:data:`DEFAULT_PRECISION`) runs the float64 kernels below; ``precision="fast"`` runs
+:mod:`posteriorzoo.mmd.distances_fast` (L2 through a float32 GEMM of centred rows, L1
+through a float32 SIMD kernel, both accumulated in float64), within the error bound that
+module states, in less than half the time; ``device="cuda"`` (or ``"cuda:N"``) runs that
+fast path in torch (:mod:`posteriorzoo.mmd.distances_torch`). :func:`cross_distances`
+gives one tile of the matrices (fast by default), for tiled and cached computations.
 
 When one reference sample X (the target posterior) is compared with several samples
 Y_1, ..., Y_K (the methods), X's self-distances are shared:
