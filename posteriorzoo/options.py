@@ -92,3 +92,16 @@ def check_choice(what: str, value: object, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise InvalidOptionError(f"{what} must be one of {', '.join(choices)}, not {show(value)}")
     return value
+
+
+def check_num_gpus(value: object) -> float:
+    """GPUs per Ray task as Ray can grant them: 0, a fraction in (0, 1), or a whole
+    number; else InvalidOptionError (Ray shares a GPU only in fractions below 1)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidOptionError(f"num_gpus must be a number, not {show(value)}")
+    if not math.isfinite(value) or value < 0:
+        raise InvalidOptionError(f"num_gpus must be a finite number >= 0, not {value}")
+    if value > 1 and value != int(value):
+        raise InvalidOptionError(f"num_gpus above 1 must be a whole number of GPUs (Ray "
+                                 f"shares a GPU only in fractions below 1), not {value}")
+    return float(value)

@@ -76,7 +76,7 @@ def _options(files: dict[str, Path]) -> list[tuple[list[str], str]]:
         *[(canonicalize, o) for o in ("--checkpoints-per-batch", "--n-verify", "--seed")],
         (["min-mass", zoo, "--out", out + "/m"], "--checkpoints-per-batch"),
         *[(mmd, o) for o in ("--bandwidths", "--scale", "--alpha", "--b1", "--b2", "--b3",
-                             "--seed", "--block-mb", "--tile-rows")],
+                             "--seed", "--block-mb", "--tile-rows", "--num-gpus")],
         *[(train, o) for o in ("--workers", "--group-size", "--checkpoints",
                                "--num-gpus")],
         *[(demo, o) for o in ("--checkpoints", "--epochs", "--seed", "--n-images")],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -267,6 +268,21 @@ def test_tiles_compare_the_inputs_as_they_are(zoos, tmp_path):
     assert not (tmp_path / "t").exists()
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"num_gpus": 1}, "ray backend and a cuda device"),                     # serial
+    ({"backend": "ray", "num_gpus": 1}, "ray backend and a cuda device"),   # cpu
+    ({"backend": "ray", "device": "cuda", "precision": "fast"}, "give num_gpus"),
+    ({"backend": "ray", "device": "cuda", "precision": "fast", "num_gpus": 1.5},
+     "whole number"),
+    ({"device": "cuda"}, "exact' runs on the CPU only"),
+])
+def test_gpu_options_of_tiles_are_checked_before_any_work(zoos, tmp_path, options, message):
+    with pytest.raises(InvalidOptionError, match=message):
+        compare_tiles(zoos["target"], [zoos["a"]], tiles_dir=tmp_path / "t",
+                      **{"precision": "exact", **options})
+    assert not (tmp_path / "t").exists()
+
+
 # ------------------------------------------------------------------- a two-node cluster
 def _free_port() -> int:
     import socket
@@ -280,7 +296,11 @@ def test_mmd_tiles_on_a_two_node_ray_cluster_are_the_serial_result(zoos, tmp_pat
     """``posteriorzoo mmd --tiles-dir --ray-address`` against a local two-node cluster
     (each node ``ray start --block`` in a home of its own, one CPU each; token
     authentication as the README's recipe): every tile computed by a Ray task, the
-    tasks spread over both nodes, the report equal to the serial one bit for bit."""
+    tasks spread over both nodes, the report equal to the serial one bit for bit.
+
+    The head also declares one GPU, which this machine need not have: tiles asked for on
+    cuda with num_gpus are placed on it (CUDA_VISIBLE_DEVICES=0) and, with a CPU-only
+    torch, refused in one line naming the cause."""
     import secrets
     import shutil
     import tempfile
@@ -301,8 +321,8 @@ def test_mmd_tiles_on_a_two_node_ray_cluster_are_the_serial_result(zoos, tmp_pat
     sessions = tempfile.mkdtemp(prefix="pz-ray-")   # Unix socket paths: 107 bytes at most
     nodes = [subprocess.Popen([ray_command, "start", "--head", f"--port={port}",
                                "--include-dashboard=false", f"--temp-dir={sessions}",
-                               *common], env=head_env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)]
+                               "--num-gpus=1", *common], env=head_env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     command = [posteriorzoo, "mmd", str(zoos["target"]), f"a={zoos['a']}", f"b={zoos['b']}",
                "--symmetries", "keep", "--tile-rows", "4", "--json", "--no-progress"]
     try:
@@ -325,6 +345,19 @@ def test_mmd_tiles_on_a_two_node_ray_cluster_are_the_serial_result(zoos, tmp_pat
              str(tmp_path / "cluster-tiles"), "--ray-address", f"127.0.0.1:{port}"],
             env=head_env, capture_output=True, text=True, timeout=300)
         assert clustered.returncode == 0, clustered.stderr[-2000:]
+        gpu = subprocess.run(
+            [sys.executable, "-c",
+             "import sys, torch\n"
+             "if torch.cuda.is_available(): sys.exit(3)\n"
+             "from posteriorzoo.collection import compare_tiles\n"
+             f"compare_tiles({str(zoos['target'])!r}, [{str(zoos['a'])!r}], "
+             f"tiles_dir={str(tmp_path / 'gpu')!r}, backend='ray', "
+             f"ray_address='127.0.0.1:{port}', device='cuda', precision='fast', "
+             "num_gpus=0.5)\n"], env=head_env, capture_output=True, text=True, timeout=300)
+        if gpu.returncode != 3:   # 3: a real GPU, where the task would compute its tile
+            assert gpu.returncode == 1
+            assert re.search(r"given a GPU \(CUDA_VISIBLE_DEVICES=0\) but torch .* sees "
+                             r"no CUDA device", gpu.stderr), gpu.stderr[-2000:]
     finally:
         for node in reversed(nodes):
             node.terminate()

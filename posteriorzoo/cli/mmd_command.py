@@ -32,6 +32,8 @@ BISECTIONS = integer_in(1, 100)
 BLOCK_MB = number_in(1, 1e6)
 #: Rows per tile block: a tile holds 2 x N^2 float64 per layer (16 MiB at 1,024).
 TILE_ROWS = integer_in(2, 65_536)
+#: GPUs per Ray task: a fraction of one, or whole GPUs (Ray refuses 1.5).
+NUM_GPUS = number_in(0, 64)
 
 #: The display factor as the help shows it ("x 100").
 _X = f"x {MMD_DISPLAY_SCALE:g}"
@@ -154,6 +156,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--tile-rows", type=TILE_ROWS, metavar="N",
                         help=f"with --tiles-dir: rows per tile block, {TILE_ROWS.range_text} "
                              "(a tile holds 2 x N^2 float64 per layer; default: 1024)")
+    parser.add_argument("--num-gpus", type=NUM_GPUS, default=0.0, metavar="GPUS",
+                        help=f"with --ray-address and a cuda device: GPUs per tile task, "
+                             f"{NUM_GPUS.range_text} (a fraction below 1 shares a GPU; "
+                             "default: %(default)s)")
     add_json_option(parser, "the report's JSON instead of the Markdown table")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     parser.set_defaults(func=run_mmd)
@@ -165,8 +171,9 @@ def run_mmd(args: argparse.Namespace) -> int:
 
     methods = file_stem_names(args.methods)
     inputs = [args.target, *methods.values()]
-    if args.tiles_dir is None and (args.ray_address or args.tile_rows):
-        raise InvalidOptionError("--ray-address and --tile-rows are options of --tiles-dir")
+    if args.tiles_dir is None and (args.ray_address or args.tile_rows or args.num_gpus):
+        raise InvalidOptionError("--ray-address, --tile-rows and --num-gpus are options of "
+                                 "--tiles-dir")
     if args.tiles_dir is not None and args.keep_canonical:
         raise InvalidOptionError("--tiles-dir compares the inputs as they are: canonicalize "
                                  "them first ('posteriorzoo canonicalize') instead of "
@@ -216,5 +223,7 @@ def _tiled(args: argparse.Namespace, methods: dict) -> object:
         layers=args.layers, group=args.group, include_buffers=args.include_buffers,
         number_bandwidths=args.bandwidths, test=args.test, alpha=args.alpha, B1=args.b1,
         B2=args.b2, B3=args.b3, seed=args.seed, block_bytes=int(args.block_mb * (1 << 20)),
-        precision=getattr(args, "precision", DEFAULT_PRECISION), verify=not args.no_verify,
+        precision=getattr(args, "precision", DEFAULT_PRECISION),
+        device=getattr(args, "device", "cpu"), num_gpus=args.num_gpus,
+        verify=not args.no_verify,
         progress=not args.no_progress, command=args.command_line)

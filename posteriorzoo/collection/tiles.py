@@ -61,7 +61,7 @@ from posteriorzoo.mmd.statistics import (
     kernel_names,
 )
 from posteriorzoo.mmd.tiles import DEFAULT_BLOCK_ROWS, TilePlan, TileStore, plan_tiles, run_serial
-from posteriorzoo.options import check_choice
+from posteriorzoo.options import check_choice, check_num_gpus
 from posteriorzoo.provenance import record
 from posteriorzoo.zoo import open_zoo
 
@@ -138,6 +138,14 @@ def _tile_task(folder: str, plan: TilePlan, tile: tuple[int, int], rows: ZooRows
     from posteriorzoo.mmd.tiles import compute_tile
 
     numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+    if plan.device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InvalidOptionError(
+                f"this Ray task was given a GPU (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}) but torch "
+                f"{torch.__version__} on node {os.uname().nodename} sees no CUDA device")
     try:
         TileStore(folder, plan).write(tile, compute_tile(plan, tile, rows, features),
                                       node=ray.get_runtime_context().get_node_id())
@@ -156,14 +164,15 @@ def _import_ray():
 
 
 def run_ray(store: TileStore, rows: ZooRows, features: int, *, address: str | None = None,
-            num_cpus: int | None = None, cpus_per_task: int = 1,
+            num_cpus: int | None = None, cpus_per_task: int = 1, num_gpus: float = 0.0,
             max_in_flight: int | None = None) -> Iterator[tuple[int, int]]:
     """Compute the pending tiles as Ray tasks; yield each tile as its task finishes.
 
     ``address``: None starts a private local instance (``num_cpus``), else connects
     (``"auto"``, ``"HOST:PORT"``, ``"ray://HOST:10001"``); a connection this process
     already has is used and left open. At most ``max_in_flight`` tasks (default: twice
-    the cluster's CPUs) are submitted at once.
+    the cluster's CPUs) are submitted at once; each asks Ray for ``cpus_per_task`` CPUs
+    and ``num_gpus`` GPUs.
     """
     ray = _import_ray()
     pending = store.pending()
@@ -179,7 +188,7 @@ def run_ray(store: TileStore, rows: ZooRows, features: int, *, address: str | No
     running: list[Any] = []
     try:
         limit = max_in_flight or max(1, 2 * int(ray.cluster_resources().get("CPU", 1)))
-        task = ray.remote(num_cpus=cpus_per_task)(_tile_task)
+        task = ray.remote(num_cpus=cpus_per_task, num_gpus=num_gpus)(_tile_task)
         plan = ray.put(store.plan)
         while pending or running:
             while pending and len(running) < limit:
@@ -206,8 +215,8 @@ def compare_tiles(target: str | os.PathLike,
                   include_buffers: bool = False, number_bandwidths: int = 10,
                   test: bool = False, alpha: float = 0.05, B1: int = 2000, B2: int = 2000,
                   B3: int = 50, seed: int = 0, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                  precision: str = DEFAULT_PRECISION, verify: bool = True,
-                  progress: bool = False,
+                  precision: str = DEFAULT_PRECISION, device: str = "cpu",
+                  num_gpus: float = 0.0, verify: bool = True, progress: bool = False,
                   command: str | None = None) -> CompareResult:
     """Compare method collections with the target through tiles of the distance matrices.
 
@@ -240,11 +249,24 @@ def compare_tiles(target: str | os.PathLike,
         The distance kernels (:func:`~posteriorzoo.mmd.distances.cross_distances`):
         ``exact`` (default, as :func:`~posteriorzoo.collection.compare`) gives the
         one-machine matrices bit for bit; ``fast`` within its stated bound.
+    device : str
+        Where each tile is computed: ``cpu``, or ``cuda`` (fast precision; on Ray, the
+        GPU each task was granted).
+    num_gpus : float
+        ray: GPUs per task (a fraction below 1 shares a GPU among tasks, or whole GPUs);
+        needed, and only allowed, with a ``cuda`` device.
     """
     from posteriorzoo.progress import progress as progress_bar
 
     check_choice("backend", backend, TILE_BACKENDS)
-    check_precision(precision, "cpu")
+    check_precision(precision, device)
+    num_gpus = check_num_gpus(num_gpus)
+    if num_gpus and (backend != "ray" or device == "cpu"):
+        raise InvalidOptionError("num_gpus gives Ray tasks GPUs: it needs the ray backend "
+                                 "and a cuda device")
+    if backend == "ray" and device != "cpu" and not num_gpus:
+        raise InvalidOptionError(f"tiles on {device} as Ray tasks need GPUs per task: "
+                                 "give num_gpus (e.g. 1, or 0.5 to share one)")
     check_number_bandwidths(number_bandwidths)
     if symmetries is not None:
         check_treatment(symmetries)
@@ -283,7 +305,7 @@ def compare_tiles(target: str | os.PathLike,
         for source in sources:
             source.close()
     plan = plan_tiles(digests, chosen, shapes, block_rows=block_rows,
-                      precision=precision)
+                      precision=precision, device=device)
     store = TileStore(tiles_dir, plan)
     rows = ZooRows([path for _, path in inputs], [_digest_of(d) for d in digests])
     features = features_per_block(2 * block_rows, block_bytes)
@@ -294,7 +316,8 @@ def compare_tiles(target: str | os.PathLike,
         if backend == "serial":
             done = run_serial(store, rows, features, pending)
         else:
-            done = run_ray(store, rows, features, address=ray_address, num_cpus=workers)
+            done = run_ray(store, rows, features, address=ray_address, num_cpus=workers,
+                           num_gpus=num_gpus)
         try:
             for _ in done:
                 bar.update(1)
@@ -311,9 +334,10 @@ def compare_tiles(target: str | os.PathLike,
                                symmetries=label, computed=[label], group=group,
                                include_buffers=include_buffers,
                                layer_keys={layer.name: list(layer.keys) for layer in chosen},
-                               precision=precision,
+                               precision=precision, device=device,
                                tiles={"folder": str(tiles_dir), "backend": backend,
                                       "ray_address": ray_address, "block_rows": block_rows,
+                                      "num_gpus": num_gpus,
                                       "tiles": len(plan.tiles),
                                       "computed_now": len(pending),
                                       "fingerprint": plan.fingerprint})

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
@@ -37,6 +36,7 @@ from typing import Any
 
 from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.models.plugins import WorkerPlugins, worker_plugins
+from posteriorzoo.options import check_num_gpus
 from train_zoo.backends.tasks import groups
 from train_zoo.job import resolve_engine
 from train_zoo.result import CheckpointResult
@@ -53,19 +53,6 @@ def import_ray() -> ModuleType:
         raise InvalidOptionError(
             "the ray backend needs Ray: pip install posteriorzoo[ray] "
             f"(or pip install 'ray>=2.9'); import failed: {error}") from None
-
-
-def check_num_gpus(num_gpus: float) -> float:
-    """``num_gpus`` if Ray can grant it per task: 0, a fraction in (0, 1), or a whole
-    number of GPUs; else InvalidOptionError."""
-    if isinstance(num_gpus, bool) or not isinstance(num_gpus, (int, float)):
-        raise InvalidOptionError(f"num_gpus must be a number, not {num_gpus!r}")
-    if not math.isfinite(num_gpus) or num_gpus < 0:
-        raise InvalidOptionError(f"num_gpus must be a finite number >= 0, not {num_gpus}")
-    if num_gpus > 1 and num_gpus != int(num_gpus):
-        raise InvalidOptionError(f"num_gpus above 1 must be a whole number of GPUs (Ray "
-                                 f"shares a GPU only in fractions below 1), not {num_gpus}")
-    return float(num_gpus)
 
 
 def task_device(num_gpus: float) -> str:
