@@ -25,7 +25,7 @@ ORACLES := laplace-torch==0.3 curvlinops-for-pytorch==3.0.1 backpack-for-pytorch
 	unfoldNd==0.2.3 linear_operator==0.6.1 torch-uncertainty==0.13.0 \
 	blitz-bayesian-pytorch==0.2.8
 
-.PHONY: demo test test-avx2 lint bench clean-venv
+.PHONY: demo test test-avx2 lint bench clean-venv gpu-wheels
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -83,3 +83,9 @@ bench: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# The wheels benchmarks/gpu_check.py needs on a GPU machine without package registries
+# (its image has torch, numpy, h5py, numba, scipy; not beartype): carried there in .gpu-wheels/.
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download --quiet --no-deps -d .gpu-wheels \
+		"beartype==$$($(PY) -c 'import beartype; print(beartype.__version__)')"
