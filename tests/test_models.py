@@ -52,7 +52,8 @@ def test_model_spec_records_defaults_and_options() -> None:
     assert isinstance(spec, ModelEntry)
     assert spec.name == "resnet18"
     assert spec.num_classes == 100
-    assert dict(spec.options) == {"width": 64, "dropout": 0.0, "in_channels": 3}
+    assert dict(spec.options) == {"width": 64, "dropout": 0.0, "in_channels": 3,
+                                  "conv_bias": False}
     assert spec.description
     assert model_entry("resnet18-tiny").num_classes == 200
     assert model_entry("optunet").num_classes == 10

@@ -55,7 +55,7 @@ from posteriorzoo.zoo.import_checks import (
     read_inputs,
     row_for_input,
 )
-from posteriorzoo.zoo.keymap import KeyMap, wrapper_prefix_map
+from posteriorzoo.zoo.keymap import KeyMap, closest_reading, implied_key_map
 from posteriorzoo.zoo.layout import MAX_APPEND_ROWS
 from posteriorzoo.zoo.lifecycle import create_zoo, normalise_template
 from posteriorzoo.zoo.schema import METADATA_DTYPE
@@ -168,7 +168,7 @@ class ImportStream:
         if self.wrapped:
             self.wrapped = False
             expected = self.tensor_layout or expected_keys(self.attributes)
-            self.key_map = wrapper_prefix_map(state, expected) or self.key_map
+            self.key_map = implied_key_map(state, expected) or self.key_map
         if self.tensor_layout is None:
             self.template = in_model_order(convert_floats(self.key_map.apply(state),
                                                           self.dtype), self.attributes)
@@ -178,9 +178,14 @@ class ImportStream:
                                    self.attributes["num_classes"],
                                    self.attributes["model_options"])
             except ZooSchemaError as error:
-                # Only a key that is missing or unexpected can be mended by renaming.
-                hint = "; a key map can rename keys" if " key " in str(error) else ""
-                raise ZooSchemaError(f"{name}: {error}{hint}") from None
+                # Only a key that is missing or unexpected can be mended by renaming;
+                # name the keys as the closest reading (prefix stripped, layout known) has them.
+                if " key " not in str(error):
+                    raise ZooSchemaError(f"{name}: {error}") from None
+                closest = closest_reading(self.template, expected_keys(self.attributes))
+                detail = f"state_dict does not fit model {self.attributes['architecture']!r} " \
+                    f"{closest}" if closest else str(error)
+                raise ZooSchemaError(f"{name}: {detail}; a key map can rename keys") from None
             self.bounds = self.bounds.for_shapes(self.tensor_layout)
 
     def _new_collection(self) -> Zoo:

@@ -4,7 +4,10 @@ ImageNet layout of torchvision (7x7 stride-2 stem, max-pool) for ResNet-18 and R
 CIFAR ResNet-18 state-dict keys follow torchvision's layout (``conv1``, ``bn1``,
 ``layer{1-4}.{0,1}.{conv1,bn1,conv2,bn2}``, ``fc``) except the projection
 shortcut, which is ``layer{2-4}.0.shortcut.{0,1}`` (a conv then a BN), as in
-torch-uncertainty, whose released checkpoints the paper's zoo comes from.
+torch-uncertainty, whose released checkpoints the paper's zoo comes from. The rest of
+torch-uncertainty's ResNet-18 (``style="cifar"``) has our names too, but for its head,
+``linear`` (ours ``fc``), which :mod:`posteriorzoo.zoo.keymap` renames on import; its
+convolutions have biases when built with ``conv_bias=True`` (the option of that name).
 
 The ImageNet networks (:class:`ImageNetResNet`: ``resnet18-imagenet``, ``resnet50``) are
 written here, not imported from torchvision, with torchvision's keys exactly: the
@@ -21,7 +24,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from posteriorzoo.models.registry import register
-from posteriorzoo.options import check_integer, check_probability
+from posteriorzoo.options import check_bool, check_integer, check_probability
 
 __all__ = ["BasicBlock", "Bottleneck", "ImageNetBasicBlock", "ImageNetResNet", "ResNet18"]
 
@@ -37,24 +40,27 @@ class BasicBlock(nn.Module):
         Input and output channels.
     stride : int, default 1
         Stride of the first conv (and of the shortcut conv).
+    conv_bias : bool, default False
+        Whether every convolution has a bias (torch-uncertainty's ``conv_bias``).
 
     Notes
     -----
     ``(N, in_planes, H, W)`` -> ``(N, planes, ceil(H / stride), ceil(W / stride))``.
     """
 
-    def __init__(self, in_planes: int, planes: int, stride: int = 1) -> None:
+    def __init__(self, in_planes: int, planes: int, stride: int = 1,
+                 conv_bias: bool = False) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride=stride, padding=1, bias=conv_bias)
         self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, stride=1, padding=1, bias=False)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=1, padding=1, bias=conv_bias)
         self.bn2 = nn.BatchNorm2d(planes)
         self.relu = nn.ReLU()
         # An empty Sequential is the identity and contributes no state_dict keys.
         self.shortcut = nn.Sequential()
         if stride != 1 or in_planes != planes:
             self.shortcut = nn.Sequential(
-                nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False),
+                nn.Conv2d(in_planes, planes, 1, stride=stride, bias=conv_bias),
                 nn.BatchNorm2d(planes),
             )
 
@@ -84,6 +90,11 @@ class ResNet18(nn.Module):
         (the paper's last-layer MC Dropout uses 0.5). Adds no parameters.
     in_channels : int, default 3
         Image channels.
+    conv_bias : bool, default False
+        Give every convolution a bias, as torch-uncertainty's ``resnet(conv_bias=True)``
+        does (its default from February 2024 to May 2025; its ResNet baseline, which
+        trains with ``conv_bias=False``, and ours have none): then a checkpoint of that
+        variant imports. A bias before a BatchNorm changes nothing in training mode.
 
     Notes
     -----
@@ -95,21 +106,24 @@ class ResNet18(nn.Module):
     """
 
     def __init__(
-        self, num_classes: int = 100, width: int = 64, dropout: float = 0.0, in_channels: int = 3
+        self, num_classes: int = 100, width: int = 64, dropout: float = 0.0, in_channels: int = 3,
+        conv_bias: bool = False,
     ) -> None:
         super().__init__()
         num_classes = check_integer("num_classes", num_classes, 1)
         width = check_integer("width", width, 1)
         in_channels = check_integer("in_channels", in_channels, 1)
-        self.conv1 = nn.Conv2d(in_channels, width, 3, stride=1, padding=1, bias=False)
+        conv_bias = check_bool("conv_bias", conv_bias)
+        self.conv1 = nn.Conv2d(in_channels, width, 3, stride=1, padding=1, bias=conv_bias)
         self.bn1 = nn.BatchNorm2d(width)
         self.relu = nn.ReLU()
         planes = width
         for index, blocks in enumerate(_BLOCKS_PER_STAGE):
             out_planes = width * 2**index
             stride = 1 if index == 0 else 2
-            stage = [BasicBlock(planes, out_planes, stride)]
-            stage += [BasicBlock(out_planes, out_planes) for _ in range(blocks - 1)]
+            stage = [BasicBlock(planes, out_planes, stride, conv_bias)]
+            stage += [BasicBlock(out_planes, out_planes, 1, conv_bias)
+                      for _ in range(blocks - 1)]
             self.add_module(f"layer{index + 1}", nn.Sequential(*stage))
             planes = out_planes
         self.pool = nn.AdaptiveAvgPool2d(1)
@@ -129,6 +143,8 @@ class ResNet18(nn.Module):
 
 
 _OPTIONS = {"width": 64, "dropout": 0.0, "in_channels": 3}
+#: The CIFAR ResNet-18's options: those and torch-uncertainty's ``conv_bias``.
+_CIFAR_OPTIONS = {**_OPTIONS, "conv_bias": False}
 
 
 def _image_shape(size: int) -> Callable[[Mapping[str, Any]], tuple[int, int, int]]:
@@ -144,12 +160,12 @@ def _image_shape(size: int) -> Callable[[Mapping[str, Any]], tuple[int, int, int
     num_classes=100,
     input_shape=_image_shape(32),
     description="ResNet-18, CIFAR stem (3x3 stride 1, no max-pool); CIFAR-100 by default",
-    options=_OPTIONS,
+    options=_CIFAR_OPTIONS,
 )
 def _build_resnet18(num_classes: int, width: int, dropout: float,
-                    in_channels: int) -> ResNet18:
+                    in_channels: int, conv_bias: bool) -> ResNet18:
     return ResNet18(num_classes=num_classes, width=width, dropout=dropout,
-                    in_channels=in_channels)
+                    in_channels=in_channels, conv_bias=conv_bias)
 
 
 @register(
@@ -157,15 +173,15 @@ def _build_resnet18(num_classes: int, width: int, dropout: float,
     num_classes=200,
     input_shape=_image_shape(64),
     description="ResNet-18 for TinyImageNet: the CIFAR network at native 64x64, 200 classes",
-    options=_OPTIONS,
+    options=_CIFAR_OPTIONS,
 )
 def _build_resnet18_tiny(num_classes: int, width: int, dropout: float,
-                         in_channels: int) -> ResNet18:
+                         in_channels: int, conv_bias: bool) -> ResNet18:
     # The paper trains TinyImageNet "as for CIFAR-100, at the original
     # resolution", and torch-uncertainty's TinyImageNet recipe builds its ResNet
     # with style="cifar"; so the stem is the CIFAR one, not 7x7/stride 2 + max-pool.
     return ResNet18(num_classes=num_classes, width=width, dropout=dropout,
-                    in_channels=in_channels)
+                    in_channels=in_channels, conv_bias=conv_bias)
 
 
 # --- the ImageNet layout (torchvision's resnet18 / resnet50) ----------------------------

@@ -281,20 +281,104 @@ class KeyMap:
         return found
 
 
-def wrapper_prefix_map(keys: Iterable[str], expected: Iterable[str]) -> KeyMap | None:
-    """The key map that strips a wrapper's prefix, when that alone makes ``keys`` the
-    model's ``expected`` keys: every key starts with one ``PREFIX.`` (``model.``, as the
-    authors' release saves a Lightning module's network; ``module.``, as DataParallel
-    does) and without it they are exactly ``expected``. None otherwise (the keys fit
-    already, or something else differs: a key map must say how)."""
-    keys, expected_keys = list(keys), set(expected)
-    if not keys or set(keys) == expected_keys:
-        return None
+@dataclass(frozen=True)
+class ForeignLayout:
+    """Another library's names for the tensors of one of our models: the rules that
+    rename its keys to ours (``(pattern, replacement)``, applied in order, as a
+    :class:`KeyMap`'s). Only a whole state that these rules turn into exactly our keys
+    is renamed (:func:`implied_key_map`), so a rule may be short."""
+
+    name: str
+    rules: tuple[tuple[str, str], ...]
+
+
+#: The foreign layouts an import recognises with no key map. torch-uncertainty's
+#: ResNets (``torch_uncertainty/models/classification/resnet/std.py``, whose networks
+#: the authors' release saves) name everything as ours (``conv1``, ``bn1``,
+#: ``layer{i}.{j}.{conv,bn}{1,2}``, the projection ``shortcut.{0,1}``) but for the head,
+#: ``linear``, which our ``resnet18`` and ``resnet18-tiny`` call ``fc``.
+FOREIGN_LAYOUTS: tuple[ForeignLayout, ...] = (
+    ForeignLayout("torch-uncertainty's ResNet (head 'linear', ours 'fc')",
+                  ((r"^linear\.", "fc."),)),
+)
+
+
+def _wrapper_prefix(keys: list[str]) -> str | None:
+    """The one ``PREFIX`` every key starts with as ``PREFIX.`` (``model``, as the
+    authors' release saves a Lightning module's network; ``module``, as DataParallel
+    does), else None."""
     prefixes = {key.partition(".")[0] for key in keys}
     if len(prefixes) != 1 or not all("." in key for key in keys):
         return None
-    prefix = prefixes.pop()
-    if {key[len(prefix) + 1:] for key in keys} != expected_keys or len(keys) != len(
-            expected_keys):
+    return prefixes.pop()
+
+
+def _readings(keys: list[str]) -> Iterator[tuple[str, list[tuple[str, str]]]]:
+    """Each way of reading ``keys`` this module knows, as (what it does, its rules):
+    the keys as they are, without their wrapper's prefix, and each as a
+    :data:`FOREIGN_LAYOUTS` layout; the plain reading first."""
+    prefix = _wrapper_prefix(keys)
+    strips = [("", [])]
+    if prefix is not None:
+        strips.append((f"without the keys' prefix '{prefix}.'",
+                       [(f"^{re.escape(prefix)}\\.", "")]))
+    for strip, strip_rules in strips:
+        yield strip, strip_rules
+        for layout in FOREIGN_LAYOUTS:
+            what = f"{strip} read as {layout.name}".strip()
+            yield what, strip_rules + list(layout.rules)
+
+
+def _renamed(keys: list[str], rules: list[tuple[str, str]]) -> list[str]:
+    """``keys`` through ``rules`` (this module's own anchored patterns: no timing)."""
+    compiled = [(re.compile(pattern), replacement) for pattern, replacement in rules]
+    renamed = []
+    for key in keys:
+        for pattern, replacement in compiled:
+            key = pattern.sub(replacement, key)
+        renamed.append(key)
+    return renamed
+
+
+def implied_key_map(keys: Iterable[str], expected: Iterable[str]) -> KeyMap | None:
+    """The key map an import applies when none is given: the one that makes ``keys``
+    exactly the model's ``expected`` keys by stripping a wrapper's prefix (every key
+    starts with one ``PREFIX.``), by renaming a known foreign layout's keys
+    (:data:`FOREIGN_LAYOUTS`), or both. None when the keys fit already or no such
+    reading fits exactly (then the model's check names what differs, and
+    :func:`closest_reading` what is closest). Its rules are recorded in the import's
+    provenance like a given key map's."""
+    keys, expected_keys = list(keys), set(expected)
+    if not keys or set(keys) == expected_keys:
         return None
-    return KeyMap(rules=[(f"^{re.escape(prefix)}\\.", "")])
+    for _, rules in _readings(keys):
+        renamed = _renamed(keys, rules)
+        if rules and len(set(renamed)) == len(keys) and set(renamed) == expected_keys:
+            return KeyMap(rules=rules)
+    return None
+
+
+def closest_reading(keys: Iterable[str], expected: Iterable[str]) -> str | None:
+    """When ``keys`` do not fit ``expected`` however they are read, the reading that
+    comes closest, in one line: what it does (strip the wrapper's prefix, rename a known
+    layout) and the keys, so read, that are still missing or unexpected, e.g.
+    ``without the keys' prefix 'model.' read as torch-uncertainty's ResNet (...):
+    unexpected key 'conv1.bias' (and 20 more)``. None when the keys as they are come
+    closest (the plain missing/unexpected message says it best)."""
+    keys, expected_keys = list(keys), list(expected)
+    expected_set = set(expected_keys)
+    best: tuple[int, str, list[str], list[str]] | None = None
+    for what, rules in _readings(keys):
+        renamed = _renamed(keys, rules)
+        renamed_set = set(renamed)
+        missing = [key for key in expected_keys if key not in renamed_set]
+        unexpected = [key for key in renamed if key not in expected_set]
+        if best is None or len(missing) + len(unexpected) < best[0]:
+            best = (len(missing) + len(unexpected), what, missing, unexpected)
+    if best is None or not best[1]:
+        return None
+    _, what, missing, unexpected = best
+    parts = [f"{kind} key {names[0]!r}" + (f" (and {len(names) - 1} more)"
+                                           if len(names) > 1 else "")
+             for kind, names in (("missing", missing), ("unexpected", unexpected)) if names]
+    return f"{what}: {'; '.join(parts) or 'keys repeat'}"
