@@ -328,3 +328,14 @@ def test_a_hit_gives_the_same_bits_with_the_fast_kernels_too(tmp_path, folder, l
     for a, b, c in zip(first, second, without, strict=True):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
+
+
+def test_a_killed_writers_temporary_file_is_cleared_later(tmp_path):
+    cache = DistanceCache(tmp_path, min_pair_weights=0)
+    old, fresh = tmp_path / ".partial-old", tmp_path / ".partial-fresh"
+    old.write_bytes(b"half an entry")
+    fresh.write_bytes(b"being written")
+    os.utime(old, (1000, 1000))
+    cache.store(KEY, *packed(0))
+    assert not old.exists() and fresh.exists()   # another writer's file is left alone
+    assert cache.entries() == [cache.path(KEY)]

@@ -205,9 +205,13 @@ def test_a_rerun_computes_only_missing_or_damaged_tiles(zoos, tmp_path, monkeypa
     with pytest.raises(KeyboardInterrupt):
         run(zoos, folder)
     assert len(list(folder.glob("tile-*.npz"))) == 9 and not list(folder.glob(".partial-*"))
+    stale = folder / ".partial-killed"   # as a worker killed mid-write leaves
+    stale.write_bytes(b"half a tile")
+    os.utime(stale, (1000, 1000))
     monkeypatch.setattr(tiles_module, "compute_tile", real)
     first = run(zoos, folder)   # resumed: the other 15
     assert first.provenance["options"]["tiles"]["computed_now"] == 15
+    assert not stale.exists()
     again = run(zoos, folder)   # nothing left to compute
     assert again.provenance["options"]["tiles"]["computed_now"] == 0
     assert_same(first.comparison, again.comparison)

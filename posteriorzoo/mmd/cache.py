@@ -42,6 +42,7 @@ import io
 import json
 import os
 import tempfile
+import time
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -63,6 +64,8 @@ MIN_PAIR_WEIGHTS = 2e8
 #: precision on a kind of device (:func:`precision_key`).
 DEFAULT_PRECISION_KEY = "exact@cpu"
 _SUFFIX = ".npz"
+#: A temporary file older than this is a killed writer's, not one being written.
+_STALE_SECONDS = 3600
 _FORMAT = "posteriorzoo-distance-cache-1"
 
 
@@ -256,20 +259,30 @@ class DistanceCache:
             return
         self.evict()
 
+    def _listing(self, pattern: str) -> list[tuple[float, int, Path]]:
+        """(mtime, size, path) of the files matching ``pattern``; files that vanish while
+        listed (another process evicting) are left out."""
+        found = []
+        with contextlib.suppress(OSError):
+            for path in self.folder.glob(pattern):
+                with contextlib.suppress(OSError):
+                    info = path.stat()
+                    found.append((info.st_mtime, info.st_size, path))
+        return sorted(found)
+
     def entries(self) -> list[Path]:
         """The entries, least recently used first."""
-        try:
-            found = [(path.stat().st_mtime, path) for path in self.folder.glob(f"*{_SUFFIX}")]
-        except OSError:
-            return []
-        return [path for _, path in sorted(found)]
+        return [path for _, _, path in self._listing(f"*{_SUFFIX}")]
 
     def evict(self) -> None:
         """Delete the least recently used entries while the folder holds more than the
-        bound."""
-        entries = [(path, path.stat().st_size) for path in self.entries() if path.exists()]
-        total = sum(size for _, size in entries)
-        for path, size in entries:
+        bound, and temporary files that writers killed mid-write left (over an hour old)."""
+        for mtime, _, path in self._listing(".partial-*"):
+            if time.time() - mtime > _STALE_SECONDS:
+                path.unlink(missing_ok=True)
+        entries = self._listing(f"*{_SUFFIX}")
+        total = sum(size for _, size, _ in entries)
+        for _, size, path in entries:
             if total <= self.limit_bytes:
                 break
             path.unlink(missing_ok=True)

@@ -33,12 +33,14 @@ Ray workers that open the collection files themselves
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import platform
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -57,6 +59,8 @@ __all__ = ["Block", "TilePlan", "TileStore", "TileWarning", "compute_tile", "pla
 DEFAULT_BLOCK_ROWS = 1024
 _FORMAT = "posteriorzoo-distance-tile-1"
 _PLAN = "plan.json"
+#: A temporary file older than this is a killed writer's, not one being written.
+_STALE_SECONDS = 3600
 
 #: Reads rows [start, stop) of one source on one layer: yields column blocks (rows, b)
 #: in feature order (the same cuts for every call with the same ``features``).
@@ -193,6 +197,11 @@ class TileStore:
                     "another tiles folder, or delete this one")
         else:
             _write_atomic(manifest, json.dumps(record, indent=1).encode())
+        # a killed worker's half-written tile (not one being written: over an hour old)
+        for partial in self.folder.glob(".partial-*"):
+            with contextlib.suppress(OSError):
+                if time.time() - partial.stat().st_mtime > _STALE_SECONDS:
+                    partial.unlink()
 
     def path(self, tile: tuple[int, int]) -> Path:
         return self.folder / f"tile-{tile[0]:05d}-{tile[1]:05d}.npz"
