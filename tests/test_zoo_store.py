@@ -265,3 +265,19 @@ def test_rows_written_out_of_order_are_committed_in_place(tmp_path):
         assert zoo.metadata["seed"].tolist() == [0, 1, 2, 3]
         for seed in range(4):
             assert torch.equal(zoo.state_dict(seed)["fc.weight"], checkpoint(seed)["fc.weight"])
+
+
+def test_all_finite_agrees_with_numpy_on_every_float16_and_on_wider_floats():
+    from posteriorzoo.zoo.store import all_finite
+
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    finite = np.isfinite(every)
+    assert [all_finite(every[i:i + 1]) for i in range(every.size)] == finite.tolist()
+    assert all_finite(every[finite]) and not all_finite(every)
+    for dtype in (np.float32, np.float64):
+        for bad in (np.nan, np.inf, -np.inf):
+            values = np.ones(1000, dtype=dtype)
+            assert all_finite(values)
+            values[777] = bad
+            assert not all_finite(values)
+    assert all_finite(np.array([2**62], dtype=np.int64))

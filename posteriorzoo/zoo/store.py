@@ -24,7 +24,6 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -83,18 +82,20 @@ _STACK_BYTES = 1 << 24
 _STATE_GROUP = STATE_GROUP
 #: Bytes of whole checkpoints read at once while verifying digests.
 _VERIFY_BLOCK_BYTES = 1 << 28
-#: Checkpoints at least this large are hashed by several threads (smaller ones are not
-#: worth a thread's start).
-_PARALLEL_CHECK_BYTES = 1 << 20
 
 
-def _check_threads() -> int:
-    """Threads that hash checkpoints: the CPUs this process may use, at most 8."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(8, cpus))
+def all_finite(array: np.ndarray) -> bool:
+    """Whether an array holds no NaN or infinity (always, for integers).
+
+    float16 is tested on its bits (exponent all ones: infinite or NaN), 4x faster than
+    ``np.isfinite``, which converts every value; it was half the cost of checking a
+    float16 ResNet-18 checkpoint.
+    """
+    if array.dtype.kind != "f":
+        return True
+    if array.dtype == np.float16:
+        return not ((array.view(np.uint16) & 0x7C00) == 0x7C00).any()
+    return bool(np.isfinite(array).all())
 _CRASHED_WRITER_MARKERS = ("already open for write", "consistency flags")
 #: What HDF5 says, reading in SWMR mode, of a file whose writer had not started SWMR.
 _NON_SWMR_WRITER_MARKER = "not already open for SWMR writing"
@@ -620,8 +621,7 @@ class Zoo:
         A problem is a tensor digest that differs from the stored SHA-256, a metadata row
         that differs from its stored digest (schema 2), or NaN/inf weights in a checkpoint
         not flagged diverged. ``arrays`` (``{key: (stop-start, *shape)}``) avoids reading
-        the tensors again when the caller already has them. Large checkpoints are hashed
-        by several threads at once (SHA-256 and numpy's checks release the GIL).
+        the tensors again when the caller already has them.
         """
         with self._reading(f"checkpoints {start}..{stop - 1}"):
             if arrays is None:
@@ -639,19 +639,12 @@ class Zoo:
             if digests is not None and row_digest(rows[offset]) != bytes(
                     digests[offset]).decode(errors="replace"):
                 found.append((index, "its metadata row differs from its stored SHA-256"))
-            finite = all(np.isfinite(value).all() for value in checkpoint.values()
-                         if value.dtype.kind == "f")
+            finite = all(all_finite(value) for value in checkpoint.values())
             if not finite and not rows["diverged"][offset]:
                 found.append((index, "it holds NaN/inf weights without the diverged flag"))
             return found
 
-        offsets = range(stop - start)
-        if self.checkpoint_bytes >= _PARALLEL_CHECK_BYTES and len(offsets) > 1:
-            with ThreadPoolExecutor(min(len(offsets), _check_threads())) as pool:
-                found = list(pool.map(check, offsets))
-        else:
-            found = [check(offset) for offset in offsets]
-        return [problem for problems in found for problem in problems]
+        return [problem for offset in range(stop - start) for problem in check(offset)]
 
     def _raise_problems(self, problems: list[tuple[int, str]]) -> None:
         if problems:
@@ -694,24 +687,15 @@ class Zoo:
     def verify_all(self) -> None:
         """With ``verify=True``: check every checkpoint not yet checked (once per zoo),
         unless a note in the user's cache says this file, unchanged, was verified
-        (:mod:`posteriorzoo.zoo.verified`). Blocks are read ahead of the hashing."""
-        from posteriorzoo._pipeline import read_ahead
-
+        (:mod:`posteriorzoo.zoo.verified`)."""
         if not self.verify:
             return
         self._trust_note()
         count = len(self)
         rows = self.block_rows()
-
-        def blocks() -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
-            for start in range(self._verified_upto, count, rows):
-                stop = min(count, start + rows)
-                with self._reading(f"checkpoints {start}..{stop - 1}"):
-                    yield start, stop, {key: self._datasets[key][start:stop]
-                                        for key in self._keys}
-
-        for start, stop, block in read_ahead(blocks(), depth=1):
-            self._raise_problems(self.check_checkpoints(start, stop, block))
+        for start in range(self._verified_upto, count, rows):
+            stop = min(count, start + rows)
+            self._raise_problems(self.check_checkpoints(start, stop))
             self._checked_through(stop)
 
     def _verify_rows(self) -> None:
@@ -1052,7 +1036,7 @@ class Zoo:
                     f"checkpoint {position}: {key} has dtype {array.dtype}, "
                     f"the collection stores {dtype}"
                 )
-            if not diverged and array.dtype.kind == "f" and not np.isfinite(array).all():
+            if not diverged and not all_finite(array):
                 raise NonFiniteWeightsError(
                     f"checkpoint {position}: {key} has NaN or infinite values "
                     "(pass diverged=True to record a diverged run)"
