@@ -29,7 +29,7 @@ from posteriorzoo import models
 from posteriorzoo.cli import main
 from posteriorzoo.collection import import_checkpoints, plan_import
 from posteriorzoo.zoo import open_zoo
-from posteriorzoo.zoo.keymap import FOREIGN_LAYOUTS, closest_reading, implied_key_map
+from posteriorzoo.zoo.keymap import FOREIGN_LAYOUTS, closest_reading, implied_reading
 
 #: The rules an import of a release ResNet-18 implies: the routine's prefix, then the head.
 RELEASE_RULES = [("^model\\.", ""), ("^linear\\.", "fc.")]
@@ -112,8 +112,9 @@ def test_their_layout_is_ours_but_for_the_head(conv_bias):
     # 1 stem + 4 stages x 2 blocks x 2 convs + 3 projection shortcuts
     assert len(biases) == (1 + 16 + 3 if conv_bias else 0)
     expected = models.expected_state_shapes("resnet18", 100, conv_bias=conv_bias)
-    assert implied_key_map(_release_state(_their_network(0, 100, 64, conv_bias)),
-                           expected).rules == RELEASE_RULES
+    reading = implied_reading(_release_state(_their_network(0, 100, 64, conv_bias)),
+                              expected)
+    assert reading.key_map.rules == RELEASE_RULES and reading.options == {}
 
 
 def _import_by_cli(archive: Path, out: Path, *options: str) -> int:
@@ -174,33 +175,55 @@ def test_provenance_and_dry_run_record_the_renaming(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:.* input checkpoint.s. record no SHA-256")
-def test_conv_bias_variant_named_in_one_line_then_imported_with_the_option(tmp_path,
-                                                                          capsys):
+def test_conv_bias_variant_picks_the_option(tmp_path, capsys):
     """A ResNet-18 built with torch-uncertainty's ``conv_bias=True`` (its ``resnet``
-    default from February 2024 to May 2025) does not fit our default: the refusal is one
-    line that names the keys as read without ``model.`` and with the head renamed (not
-    ``model.conv1.bias``), exit 2, nothing written; ``conv_bias=true`` imports it."""
+    default from February 2024 to May 2025) fits our model built with ``conv_bias``:
+    the import picks that option (the dry run shows it, the collection records it) and
+    our network computes theirs. Told ``conv_bias=false``, the import refuses in one line
+    that names the keys as read without ``model.`` and with the head renamed (not
+    ``model.conv1.bias``), exit 2, nothing written."""
     network = _their_network(3, 10, 8, conv_bias=True)
+    state = _release_state(network)
     archive = tmp_path / "cifar10-resnet18-0-0.tgz"
-    _release_archive(archive, [_release_state(network)])
-    assert _import_by_cli(archive, tmp_path / "refused.h5", "--model-option",
-                          "width=8") == 2
+    _release_archive(archive, [state])
+    plan = plan_import([archive], model_options={"width": 8})
+    assert plan["attributes"]["model_options"] == {"conv_bias": True, "width": 8}
+    assert plan["key_map"]["rules"] == RELEASE_RULES
+    assert _import_by_cli(archive, tmp_path / "refused.h5", "--model-option", "width=8",
+                          "--model-option", "conv_bias=false") == 2
     error = capsys.readouterr().err.strip()
     assert "\n" not in error and "model.conv1" not in error
     assert "without the keys' prefix 'model.' read as torch-uncertainty's ResNet" in error
     assert "unexpected key 'conv1.bias' (and 19 more)" in error and "missing" not in error
     assert not (tmp_path / "refused.h5").exists()
-    assert _import_by_cli(archive, tmp_path / "z.h5", "--model-option", "width=8",
-                          "--model-option", "conv_bias=true") == 0
+    assert _import_by_cli(archive, tmp_path / "z.h5", "--model-option", "width=8") == 0
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with open_zoo(tmp_path / "z.h5") as zoo:
+        assert zoo.model_options == {"conv_bias": True, "width": 8}
         model = models.build("resnet18", 10, **zoo.model_options).eval()
         model.load_state_dict({key: value.float() if value.is_floating_point() else value
                                for key, value in zoo.state_dict(0).items()})
-    network.load_state_dict({key: value.float() if value.is_floating_point() else value
-                             for key, value in network.half().state_dict().items()})
+    network.load_state_dict({key[len("model."):]: value.float()
+                             if value.is_floating_point() else value
+                             for key, value in state.items()})
     with torch.no_grad():
-        assert torch.equal(model(x), network.float()(x))
+        assert torch.equal(model(x), network(x))
+
+
+def test_a_key_that_no_reading_fits_is_named_as_read(tmp_path, capsys):
+    """A release member short of its BatchNorm counters fits no reading: the one-line
+    refusal names them as the closest reading has them (``bn1.num_batches_tracked``, not
+    ``model.bn1...``, and no head key), exit 2."""
+    state = {key: value for key, value in _release_state(_their_network(4, 10, 8)).items()
+             if not key.endswith("num_batches_tracked")}
+    archive = tmp_path / "cifar10-resnet18-0-0.tgz"
+    _release_archive(archive, [state])
+    assert _import_by_cli(archive, tmp_path / "z.h5", "--model-option", "width=8") == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "'model.bn1" not in error
+    assert "missing key 'bn1.num_batches_tracked' (and 19 more)" in error
+    assert "unexpected" not in error and "fc." not in error and "linear" in error
+    assert not (tmp_path / "z.h5").exists()
 
 
 def test_implied_key_map_renames_only_an_exact_fit():
@@ -211,16 +234,25 @@ def test_implied_key_map_renames_only_an_exact_fit():
     keys as they are come closest."""
     expected = ["conv1.weight", "fc.weight", "fc.bias"]
     theirs = ["conv1.weight", "linear.weight", "linear.bias"]
-    assert implied_key_map(expected, expected) is None
-    assert implied_key_map(theirs, expected).rules == [("^linear\\.", "fc.")]
-    assert implied_key_map([f"module.{key}" for key in theirs], expected).rules == [
+    def rules(keys, keys_with=None):
+        reading = implied_reading(keys, expected, keys_with)
+        return None if reading is None else reading.key_map.rules
+
+    assert implied_reading(expected, expected) is None
+    assert rules(theirs) == [("^linear\\.", "fc.")]
+    assert rules([f"module.{key}" for key in theirs]) == [
         ("^module\\.", ""), ("^linear\\.", "fc.")]
-    assert implied_key_map([f"model.{key}" for key in expected], expected).rules == [
-        ("^model\\.", "")]
-    assert implied_key_map([*theirs, "linear.extra"], expected) is None
-    assert implied_key_map(theirs[:2], expected) is None
-    assert implied_key_map([*theirs, "fc.weight"], expected[:1] + ["fc.weight"]) is None
-    assert implied_key_map(["model.conv1.weight", "other.fc.weight"], expected) is None
+    assert rules([f"model.{key}" for key in expected]) == [("^model\\.", "")]
+    assert rules([*theirs, "linear.extra"]) is None
+    assert rules(theirs[:2]) is None
+    assert rules(["conv1.weight", "linear.weight", "fc.weight"]) is None   # two to fc.weight
+    assert rules(["model.conv1.weight", "other.fc.weight"]) is None
+    # a layout with options is read only where the model takes them, given keys_with
+    biased = [*theirs, "conv1.bias"]
+    assert rules(biased) is None and rules(biased, lambda options: []) is None
+    reading = implied_reading(biased, expected, lambda options: [*expected, "conv1.bias"]
+                              if options == {"conv_bias": True} else [])
+    assert reading.options == {"conv_bias": True} and "conv_bias=true" in reading.what
     assert closest_reading([f"model.{key}" for key in theirs[:2]], expected) == (
         "without the keys' prefix 'model.' read as "
         f"{FOREIGN_LAYOUTS[0].name}: missing key 'fc.bias'")

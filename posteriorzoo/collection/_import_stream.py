@@ -55,7 +55,7 @@ from posteriorzoo.zoo.import_checks import (
     read_inputs,
     row_for_input,
 )
-from posteriorzoo.zoo.keymap import KeyMap, closest_reading, implied_key_map
+from posteriorzoo.zoo.keymap import KeyMap, closest_reading, implied_reading
 from posteriorzoo.zoo.layout import MAX_APPEND_ROWS
 from posteriorzoo.zoo.lifecycle import create_zoo, normalise_template
 from posteriorzoo.zoo.schema import METADATA_DTYPE
@@ -162,13 +162,19 @@ class ImportStream:
     def _first(self, name: str, state: dict[str, torch.Tensor],
                header: Mapping[str, str]) -> None:
         """What the first checkpoint tells: the new collection's attributes and layout,
-        and whether the keys carry a wrapper's prefix."""
+        and how its keys are read (a wrapper's prefix, a known foreign layout)."""
         if self.tensor_layout is None:
             self.attributes = collection_attributes(self.files[0], header, **self.given)
+        # A new collection's model may take options a known layout implies (not given).
+        keys_with = None if self.tensor_layout is not None else lambda options: expected_keys(
+            {**self.attributes, "model_options": {**options, **self.attributes["model_options"]}})
         if self.wrapped:
             self.wrapped = False
             expected = self.tensor_layout or expected_keys(self.attributes)
-            self.key_map = implied_key_map(state, expected) or self.key_map
+            if reading := implied_reading(state, expected, keys_with):
+                self.key_map = reading.key_map
+                self.attributes["model_options"] = {**reading.options,
+                                                    **self.attributes["model_options"]}
         if self.tensor_layout is None:
             self.template = in_model_order(convert_floats(self.key_map.apply(state),
                                                           self.dtype), self.attributes)
@@ -182,7 +188,7 @@ class ImportStream:
                 # name the keys as the closest reading (prefix stripped, layout known) has them.
                 if " key " not in str(error):
                     raise ZooSchemaError(f"{name}: {error}") from None
-                closest = closest_reading(self.template, expected_keys(self.attributes))
+                closest = closest_reading(self.template, expected_keys(self.attributes), keys_with)
                 detail = f"state_dict does not fit model {self.attributes['architecture']!r} " \
                     f"{closest}" if closest else str(error)
                 raise ZooSchemaError(f"{name}: {detail}; a key map can rename keys") from None

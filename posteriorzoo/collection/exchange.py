@@ -56,7 +56,7 @@ from posteriorzoo.zoo.import_checks import (
     expected_keys,
     limits_for_architecture,
 )
-from posteriorzoo.zoo.keymap import KeyMap, implied_key_map
+from posteriorzoo.zoo.keymap import KeyMap, implied_reading
 from posteriorzoo.zoo.lifecycle import open_zoo
 from posteriorzoo.zoo.store import Zoo
 
@@ -397,7 +397,12 @@ def plan_import(files: Iterable[str | os.PathLike], *, architecture: str | None 
         attributes = None
     implied = None
     if key_map is None and attributes is not None and first_keys:
-        implied = implied_key_map(first_keys, expected_keys(attributes))
+        given = attributes["model_options"]
+        reading = implied_reading(first_keys, expected_keys(attributes), lambda options:
+                                  expected_keys({**attributes, "model_options": {**options,
+                                                                                 **given}}))
+        if reading is not None:
+            implied, attributes["model_options"] = reading.key_map, {**reading.options, **given}
     chosen = key_map or implied or KeyMap()
     return {"inputs": inputs, "attributes": attributes,
             "checkpoints": sum(len(entry["taken"]) for entry in inputs),

@@ -16,7 +16,7 @@ import os
 import re
 import re._parser as sre_parse
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -283,24 +283,48 @@ class KeyMap:
 
 @dataclass(frozen=True)
 class ForeignLayout:
-    """Another library's names for the tensors of one of our models: the rules that
-    rename its keys to ours (``(pattern, replacement)``, applied in order, as a
-    :class:`KeyMap`'s). Only a whole state that these rules turn into exactly our keys
-    is renamed (:func:`implied_key_map`), so a rule may be short."""
+    """Another library's layout of one of our models: the rules that rename its keys to
+    ours (``(pattern, replacement)``, applied in order, as a :class:`KeyMap`'s) and the
+    model options that give our network its architecture (e.g. convolution biases).
+    Only a whole state that the rules turn into exactly the keys of our model so built
+    is read this way (:func:`implied_reading`), so a rule may be short."""
 
     name: str
     rules: tuple[tuple[str, str], ...]
+    options: tuple[tuple[str, Any], ...] = ()
 
+
+_TORCH_UNCERTAINTY_HEAD = ((r"^linear\.", "fc."),)
 
 #: The foreign layouts an import recognises with no key map. torch-uncertainty's
 #: ResNets (``torch_uncertainty/models/classification/resnet/std.py``, whose networks
 #: the authors' release saves) name everything as ours (``conv1``, ``bn1``,
 #: ``layer{i}.{j}.{conv,bn}{1,2}``, the projection ``shortcut.{0,1}``) but for the head,
-#: ``linear``, which our ``resnet18`` and ``resnet18-tiny`` call ``fc``.
+#: ``linear``, which our ``resnet18`` and ``resnet18-tiny`` call ``fc``; built with
+#: ``conv_bias=True`` (its ``resnet`` default from February 2024 to May 2025; its ResNet
+#: baseline passed False) every convolution has a bias, our option ``conv_bias``.
 FOREIGN_LAYOUTS: tuple[ForeignLayout, ...] = (
     ForeignLayout("torch-uncertainty's ResNet (head 'linear', ours 'fc')",
-                  ((r"^linear\.", "fc."),)),
+                  _TORCH_UNCERTAINTY_HEAD),
+    ForeignLayout("torch-uncertainty's ResNet with convolution biases (conv_bias=true)",
+                  _TORCH_UNCERTAINTY_HEAD, (("conv_bias", True),)),
 )
+
+#: ``keys_with(options)``: the model's keys when built with these options as well as the
+#: ones given (empty when the model takes no such option).
+KeysWith = Callable[[Mapping[str, Any]], Iterable[str]]
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How an import reads a checkpoint's keys when no key map is given: ``key_map``
+    (a wrapper's prefix stripped, a known layout's names renamed: recorded in the
+    provenance like a given key map) and the model ``options`` it implies (recorded in
+    the collection's attributes); ``what`` says it in words."""
+
+    key_map: KeyMap
+    options: dict[str, Any]
+    what: str
 
 
 def _wrapper_prefix(keys: list[str]) -> str | None:
@@ -313,20 +337,28 @@ def _wrapper_prefix(keys: list[str]) -> str | None:
     return prefixes.pop()
 
 
-def _readings(keys: list[str]) -> Iterator[tuple[str, list[tuple[str, str]]]]:
-    """Each way of reading ``keys`` this module knows, as (what it does, its rules):
-    the keys as they are, without their wrapper's prefix, and each as a
-    :data:`FOREIGN_LAYOUTS` layout; the plain reading first."""
+def _readings(keys: list[str], expected: list[str], keys_with: KeysWith | None
+              ) -> Iterator[tuple[str, list[tuple[str, str]], dict[str, Any], list[str]]]:
+    """Each way of reading ``keys`` this module knows, as (what it does, its rules, the
+    model options it implies, the keys expected then): the keys as they are, without
+    their wrapper's prefix, and each as a :data:`FOREIGN_LAYOUTS` layout (those with
+    options only given ``keys_with``, and where the model takes them); the plain reading
+    first."""
     prefix = _wrapper_prefix(keys)
-    strips = [("", [])]
+    strips: list[tuple[str, list[tuple[str, str]]]] = [("", [])]
     if prefix is not None:
         strips.append((f"without the keys' prefix '{prefix}.'",
                        [(f"^{re.escape(prefix)}\\.", "")]))
     for strip, strip_rules in strips:
-        yield strip, strip_rules
+        yield strip, strip_rules, {}, expected
         for layout in FOREIGN_LAYOUTS:
-            what = f"{strip} read as {layout.name}".strip()
-            yield what, strip_rules + list(layout.rules)
+            if layout.options and keys_with is None:
+                continue
+            options = dict(layout.options)
+            wanted = list(keys_with(options)) if keys_with and options else expected
+            if wanted:   # else the model takes no such option
+                what = f"{strip} read as {layout.name}".strip()
+                yield what, strip_rules + list(layout.rules), options, wanted
 
 
 def _renamed(keys: list[str], rules: list[tuple[str, str]]) -> list[str]:
@@ -340,39 +372,41 @@ def _renamed(keys: list[str], rules: list[tuple[str, str]]) -> list[str]:
     return renamed
 
 
-def implied_key_map(keys: Iterable[str], expected: Iterable[str]) -> KeyMap | None:
-    """The key map an import applies when none is given: the one that makes ``keys``
-    exactly the model's ``expected`` keys by stripping a wrapper's prefix (every key
+def implied_reading(keys: Iterable[str], expected: Iterable[str],
+                    keys_with: KeysWith | None = None) -> Reading | None:
+    """How an import reads ``keys`` when no key map is given: the reading that makes
+    them exactly the model's ``expected`` keys by stripping a wrapper's prefix (every key
     starts with one ``PREFIX.``), by renaming a known foreign layout's keys
-    (:data:`FOREIGN_LAYOUTS`), or both. None when the keys fit already or no such
-    reading fits exactly (then the model's check names what differs, and
-    :func:`closest_reading` what is closest). Its rules are recorded in the import's
-    provenance like a given key map's."""
-    keys, expected_keys = list(keys), set(expected)
-    if not keys or set(keys) == expected_keys:
+    (:data:`FOREIGN_LAYOUTS`), or both; a layout that implies model options is tried
+    against ``keys_with(options)`` (not given: the options are fixed, as when appending
+    to a collection). None when the keys fit as they are, or no reading fits exactly
+    (then the model's check names what differs, and :func:`closest_reading` what is
+    closest)."""
+    keys, expected = list(keys), list(expected)
+    if not keys or set(keys) == set(expected):
         return None
-    for _, rules in _readings(keys):
+    for what, rules, options, wanted in _readings(keys, expected, keys_with):
         renamed = _renamed(keys, rules)
-        if rules and len(set(renamed)) == len(keys) and set(renamed) == expected_keys:
-            return KeyMap(rules=rules)
+        if rules and len(set(renamed)) == len(keys) and set(renamed) == set(wanted):
+            return Reading(KeyMap(rules=rules), options, what)
     return None
 
 
-def closest_reading(keys: Iterable[str], expected: Iterable[str]) -> str | None:
+def closest_reading(keys: Iterable[str], expected: Iterable[str],
+                    keys_with: KeysWith | None = None) -> str | None:
     """When ``keys`` do not fit ``expected`` however they are read, the reading that
     comes closest, in one line: what it does (strip the wrapper's prefix, rename a known
     layout) and the keys, so read, that are still missing or unexpected, e.g.
     ``without the keys' prefix 'model.' read as torch-uncertainty's ResNet (...):
-    unexpected key 'conv1.bias' (and 20 more)``. None when the keys as they are come
-    closest (the plain missing/unexpected message says it best)."""
-    keys, expected_keys = list(keys), list(expected)
-    expected_set = set(expected_keys)
+    missing key 'bn1.num_batches_tracked' (and 19 more)``. None when the keys as they
+    are come closest (the plain missing/unexpected message says it best)."""
+    keys = list(keys)
     best: tuple[int, str, list[str], list[str]] | None = None
-    for what, rules in _readings(keys):
+    for what, rules, _, wanted in _readings(keys, list(expected), keys_with):
         renamed = _renamed(keys, rules)
-        renamed_set = set(renamed)
-        missing = [key for key in expected_keys if key not in renamed_set]
-        unexpected = [key for key in renamed if key not in expected_set]
+        renamed_set, wanted_set = set(renamed), set(wanted)
+        missing = [key for key in wanted if key not in renamed_set]
+        unexpected = [key for key in renamed if key not in wanted_set]
         if best is None or len(missing) + len(unexpected) < best[0]:
             best = (len(missing) + len(unexpected), what, missing, unexpected)
     if best is None or not best[1]:
