@@ -28,6 +28,7 @@ from safetensors.torch import save as save_safetensors_bytes
 from posteriorzoo import models
 from posteriorzoo.cli import main
 from posteriorzoo.collection import import_checkpoints, plan_import
+from posteriorzoo.errors import ZooSchemaError
 from posteriorzoo.zoo import open_zoo
 from posteriorzoo.zoo.keymap import FOREIGN_LAYOUTS, closest_reading, implied_reading
 
@@ -224,6 +225,37 @@ def test_a_key_that_no_reading_fits_is_named_as_read(tmp_path, capsys):
     assert "missing key 'bn1.num_batches_tracked' (and 19 more)" in error
     assert "unexpected" not in error and "fc." not in error and "linear" in error
     assert not (tmp_path / "z.h5").exists()
+
+
+@pytest.mark.filterwarnings("ignore:.* input checkpoint.s. record no SHA-256")
+def test_counters_saved_in_float16_are_stored_as_integers(tmp_path):
+    """torch-uncertainty's Hub script (``scripts/to_hub_format.py``) casts every tensor to
+    float16, BatchNorm's ``num_batches_tracked`` too: such a member imports with one
+    warning, each counter stored as the model's int64 with the value saved (39200 steps:
+    a multiple of 32, float16's spacing there, so exact); a counter that is not a whole
+    number is refused, nothing written."""
+    network = _their_network(5, 10, 8)
+    state = {f"model.{key}": value.half() for key, value in network.state_dict().items()}
+    state["model.layer1.0.bn1.num_batches_tracked"] = torch.tensor(39200.0).half()
+    archive = tmp_path / "cifar10-resnet18-0-0.tgz"
+    _release_archive(archive, [state])
+    with pytest.warns(UserWarning, match=r"20 integer tensor\(s\) \('bn1.num_batches_tracked"
+                      r"'...\) arrive in floating point"):
+        import_checkpoints(tmp_path / "z.h5", [archive], model_options={"width": 8})
+    with open_zoo(tmp_path / "z.h5") as zoo:
+        stored = zoo.state_dict(0)
+    counters = {key: value for key, value in stored.items() if "num_batches" in key}
+    assert len(counters) == 20 and all(value.dtype == torch.int64 for value in counters.values())
+    assert int(counters["bn1.num_batches_tracked"]) == 105
+    assert int(counters["layer1.0.bn1.num_batches_tracked"]) == 39200
+    assert torch.equal(stored["fc.weight"], state["model.linear.weight"])
+    state["model.bn1.num_batches_tracked"] = torch.tensor(1.5).half()
+    _release_archive(archive, [state])
+    with pytest.warns(UserWarning, match="arrive in floating point"), pytest.raises(
+            ZooSchemaError, match=r"'bn1.num_batches_tracked' holds float16 values that are "
+            r"not whole numbers, where the model has int64"):
+        import_checkpoints(tmp_path / "refused.h5", [archive], model_options={"width": 8})
+    assert not (tmp_path / "refused.h5").exists()
 
 
 def test_implied_key_map_renames_only_an_exact_fit():

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from posteriorzoo._pipeline import read_ahead
-from posteriorzoo.dtypes import as_numpy
+from posteriorzoo.dtypes import as_numpy, torch_dtype
 from posteriorzoo.errors import ChecksumError, PosteriorZooError, ZooFormatError, ZooSchemaError
 from posteriorzoo.zoo.architecture import check_architecture
 from posteriorzoo.zoo.archives import member_mode_guess, member_modes, numbering_start
@@ -55,7 +55,7 @@ from posteriorzoo.zoo.import_checks import (
     read_inputs,
     row_for_input,
 )
-from posteriorzoo.zoo.keymap import KeyMap, closest_reading, implied_reading
+from posteriorzoo.zoo.keymap import KeyMap, closest_reading, implied_reading, restore_integers
 from posteriorzoo.zoo.layout import MAX_APPEND_ROWS
 from posteriorzoo.zoo.lifecycle import create_zoo, normalise_template
 from posteriorzoo.zoo.schema import METADATA_DTYPE
@@ -141,6 +141,8 @@ class ImportStream:
         self.sources: list[str] = []
         #: The SHA-256 of each archive, taken from its one read (for the provenance).
         self.file_digests: dict[Path, str] = {}
+        #: The model's integer tensors, which an input may bring as floats.
+        self.integers: dict[str, torch.dtype] = {}
 
     # ------------------------------------------------------------------ reading
     def _review(self, name: str, header: Mapping[str, str], limits: ReadLimits
@@ -175,9 +177,16 @@ class ImportStream:
                 self.key_map = reading.key_map
                 self.attributes["model_options"] = {**reading.options,
                                                     **self.attributes["model_options"]}
+        self.integers, mapped = self._integers(), self.key_map.apply(state)
+        floated = [key for key in self.integers if key in mapped and
+                   mapped[key].is_floating_point()]
+        if floated:
+            warnings.warn(f"{name}: {len(floated)} integer tensor(s) ({floated[0]!r}...) "
+                          "arrive in floating point: stored as the model's integers",
+                          stacklevel=2)
         if self.tensor_layout is None:
-            self.template = in_model_order(convert_floats(self.key_map.apply(state),
-                                                          self.dtype), self.attributes)
+            self.template = in_model_order(convert_floats(restore_integers(
+                mapped, self.integers, name), self.dtype), self.attributes)
             self.tensor_layout = normalise_template(self.template)
             try:
                 check_architecture(self.attributes["architecture"], self.tensor_layout,
@@ -194,6 +203,22 @@ class ImportStream:
                 raise ZooSchemaError(f"{name}: {detail}; a key map can rename keys") from None
             self.bounds = self.bounds.for_shapes(self.tensor_layout)
 
+    def _integers(self) -> dict[str, torch.dtype]:
+        """The model's integer tensors (BatchNorm's counters) and their dtypes, which an
+        input may bring as floats (:func:`~posteriorzoo.zoo.keymap.restore_integers`)."""
+        if self.tensor_layout is not None:
+            return {key: torch_dtype(dtype) for key, (_, dtype) in self.tensor_layout.items()
+                    if np.dtype(dtype).kind in "iu"}
+        from posteriorzoo import models
+
+        try:
+            shapes = models.expected_state_shapes(self.attributes["architecture"],
+                                                  self.attributes["num_classes"],
+                                                  **self.attributes["model_options"])
+        except PosteriorZooError:   # the architecture's own check names the problem
+            return {}
+        return {key: dtype for key, (_, dtype) in shapes.items() if not dtype.is_floating_point}
+
     def _new_collection(self) -> Zoo:
         """The new collection, under its temporary name until it is published."""
         assert self.template is not None
@@ -209,7 +234,8 @@ class ImportStream:
         assert self.tensor_layout is not None and self.target is not None
         if self.verify and not check_recorded_digest(state, header, name) and count_unchecked:
             self.unchecked.append(name)
-        state = convert_floats(self.key_map.apply(state), self.dtype)
+        state = convert_floats(restore_integers(self.key_map.apply(state), self.integers, name),
+                               self.dtype)
         row = row_for_input(header, name, self.attributes["method"])
         check_against_layout(self.tensor_layout, state, name,
                              diverged=bool(row.get("diverged", False)))

@@ -416,3 +416,32 @@ def closest_reading(keys: Iterable[str], expected: Iterable[str],
                                            if len(names) > 1 else "")
              for kind, names in (("missing", missing), ("unexpected", unexpected)) if names]
     return f"{what}: {'; '.join(parts) or 'keys repeat'}"
+
+
+def restore_integers(state: Mapping[str, torch.Tensor], integers: Mapping[str, torch.dtype],
+                     name: str) -> dict[str, torch.Tensor]:
+    """``state`` with each tensor the model holds as an integer (``integers``: key ->
+    dtype) that arrived in floating point cast back to it, when its values are whole
+    numbers that dtype holds; other values raise :class:`ZooSchemaError`.
+
+    Why: torch-uncertainty's script that prepares checkpoints for the Hub casts a whole
+    state to float16, BatchNorm's ``num_batches_tracked`` counters too. float16 holds
+    whole numbers exactly up to 2048 and rounds larger counts, which no prediction reads
+    (they matter only to a BatchNorm without momentum in training); the rounded count is
+    what is kept.
+    """
+    restored = dict(state)
+    for key, dtype in integers.items():
+        value = state.get(key)
+        if value is None or not value.is_floating_point():
+            continue
+        wide = value.double()
+        info = torch.iinfo(dtype)
+        whole = torch.isfinite(wide) & (wide == wide.round()) & (wide >= info.min) & (
+            wide < info.max + 1.0)
+        if not bool(whole.all()):
+            raise ZooSchemaError(f"{name}: {key!r} holds {str(value.dtype)[6:]} values that "
+                                 f"are not whole numbers, where the model has "
+                                 f"{str(dtype)[6:]} (a counter)")
+        restored[key] = wide.to(dtype)
+    return restored
