@@ -166,13 +166,22 @@ def test_release_folder_imports_with_no_key_map(tmp_path, task, architecture,
 @pytest.mark.filterwarnings("ignore:.* input checkpoint.s. record no SHA-256")
 def test_provenance_and_dry_run_record_the_renaming(tmp_path):
     """The implied key map (prefix and head) is what ``--dry-run`` lists and what the
-    import's provenance records, as a given key map would be."""
+    import's provenance records, as a given key map would be; keys without the prefix
+    (appended to the collection) have only the head renamed."""
     archive = tmp_path / "cifar10-resnet18-0-0.tgz"
     _release_archive(archive, [_release_state(_their_network(0, 10, 8))])
     plan = plan_import([archive], model_options={"width": 8})
     assert plan["key_map"]["rules"] == RELEASE_RULES and plan["key_map"]["implied"]
     result = import_checkpoints(tmp_path / "z.h5", [archive], model_options={"width": 8})
     assert result.provenance["options"]["key_map"]["rules"] == RELEASE_RULES
+    # torch-uncertainty's own Hub script strips "model."; the head is still renamed
+    bare = tmp_path / "cifar10-resnet18-1-1.tgz"
+    _release_archive(bare, [{key[len("model."):]: value for key, value in
+                             _release_state(_their_network(1, 10, 8)).items()}])
+    result = import_checkpoints(tmp_path / "z.h5", [bare])
+    assert result.provenance["options"]["key_map"]["rules"] == RELEASE_RULES[1:]
+    with open_zoo(tmp_path / "z.h5") as zoo:
+        assert len(zoo) == 2
 
 
 @pytest.mark.filterwarnings("ignore:.* input checkpoint.s. record no SHA-256")
@@ -256,6 +265,23 @@ def test_counters_saved_in_float16_are_stored_as_integers(tmp_path):
             r"not whole numbers, where the model has int64"):
         import_checkpoints(tmp_path / "refused.h5", [archive], model_options={"width": 8})
     assert not (tmp_path / "refused.h5").exists()
+
+
+def test_an_imagenet_stem_is_refused_in_one_line(tmp_path, capsys):
+    """Were a TinyImageNet member built with torch-uncertainty's ``style="imagenet"``
+    (7x7 stride-2 stem and max-pool; our ``resnet18-tiny`` assumes its recipe's
+    ``style="cifar"``), the keys fit but the stem's shape does not: one line naming
+    ``conv1.weight`` and both shapes, exit 2, nothing written."""
+    torch.manual_seed(0)
+    network = _oracle_resnet()(in_channels=3, num_classes=200, arch=18,
+                               width_multiplier=8 / 64, style="imagenet")
+    archive = tmp_path / "tiny-imagenet-resnet18-0-0.tgz"
+    _release_archive(archive, [_release_state(network)])
+    assert _import_by_cli(archive, tmp_path / "z.h5", "--model-option", "width=8") == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "'conv1.weight' has shape (8, 3, 7, 7), expected " \
+        "(8, 3, 3, 3)" in error
+    assert not (tmp_path / "z.h5").exists()
 
 
 def test_implied_key_map_renames_only_an_exact_fit():

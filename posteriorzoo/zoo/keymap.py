@@ -1,4 +1,8 @@
-"""Renaming foreign state keys (:class:`KeyMap`), with a guard against slow patterns.
+"""Reading foreign checkpoints: renaming their keys (:class:`KeyMap`), with a guard
+against slow patterns; the readings an import applies when no key map is given (a
+wrapper's prefix stripped, a known foreign layout renamed and the model options it
+implies: :func:`implied_reading`, :data:`FOREIGN_LAYOUTS`); and integer counters saved
+as floats (:func:`restore_integers`).
 
 A key map's regex rules run on keys read from hostile files, so a pattern that could
 backtrack catastrophically is refused when the key map is built, not found out when an
