@@ -8,7 +8,8 @@ order shuffled (``--seed``). Timed, per checkpoint:
 
 * **limit**: read the archive, gunzip it and write its bytes to a file (what no import can
   beat: the archive read once at disk speed);
-* **import**: ``import_checkpoints`` into a new collection (rows must land in mode order);
+* **import**: ``import_checkpoints`` into a new collection (rows must land in mode order),
+  and the peak memory of the process that ran it;
 * **open (first)**: ``describe`` (``info``) of the new collection, which checks every
   checkpoint's digests and records that it did; **open (again)**: the same a second time,
   which checks the record (see README, "Verification");
@@ -59,6 +60,8 @@ times = {}
 start = time.perf_counter()
 import_checkpoints(out, [archive], model_options=None if width == 64 else {"width": width})
 times["import_s"] = time.perf_counter() - start
+import resource
+times["import_peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 try:
     from posteriorzoo.zoo import reorder_collection
     from posteriorzoo.zoo.reorder import collection_row_order
@@ -175,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {label}: import {times['import_s'] / n:.3f} + reorder "
               f"{times['reorder_s'] / n:.3f} = {total / n:.3f} s/ckpt "
               f"({total / record['limit_s']:.1f}x the limit); open first "
-              f"{times['open_first_s'] / n:.3f}, again {times['open_again_s'] / n:.4f} s/ckpt")
+              f"{times['open_first_s'] / n:.3f}, again {times['open_again_s'] / n:.4f} s/ckpt; "
+              f"peak memory of the import {times['import_peak_mb']:.0f} MB")
     if args.json is not None:
         args.json.write_text(json.dumps(record, indent=2))
     return 0
