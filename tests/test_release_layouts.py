@@ -23,12 +23,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from rounding_bounds import deep_rtol
 from safetensors.torch import save as save_safetensors_bytes
 
 from posteriorzoo import models
 from posteriorzoo.cli import main
 from posteriorzoo.collection import import_checkpoints, plan_import
 from posteriorzoo.errors import ZooSchemaError
+from posteriorzoo.symmetry import canonicalize, symmetry_structure
 from posteriorzoo.zoo import open_zoo
 from posteriorzoo.zoo.keymap import FOREIGN_LAYOUTS, closest_reading, implied_reading
 
@@ -282,6 +284,30 @@ def test_an_imagenet_stem_is_refused_in_one_line(tmp_path, capsys):
     assert "\n" not in error and "'conv1.weight' has shape (8, 3, 7, 7), expected " \
         "(8, 3, 3, 3)" in error
     assert not (tmp_path / "z.h5").exists()
+
+
+def test_canonicalization_keeps_the_conv_bias_variant_function():
+    """Our ``resnet18`` with ``conv_bias`` is canonicalized like the plain one: the
+    structure sees each bias with its channel (no gaps), the canonical weights differ
+    (biases included) and the logits stay the same up to the softmax's shift: within
+    ``2 deep_rtol`` of their scale (two float32 passes of the same depth, each within
+    ``deep_rtol`` of the exact function)."""
+    network = _their_network(6, 10, 8, conv_bias=True)
+    state = {_ours(key): value for key, value in network.state_dict().items()}
+    options = {"num_classes": 10, "width": 8, "conv_bias": True}
+    assert symmetry_structure("resnet18", state, **options).gaps == []
+    canonical = canonicalize("resnet18", state, **options)
+    assert not torch.equal(canonical["layer1.0.conv1.bias"], state["layer1.0.conv1.bias"])
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    model = models.build("resnet18", **options).eval()
+    with torch.no_grad():
+        model.load_state_dict(state)
+        before = model(x)
+        model.load_state_dict(canonical)
+        after = model(x)
+    before, after = (logits - logits.mean(1, keepdim=True) for logits in (before, after))
+    scale = float(before.abs().max())
+    assert float((after - before).abs().max()) <= 2 * deep_rtol(model, x) * scale
 
 
 def test_implied_key_map_renames_only_an_exact_fit():
