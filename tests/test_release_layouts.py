@@ -166,7 +166,7 @@ def test_release_folder_imports_with_no_key_map(tmp_path, task, architecture,
 
 
 @pytest.mark.filterwarnings("ignore:.* input checkpoint.s. record no SHA-256")
-def test_provenance_and_dry_run_record_the_renaming(tmp_path):
+def test_provenance_and_dry_run_record_the_renaming(tmp_path, capsys):
     """The implied key map (prefix and head) is what ``--dry-run`` lists and what the
     import's provenance records, as a given key map would be; keys without the prefix
     (appended to the collection) have only the head renamed."""
@@ -174,6 +174,12 @@ def test_provenance_and_dry_run_record_the_renaming(tmp_path):
     _release_archive(archive, [_release_state(_their_network(0, 10, 8))])
     plan = plan_import([archive], model_options={"width": 8})
     assert plan["key_map"]["rules"] == RELEASE_RULES and plan["key_map"]["implied"]
+    assert plan["key_map"]["reading"].startswith(
+        "without the keys' prefix 'model.' read as torch-uncertainty's ResNet")
+    assert _import_by_cli(archive, tmp_path / "z.h5", "--dry-run", "--model-option",
+                          "width=8") == 0
+    assert "(implied: without the keys' prefix 'model.' read as torch-uncertainty's " \
+        "ResNet" in capsys.readouterr().out
     result = import_checkpoints(tmp_path / "z.h5", [archive], model_options={"width": 8})
     assert result.provenance["options"]["key_map"]["rules"] == RELEASE_RULES
     # torch-uncertainty's own Hub script strips "model."; the head is still renamed

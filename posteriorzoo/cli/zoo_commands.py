@@ -146,7 +146,7 @@ def _dry_run_import(args: argparse.Namespace) -> int:
     if args.zoo.exists():
         told = "appended: the existing collection's attributes apply"
     rules = plan["key_map"]["rules"]
-    keys = (f"key map rules {rules}" + (" (a wrapper's prefix, implied)"
+    keys = (f"key map rules {rules}" + (f" (implied: {plan['key_map']['reading']})"
                                          if plan["key_map"]["implied"] else "")
             if rules else "keys as they are")
     print(f"{plan['checkpoints']} checkpoint(s) would be imported into {args.zoo} "

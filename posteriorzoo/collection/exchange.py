@@ -363,7 +363,8 @@ def plan_import(files: Iterable[str | os.PathLike], *, architecture: str | None 
     input's safetensors files or archive members taken (with the mode a member's name
     numbers, where the archive's numbering tells one) and the members skipped, the
     collection's attributes as the options and the archive's name give them, and the key
-    map (a wrapper's prefix the keys would lose). JSON-able."""
+    map (a wrapper's prefix the keys would lose, a known layout's names they would
+    take, in words under ``reading``, and the model options that implies). JSON-able."""
     files = [Path(file) for file in files]
     if not files:
         raise ZooFormatError("no input files given")
@@ -395,7 +396,7 @@ def plan_import(files: Iterable[str | os.PathLike], *, architecture: str | None 
             files[0], {}, architecture, dataset, method, num_classes, model_options)
     except PosteriorZooError:   # an exported checkpoint's header tells them at import
         attributes = None
-    implied = None
+    implied, reading = None, None
     if key_map is None and attributes is not None and first_keys:
         given = attributes["model_options"]
         reading = implied_reading(first_keys, expected_keys(attributes), lambda options:
@@ -407,7 +408,8 @@ def plan_import(files: Iterable[str | os.PathLike], *, architecture: str | None 
     return {"inputs": inputs, "attributes": attributes,
             "checkpoints": sum(len(entry["taken"]) for entry in inputs),
             "key_map": {"rename": chosen.rename, "rules": chosen.rules, "drop": chosen.drop,
-                        "implied": implied is not None},
+                        "implied": implied is not None,
+                        "reading": None if reading is None else reading.what},
             "written": False}
 
 
