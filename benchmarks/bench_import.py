@@ -86,6 +86,34 @@ print(json.dumps(times))
 """
 
 
+#: A collection of ``rows`` rows (the imported ones repeated, modes 0..rows-1), and the
+#: time of ``describe`` (``info``) in a fresh process: what opening it costs.
+OPEN_SCRIPT = """
+import json, sys, time, warnings
+warnings.simplefilter("ignore")
+from pathlib import Path
+source, big, rows, build = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+if build == "build":
+    from posteriorzoo.zoo import create_zoo, open_zoo
+    with open_zoo(source) as zoo:
+        states = [zoo.state_dict(i) for i in range(len(zoo))]
+        attributes = dict(architecture=zoo.architecture, dataset=zoo.dataset,
+                          method=zoo.method, num_classes=zoo.num_classes,
+                          model_options=zoo.model_options)
+    with create_zoo(big, template=states[0], **attributes) as zoo:
+        for start in range(0, rows, 10):
+            chosen = range(start, min(rows, start + 10))
+            zoo.append_many([states[i % len(states)] for i in chosen],
+                            [{"mode_id": i, "sample_id": 0} for i in chosen])
+    time.sleep(2.1)  # a file changed just before its check is not noted as verified
+    sys.exit(0)
+from posteriorzoo.collection import describe
+start = time.perf_counter()
+describe(big)
+print(json.dumps(time.perf_counter() - start))
+"""
+
+
 def build_archive(path: Path, count: int, seed: int, width: int, first: int = 0) -> int:
     """The release-shaped archive of members ``first .. first + count - 1``; returns the
     bytes of its members."""
@@ -120,8 +148,9 @@ def limit_seconds(archive: Path, out: Path) -> float:
 
 
 def timed_import(archive: Path, out: Path, width: int, tree: Path | None) -> dict[str, Any]:
-    """The import script's times, run here (``tree`` None) or on another source tree."""
-    environment = {**os.environ}
+    """The import script's times, run here (``tree`` None) or on another source tree; the
+    notes of verified files go to a folder beside ``out`` (not the user's cache)."""
+    environment = {**os.environ, "POSTERIORZOO_CACHE": str(out.with_suffix(".cache"))}
     if tree is not None:
         environment["PYTHONPATH"] = str(tree)
     os.sync()
@@ -132,6 +161,26 @@ def timed_import(archive: Path, out: Path, width: int, tree: Path | None) -> dic
     if done.returncode != 0:
         raise SystemExit(f"import failed ({tree or 'this tree'}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def timed_opens(source: Path, big: Path, rows: int, trees: dict[str, Path | None],
+                cache: Path) -> dict[str, list[float]]:
+    """``info`` of a ``rows``-row collection in fresh processes: with each tree, twice
+    (the first open checks every checkpoint; on a version that notes a verified file, the
+    second finds the note), the notes kept in ``cache``."""
+    def run(tree: Path | None, build: str) -> float:
+        environment = {**os.environ, "POSTERIORZOO_CACHE": str(cache)}
+        if tree is not None:
+            environment["PYTHONPATH"] = str(tree)
+        done = subprocess.run([sys.executable, "-c", OPEN_SCRIPT, str(source), str(big),
+                               str(rows), build], capture_output=True, text=True,
+                              env=environment, check=False, cwd=tree)
+        if done.returncode != 0:
+            raise SystemExit(f"open failed ({tree or 'this tree'}):\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1]) if build == "time" else 0.0
+
+    run(trees["this tree"], "build")
+    return {label: [run(tree, "time"), run(tree, "time")] for label, tree in trees.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,13 +194,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="a source tree (holding posteriorzoo/) of the version to compare")
     parser.add_argument("--tree", type=Path, default=None,
                         help="the source tree to time (default: the installed posteriorzoo)")
+    parser.add_argument("--open-rows", type=int, default=0,
+                        help="also time info of a collection of this many rows (the "
+                             "imported ones repeated), twice per tree (default: none)")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 4 members of a width-8 ResNet-18")
+                        help="smoke run: 4 members of a width-8 ResNet-18, 12 rows opened")
     parser.add_argument("--workdir", type=Path, default=None, help="for temporary files")
     parser.add_argument("--json", type=Path, default=None, help="also write every number")
     args = parser.parse_args(argv)
     if args.quick:
-        args.checkpoints, args.width = 4, 8
+        args.checkpoints, args.width, args.open_rows = 4, 8, 12
     record: dict[str, Any] = {"checkpoints": args.checkpoints, "width": args.width,
                               "seed": args.seed}
     with tempfile.TemporaryDirectory(dir=args.workdir) as folder:
@@ -165,6 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline_tree is not None:
             runs["baseline"] = timed_import(archive, work / "old.h5", args.width,
                                            args.baseline_tree)
+        if args.open_rows:
+            trees = {"this tree": args.tree}
+            if args.baseline_tree is not None:
+                trees["baseline"] = args.baseline_tree
+            record["open_rows"] = args.open_rows
+            record["open_s"] = timed_opens(work / "new.h5", work / "big.h5", args.open_rows,
+                                           trees, work / "cache")
     n = args.checkpoints
     expected = list(range(n))
     print(f"{n} members, {record['member_bytes'] / n / 1e6:.1f} MB each, archive "
@@ -180,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({total / record['limit_s']:.1f}x the limit); open first "
               f"{times['open_first_s'] / n:.3f}, again {times['open_again_s'] / n:.4f} s/ckpt; "
               f"peak memory of the import {times['import_peak_mb']:.0f} MB")
+    for label, (first, again) in record.get("open_s", {}).items():
+        print(f"  {label}: info of {args.open_rows} rows {first:.2f} s, again {again:.2f} s")
     if args.json is not None:
         args.json.write_text(json.dumps(record, indent=2))
     return 0

@@ -145,3 +145,14 @@ def test_an_append_after_a_note_is_checked_again(tmp_path, cache, hashed):
     hashed.clear()
     open_and_read(path)
     assert hashed and hashed[-1][1] == 7
+
+
+def test_the_oldest_notes_go_beyond_the_limit(tmp_path, cache, monkeypatch):
+    monkeypatch.setattr(verified, "MAX_NOTES", 2)
+    paths = [collection(tmp_path / f"z{i}.h5", count=1) for i in range(3)]
+    for path in paths:
+        open_and_read(path)
+        time.sleep(0.01)
+    assert len(list((cache / "verified").iterdir())) == 2
+    first = verified._note_path(paths[0])
+    assert not first.exists() and verified._note_path(paths[2]).exists()

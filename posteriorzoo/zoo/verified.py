@@ -45,6 +45,8 @@ import numpy as np
 RECORDS_VARIABLE = "POSTERIORZOO_VERIFY_RECORDS"
 #: A file changed less than this long before its check started is not noted.
 RACY_SECONDS = 2.0
+#: Notes kept; writing one more removes the oldest (each is about 400 bytes).
+MAX_NOTES = 2000
 _VERSION = 1
 _FIELDS = ("st_dev", "st_ino", "st_size", "st_mtime_ns", "st_ctime_ns")
 
@@ -130,7 +132,19 @@ def remember(path: Path, seen: tuple[dict[str, int] | None, int], rows: int,
         with contextlib.suppress(OSError):
             partial.unlink()
         return False
+    _evict(target.parent)
     return True
+
+
+def _evict(folder: Path) -> None:
+    """Keep the newest :data:`MAX_NOTES` notes (another process may remove some meanwhile)."""
+    notes = []
+    for note in folder.glob("*.json"):
+        with contextlib.suppress(OSError):
+            notes.append((note.stat().st_mtime_ns, note))
+    for _, note in sorted(notes)[:max(0, len(notes) - MAX_NOTES)]:
+        with contextlib.suppress(OSError):
+            note.unlink()
 
 
 def forget(path: Path) -> None:
