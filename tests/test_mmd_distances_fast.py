@@ -31,6 +31,7 @@ from posteriorzoo.errors import (
 )
 from posteriorzoo.mmd import (
     SharedTargetDistances,
+    compare_arrays,
     cross_distances,
     kernel_mmds,
     pooled_distances,
@@ -284,6 +285,16 @@ def _cuda() -> bool:
 
 
 # ---------------------------------------------------------------------------- bad input
+def test_compare_arrays_takes_the_precision_and_records_it():
+    X, Y = sample(6, 22), sample(4, 23)
+    fast_run = compare_arrays({"w": X}, {"m": {"w": Y}}, precision="fast")
+    exact_run = compare_arrays({"w": X}, {"m": {"w": Y}})
+    assert fast_run.options["precision"] == "fast" and exact_run.options["precision"] == "exact"
+    assert fast_run.options["device"] == "cpu"
+    with pytest.raises(InvalidOptionError, match="precision"):
+        compare_arrays({"w": X}, {"m": {"w": Y}}, precision="half")
+
+
 def test_bad_options_and_inputs_are_refused():
     X = sample(4, 18)
     with pytest.raises(InvalidOptionError, match="precision"):

@@ -1,9 +1,12 @@
 """Pairwise L1 and squared-L2 distances near the arithmetic limit: float32 GEMM and SIMD.
 
 The exact kernels of :mod:`posteriorzoo.mmd.distances` add one feature at a time in
-float64 (bit-for-bit reproducible, about 20 times a float32 GEMM of the same shape). This
-module computes the same matrices from float32 arithmetic in chunks of features, with
-float64 accumulation across chunks, within a bound of exact stated below.
+float64 (bit-for-bit reproducible). This module computes the same matrices from float32
+arithmetic in chunks of features, with float64 accumulation across chunks, within a bound
+of exact stated below. Measured (``benchmarks/bench_mmd.py --only-kernels --threads 1``:
+1,000 + 100 rows of 262,144 float32 features, this 2-core AVX-512 machine): the exact
+path takes 5.4 times as long as a bare float32 GEMM ``Z @ Z.T`` of the pooled rows, this
+path 2.9 times (L2 about 1, L1 about 1.4, centring and the Y blocks the rest).
 
 Per block of features, each sample's block is **centred** on a reference (the mean of the
 first sample's rows over the block; Y's own mean for Y's self-distances) and rounded to
