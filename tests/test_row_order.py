@@ -193,7 +193,7 @@ def test_local_backend_yields_in_order_with_a_bounded_window(monkeypatch):
     started: list[int] = []
     release = threading.Event()
 
-    def train_group(spec, group, engine, plugins=None):
+    def train_group(spec, group, engine, plugins=None, device="cpu"):
         started.extend(group)
         if group == [0]:
             release.wait(10)
@@ -234,7 +234,11 @@ class _LastFirstRay:
 
         class Task:
             @staticmethod
-            def remote(spec, group, engine, plugins=None):
+            def options(**options):
+                return Task
+
+            @staticmethod
+            def remote(spec, group, engine, plugins=None, device="cpu"):
                 fake.submitted.append(group)
                 fake.unyielded += 1
                 fake.most_unyielded = max(fake.most_unyielded, fake.unyielded)
