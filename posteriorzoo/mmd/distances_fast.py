@@ -326,6 +326,10 @@ class FastDistances:
                     if self.within:
                         gram_self(owns[k], self.gram_yy[k])
 
+        if threads == 1:      # one thread asked for: one at a time
+            grams()
+            self._l1(xt, ys, owns)
+            return
         with ThreadPoolExecutor(1) as pool:
             done = pool.submit(grams)
             numba.set_num_threads(max(1, threads - blas))   # this thread's setting only
