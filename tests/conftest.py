@@ -309,3 +309,19 @@ def study_cli(monkeypatch):
     if STUDY_MODULE not in modules:
         monkeypatch.setattr(posteriorzoo.cli, "_SUBCOMMAND_MODULES", (*modules, STUDY_MODULE))
     return main
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_distance_cache(tmp_path_factory):
+    """The distance cache in a folder of this test session's (posteriorzoo.mmd.cache): the
+    tests neither fill the user's cache (up to 4 GB) nor depend on what earlier runs left
+    there. A test that sets POSTERIORZOO_DISTANCE_CACHE itself (monkeypatch) wins; child
+    processes inherit the folder."""
+    variable = "POSTERIORZOO_DISTANCE_CACHE"
+    before = os.environ.get(variable)
+    os.environ[variable] = str(tmp_path_factory.mktemp("distance-cache"))
+    yield
+    if before is None:
+        os.environ.pop(variable, None)
+    else:
+        os.environ[variable] = before
