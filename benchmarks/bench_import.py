@@ -2,8 +2,9 @@
 the disk-speed limit and (optionally) another version of the code, in one run.
 
 The archive is built like the authors' release: ``cifar100-resnet18-0-<N-1>.tgz`` holding
-float16 safetensors files with ``model.`` keys, one ResNet-18 (100 classes, 11.2 M
-weights, 22 MB) per member, member i initialised under ``torch.manual_seed(i)``, the tar
+float16 safetensors files with ``model.`` keys in torch-uncertainty's ResNet layout (head
+``linear``, read as our ``fc``: ``posteriorzoo.zoo.keymap``), one ResNet-18 (100 classes,
+11.2 M weights, 22 MB) per member, member i initialised under ``torch.manual_seed(i)``, the tar
 order shuffled (``--seed``). Timed, per checkpoint:
 
 * **limit**: read the archive, gunzip it and write its bytes to a file (what no import can
@@ -114,6 +115,11 @@ print(json.dumps(time.perf_counter() - start))
 """
 
 
+def release_key(key: str) -> str:
+    """Our ResNet-18 key as torch-uncertainty names it (the head is ``linear``)."""
+    return "linear." + key[len("fc."):] if key.startswith("fc.") else key
+
+
 def build_archive(path: Path, count: int, seed: int, width: int, first: int = 0) -> int:
     """The release-shaped archive of members ``first .. first + count - 1``; returns the
     bytes of its members."""
@@ -126,7 +132,8 @@ def build_archive(path: Path, count: int, seed: int, width: int, first: int = 0)
             torch.manual_seed(index)
             model = build("resnet18", num_classes=100, width=width)
             data = save_safetensors_bytes({
-                f"model.{key}": (value.half() if value.is_floating_point() else value)
+                f"model.{release_key(key)}": (value.half() if value.is_floating_point()
+                                              else value)
                 .detach().contiguous() for key, value in model.state_dict().items()})
             info = tarfile.TarInfo(f"cifar100-resnet18/model_{index}.safetensors")
             info.size = len(data)
