@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from posteriorzoo.errors import InvalidOptionError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["check_device", "device_name"]
 
@@ -25,6 +27,8 @@ def device_name(text: str) -> str:
 def check_device(name: str | torch.device) -> torch.device:
     """``cpu``, ``cuda`` or ``cuda:N`` as a torch device, refused in one line when it is
     not one of those or this torch cannot use it."""
+    import torch  # here: parsing a command line needs no torch
+
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError) as error:

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from posteriorzoo.cli._types import (
+    add_device_option,
     add_json_option,
     add_no_verify_option,
     add_overwrite_option,
@@ -160,6 +161,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"with --ray-address and a cuda device: GPUs per tile task, "
                              f"{NUM_GPUS.range_text} (a fraction below 1 shares a GPU; "
                              "default: %(default)s)")
+    parser.add_argument("--precision", choices=["exact", "fast"], default=None,
+                        help="the distances' arithmetic: exact (float64, the same bits on "
+                             "every machine) or fast (float32 GEMM for L2 and a SIMD L1 "
+                             "kernel with float64 sums, within a stated bound: the "
+                             "ResNet-scale path) (default: exact on cpu, fast on cuda)")
+    add_device_option(parser, "where the distances and the canonical copies are computed")
     add_json_option(parser, "the report's JSON instead of the Markdown table")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     parser.set_defaults(func=run_mmd)
@@ -167,10 +174,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_mmd(args: argparse.Namespace) -> int:
     from posteriorzoo.collection import compare
+    from posteriorzoo.devices import check_device
     from posteriorzoo.outputs import atomic_directory
 
     methods = file_stem_names(args.methods)
     inputs = [args.target, *methods.values()]
+    check_device(args.device)   # before any work
+    if args.precision is None:
+        args.precision = "exact" if args.device == "cpu" else "fast"
     if args.tiles_dir is None and (args.ray_address or args.tile_rows or args.num_gpus):
         raise InvalidOptionError("--ray-address, --tile-rows and --num-gpus are options of "
                                  "--tiles-dir")
@@ -193,7 +204,7 @@ def run_mmd(args: argparse.Namespace) -> int:
             block_bytes=int(args.block_mb * (1 << 20)),
             canonical_dir=canonical if args.keep_canonical else None,
             workdir=partial, verify=not args.no_verify, progress=not args.no_progress,
-            command=args.command_line)
+            command=args.command_line, precision=args.precision, device=args.device)
         report.scale = args.scale
         names = list(report.write_into(partial))
     if args.json:
@@ -211,7 +222,6 @@ def _tiled(args: argparse.Namespace, methods: dict) -> object:
     """``compare_tiles`` with the command's options (``--symmetries both``: what the
     inputs hold)."""
     from posteriorzoo.collection.tiles import compare_tiles
-    from posteriorzoo.mmd.distances import DEFAULT_PRECISION
     from posteriorzoo.mmd.tiles import DEFAULT_BLOCK_ROWS
 
     address = None if args.ray_address in (None, "local") else args.ray_address
@@ -223,7 +233,6 @@ def _tiled(args: argparse.Namespace, methods: dict) -> object:
         layers=args.layers, group=args.group, include_buffers=args.include_buffers,
         number_bandwidths=args.bandwidths, test=args.test, alpha=args.alpha, B1=args.b1,
         B2=args.b2, B3=args.b3, seed=args.seed, block_bytes=int(args.block_mb * (1 << 20)),
-        precision=getattr(args, "precision", DEFAULT_PRECISION),
-        device=getattr(args, "device", "cpu"), num_gpus=args.num_gpus,
+        precision=args.precision, device=args.device, num_gpus=args.num_gpus,
         verify=not args.no_verify,
         progress=not args.no_progress, command=args.command_line)

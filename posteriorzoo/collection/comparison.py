@@ -45,6 +45,7 @@ from posteriorzoo.mmd.comparison import (
     describe_options,
     mmdagg_options,
 )
+from posteriorzoo.mmd.distances import DEFAULT_PRECISION, check_precision
 from posteriorzoo.mmd.sources import (
     DEFAULT_BLOCK_BYTES,
     check_sources,
@@ -222,10 +223,11 @@ def canonical_copy_names(names: Sequence[str]) -> list[str]:
 
 
 def _canonical_copy(source: Path, path: Path, options: Mapping[str, Any],
-                    command: str | None, progress: bool, verify: bool) -> Path:
+                    command: str | None, progress: bool, verify: bool, device: str) -> Path:
     from posteriorzoo.collection.canonicalization import canonicalize
 
-    canonicalize(source, path, progress=progress, command=command, verify=verify, **options)
+    canonicalize(source, path, progress=progress, command=command, verify=verify,
+                 device=device, **options)
     return path
 
 
@@ -239,7 +241,8 @@ def compare(target: str | os.PathLike,
             B1: int = 2000, B2: int = 2000, B3: int = 50, seed: int = 0,
             block_bytes: int = DEFAULT_BLOCK_BYTES, workdir: str | os.PathLike | None = None,
             canonical_dir: str | os.PathLike | None = None, verify: bool = True,
-            progress: bool = False, command: str | None = None) -> CompareResult:
+            progress: bool = False, command: str | None = None,
+            precision: str = DEFAULT_PRECISION, device: str = "cpu") -> CompareResult:
     """Compare method collections with the target collection, layer by layer.
 
     Parameters
@@ -280,6 +283,14 @@ def compare(target: str | os.PathLike,
         Show progress bars.
     command : str, optional
         Recorded in the provenance of the report and of the canonical copies.
+    precision : {"exact", "fast"}
+        The distances' arithmetic (:mod:`posteriorzoo.mmd.distances`): ``"exact"``
+        (default: float64, the same bits on every machine and blocking) or ``"fast"``
+        (float32 GEMM for L2 and a SIMD L1 kernel, float64 across chunks, within the bound
+        :mod:`posteriorzoo.mmd.distances_fast` states: the ResNet-scale path).
+    device : str
+        ``cpu``, ``cuda`` or ``cuda:N``: where the distances (``"fast"`` only) and the
+        canonical copies are computed.
     """
     from posteriorzoo.progress import progress as progress_bar
     from posteriorzoo.symmetry.canonical import PERMUTATION_KEYS, SCALINGS
@@ -289,6 +300,7 @@ def compare(target: str | os.PathLike,
     check_choice("scaling", scaling, SCALINGS)
     check_bool("softmax", softmax)
     check_number_bandwidths(number_bandwidths)
+    check_precision(precision, device)
     mmdagg = mmdagg_options(test, alpha, B1, B2, B3, seed)
     # checked before any work: the folders are first written after every input is read
     if workdir is not None:
@@ -328,7 +340,7 @@ def compare(target: str | os.PathLike,
             clock = time.perf_counter()
             groups["remove"] = [
                 ZooSource(name, stack.enter_context(open_zoo(_canonical_copy(
-                    path, copy, canonical_options, command, progress, verify))))
+                    path, copy, canonical_options, command, progress, verify, device))))
                 for (name, path), copy in zip(inputs, copies, strict=True)]
             canonicalizer = {"function": "posteriorzoo.collection.canonicalize",
                              **canonical_options,
@@ -354,14 +366,16 @@ def compare(target: str | os.PathLike,
                 members = groups[label]
                 results += compare_sources(members[0], members[1:], chosen, symmetries=label,
                                            number_bandwidths=number_bandwidths,
-                                           block_bytes=block_bytes, test=mmdagg, bar=bar)
+                                           block_bytes=block_bytes, test=mmdagg, bar=bar,
+                                           precision=precision, device=device)
         for group_sources in groups.values():
             for source in group_sources:
                 source.close()
     options = describe_options(chosen, number_bandwidths, block_bytes, mmdagg,
                                symmetries=symmetries, computed=list(labels), group=group,
                                include_buffers=include_buffers,
-                               layer_keys={layer.name: list(layer.keys) for layer in chosen})
+                               layer_keys={layer.name: list(layer.keys) for layer in chosen},
+                               precision=precision, device=device)
     comparison = Comparison(results, [s.name for s in sources[1:]],
                             kernel_names(number_bandwidths), options)
     copies = ({name: path for (name, _), path in zip(inputs[1:], kept[1:], strict=True)}
