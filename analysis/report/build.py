@@ -193,7 +193,8 @@ def build_report(target: str | os.PathLike,
                  progress: bool = False, command: str | None = None,
                  predict: Callable[[Any, Any], np.ndarray] | None = None,
                  timings: dict[str, float] | None = None,
-                 predictions: bool = True, device: str = "cpu") -> ReportResult:
+                 predictions: bool = True, device: str = "cpu",
+                 precision: str | None = None) -> ReportResult:
     """The benchmark report of method collections against a target collection.
 
     Parameters
@@ -251,9 +252,12 @@ def build_report(target: str | os.PathLike,
         and runs no network: for when the data set or a GPU is missing. Table 1's
         predictive columns are then empty and the collapse figure is not drawn.
     device : str
-        Where the members' predictions run (``cpu``, ``cuda``, ``cuda:N``; batched, one
-        checkpoint's weights at a time:
-        :func:`~posteriorzoo.collection.evaluation.member_probabilities`).
+        Where the members' predictions, the canonical copies and the fast distances run
+        (``cpu``, ``cuda``, ``cuda:N``; predictions batched, one checkpoint's weights at a
+        time: :func:`~posteriorzoo.collection.evaluation.member_probabilities`).
+    precision : {"exact", "fast"}, optional
+        The distances' arithmetic of the MMD and the noise floors
+        (:func:`posteriorzoo.collection.compare`; default: exact on cpu, fast on cuda).
     timings : dict, optional
         Filled with the wall seconds each stage took: ``load``, ``canonicalize``,
         ``mmd``, ``noise floor``, ``predictions``, ``metrics``, ``diagnostics``,
@@ -271,6 +275,7 @@ def build_report(target: str | os.PathLike,
     )
     from posteriorzoo.devices import check_device
     from posteriorzoo.metrics import OOD_SCORES
+    from posteriorzoo.mmd.distances import check_precision
     from posteriorzoo.outputs import check_folder
     from posteriorzoo.provenance import describe_input, record
     from posteriorzoo.zoo import open_zoo
@@ -286,6 +291,9 @@ def build_report(target: str | os.PathLike,
     timings = {} if timings is None else timings
     stage = _stage_timer(timings)
     check_device(device)
+    precision = precision or ("exact" if device == "cpu" else "fast")
+    check_precision(precision, device)
+    distances = {"precision": precision, "device": device}
     predict = _timed(predict or functools.partial(member_probabilities, device=device),
                      timings, "predictions")
     with stage("load"):
@@ -333,14 +341,15 @@ def build_report(target: str | os.PathLike,
             noise = {}
             with stage("noise floor"):
                 noise["keep"] = noise_floor(targets["keep"], symmetries="keep",
-                                            held_out=held_out, splits=splits, seed=seed)
+                                            held_out=held_out, splits=splits, seed=seed,
+                                            **distances)
             canonical = Path(scratch) / "canonical"
             canonical.mkdir()
             with stage("mmd"):
                 comparison = compare(target, {e["name"]: e["path"] for e in entries},
                                      symmetries="both", test=test, seed=seed,
                                      canonical_dir=canonical, progress=progress,
-                                     command=command)
+                                     command=command, **distances)
             # compare's own clock tells its canonicalization from its statistics
             canonicalizing = (comparison.provenance.get("canonicalizer") or {}).get(
                 "seconds", 0.0)
@@ -354,7 +363,8 @@ def build_report(target: str | os.PathLike,
                 targets["remove"] = ZooSource("target", zoo, keys=keys)
             with stage("noise floor"):
                 noise["remove"] = noise_floor(targets["remove"], symmetries="remove",
-                                              held_out=held_out, splits=splits, seed=seed)
+                                              held_out=held_out, splits=splits, seed=seed,
+                                              **distances)
             per_layer: dict[str, dict[str, dict[str, float]]] = {}
             tests = [{"method": r.method, "symmetries": r.symmetries, "layer": r.layer,
                       "reject": bool(r.test.reject),
@@ -395,7 +405,7 @@ def build_report(target: str | os.PathLike,
                     **{f"method {e['name']}": describe_input(Path(e["path"]))
                        for e in entries}},
             seeds={"noise_floor": seed, "pairs": seed, "test": seed if test else None},
-            options={"predictions": predictions, "device": device,
+            options={"predictions": predictions, "device": device, "precision": precision,
                      "id_data": id_data, "ood_data": ood_data, "allow_mixed": allow_mixed,
                      "test": test, "bins": bins, "ood_score": ood_score,
                      "n_images": n_images, "splits": splits, "n_pairs": n_pairs,

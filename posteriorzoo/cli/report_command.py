@@ -119,7 +119,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "and the weight figures, without the predictive metrics (reads "
                              "no data set, runs no network: for when the data set or a GPU "
                              "is missing)")
-    add_device_option(parser, "where the members' predictions run")
+    parser.add_argument("--precision", choices=["exact", "fast"], default=None,
+                        help="the distances' arithmetic (as mmd --precision; fast: the "
+                             "ResNet-scale path) (default: exact on cpu, fast on cuda)")
+    add_device_option(parser, "where the members' predictions, the canonical copies and "
+                              "the fast distances run")
     seed_option(parser, "seed of every random choice of the command: the noise floor's "
                         "splits, the pairs, the test")
     add_json_option(parser, "the report's JSON instead of Table 1")
@@ -142,7 +146,7 @@ def run_report(args: argparse.Namespace) -> int:
             n_pairs=args.n_pairs, collapse=args.collapse, seed=args.seed,
             figures=not args.no_figures, workdir=partial, progress=not args.no_progress,
             command=args.command_line, predictions=not args.no_predictions,
-            device=args.device)
+            device=args.device, precision=args.precision)
         report.write_into(partial)
     if args.json:
         print(report.to_json(), end="")

@@ -159,7 +159,8 @@ class NoiseFloor:
 def noise_floor(target: Mapping[str, np.ndarray] | Any, *, symmetries: str, held_out: int,
                 splits: int = 50, seed: int = 0, number_bandwidths: int = 10,
                 row_digests: Sequence[str] | None = None,
-                block_bytes: int = DEFAULT_BLOCK_BYTES) -> NoiseFloor:
+                block_bytes: int = DEFAULT_BLOCK_BYTES, precision: str = DEFAULT_PRECISION,
+                device: str = "cpu") -> NoiseFloor:
     """The noise floor of the MMD against ``target``.
 
     Parameters
@@ -186,6 +187,9 @@ def noise_floor(target: Mapping[str, np.ndarray] | Any, *, symmetries: str, held
         arrays' rows.
     block_bytes : int
         Budget of one block of features read from ``target``.
+    precision, device
+        The distances' arithmetic and where it runs (:func:`self_distances`), as in the
+        comparison the floor is read against.
     """
     check_integer("splits", splits, 1)
     check_integer("seed", seed, 0)
@@ -234,8 +238,9 @@ def noise_floor(target: Mapping[str, np.ndarray] | Any, *, symmetries: str, held
     for layer in chosen:
         # The layer's full (count, count) L1 and squared-L2 matrices, once for every
         # split, read from the distance cache when the same rows were measured before.
-        l1, l2sq = (matrix.ravel() for matrix in self_distances(source, layer, row_digests,
-                                                                block_bytes=block_bytes))
+        l1, l2sq = (matrix.ravel() for matrix in self_distances(
+            source, layer, row_digests, block_bytes=block_bytes, precision=precision,
+            device=device))
         widths = [bandwidths_from_distances(distances(l1, l2sq, first[:BANDWIDTH_ROWS],
                                                       second[:BANDWIDTH_ROWS], False),
                                             number_bandwidths) for first, second in draws]
@@ -264,8 +269,8 @@ def noise_floor(target: Mapping[str, np.ndarray] | Any, *, symmetries: str, held
 
 @public
 def self_distances(source: Any, layer: Layer, row_digests: Sequence[str] | None = None, *,
-                   block_bytes: int = DEFAULT_BLOCK_BYTES, precision: str = DEFAULT_PRECISION
-                   ) -> tuple[np.ndarray, np.ndarray]:
+                   block_bytes: int = DEFAULT_BLOCK_BYTES, precision: str = DEFAULT_PRECISION,
+                   device: str = "cpu") -> tuple[np.ndarray, np.ndarray]:
     """The full (m, m) L1 and squared-L2 matrices of one layer of a sample source's m rows,
     streamed block by block of features (memory: one block and the matrices), through the
     distance cache (:mod:`posteriorzoo.mmd.cache`) when it is on and the layer is large.
@@ -283,10 +288,10 @@ def self_distances(source: Any, layer: Layer, row_digests: Sequence[str] | None 
         if row_digests is not None:
             entry = DistanceKey(tuple(str(d) for d in row_digests), tuple(layer.keys),
                                 tuple(tuple(int(s) for s in source.shapes[key])
-                                      for key in layer.keys), precision_key(precision))
+                                      for key in layer.keys), precision_key(precision, device))
     packed = cache.load(entry) if entry is not None else None
     if packed is None:
-        shared = SharedTargetDistances(count, [], precision=precision)
+        shared = SharedTargetDistances(count, [], precision=precision, device=device)
         for block in layer_blocks(source, layer, features_per_block(count, block_bytes)):
             shared.update(block, [], check_finite=False)   # layer_blocks checked it
         packed = shared.self_packed()
