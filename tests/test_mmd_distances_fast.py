@@ -115,7 +115,7 @@ def test_a_diagonal_tile_is_symmetric_with_a_zero_diagonal():
     assert within(l2[off], e2[off], l2_bound(cx, cx, e2)[off]) <= 1
 
 
-@pytest.mark.parametrize(("m", "n"), [(7, 6), (8, 5)])
+@pytest.mark.parametrize(("m", "n"), [(7, 6), (8, 5), (5, 8)])
 def test_pooled_blocks_are_within_the_bound(m, n):
     """X-X and X-Y centred on X's mean, Y-Y on Y's own (a method far from the target)."""
     X, Y = sample(m, 4), sample(n, 5, scale=0.3, offset=1003.0)

@@ -290,7 +290,8 @@ class FastDistances:
         self.l1_xx = np.zeros(m * (m - 1) // 2) if within else None
         self.norms_yx = [np.zeros(n) for n in self.ns]          # Y centred on X's mean
         self.gram_xy = [np.zeros((m, n)) for n in self.ns]
-        self.l1_xy = [np.zeros((m, n)) for n in self.ns]
+        # X-Y L1 sums as (fewer rows, more rows): the kernel vectorises along the latter
+        self.l1_xy = [np.zeros((n, m) if n < m else (m, n)) for n in self.ns]
         if within:
             self.norms_yy = [np.zeros(n) for n in self.ns]      # Y centred on its own
             self.gram_yy = [np.zeros((n, n)) for n in self.ns]
@@ -343,7 +344,11 @@ class FastDistances:
         if self.within:
             l1_self(xt, self.l1_xx, L1_CHUNK, tasks_for(self.m))
         for k, yt in enumerate(ys):
-            l1_cross(xt, yt, self.l1_xy[k], L1_CHUNK, tasks_for(self.m))
+            # the fewer rows against the more: long vectors (|y - x| = |x - y|, bit for bit)
+            if self.ns[k] < self.m:
+                l1_cross(yt, xt, self.l1_xy[k], L1_CHUNK, tasks_for(self.ns[k]))
+            else:
+                l1_cross(xt, yt, self.l1_xy[k], L1_CHUNK, tasks_for(self.m))
             if self.within:
                 l1_self(owns[k], self.l1_yy[k], L1_CHUNK, tasks_for(self.ns[k]))
 
@@ -353,8 +358,10 @@ class FastDistances:
 
     def xy(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The (m, n_k) X-Y_k block: (L1, squared L2)."""
-        return self.l1_xy[k], squared_from_gram(self.norms_x, self.norms_yx[k],
-                                                self.gram_xy[k])
+        l1 = self.l1_xy[k]
+        if self.ns[k] < self.m:
+            l1 = np.ascontiguousarray(l1.T)
+        return l1, squared_from_gram(self.norms_x, self.norms_yx[k], self.gram_xy[k])
 
     def yy(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Y_k's self-distances, packed pairs i < j."""
