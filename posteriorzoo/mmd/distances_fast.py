@@ -6,7 +6,7 @@ arithmetic in chunks of features, with float64 accumulation across chunks, withi
 of exact stated below. Measured (``benchmarks/bench_mmd.py --only-kernels --threads 1``:
 1,000 + 100 rows of 262,144 float32 features, this 2-core AVX-512 machine): the exact
 path takes 5.4 times as long as a bare float32 GEMM ``Z @ Z.T`` of the pooled rows, this
-path 2.9 times (L2 about 1, L1 about 1.4, centring and the Y blocks the rest).
+path 2.8 times (L2 about 1, L1 about 1.4, centring and the Y blocks the rest).
 
 Per block of features, each sample's block is **centred** on a reference (the mean of the
 first sample's rows over the block; Y's own mean for Y's self-distances) and rounded to
