@@ -117,11 +117,9 @@ def run_stage(stage: str, paths: dict[str, Any], environment: dict[str, str]
     return result
 
 
-def limits(paths: dict[str, Any], rows: int, features: int, repeats: int = 3
-           ) -> dict[str, float]:
-    """The arithmetic and disk limits, measured here: seconds for the archive's gunzip +
-    write, SHA-256 of the target file, one float32 pass over a state; ns per pair-weight
-    of a bare float32 GEMM of the pooled rows and of a bare L1 reduction."""
+def limits(paths: dict[str, Any], features: int, repeats: int = 3) -> dict[str, float]:
+    """The disk and memory limits, measured here: seconds for the archive's gunzip + write,
+    SHA-256 of the target file, and one in-memory float32 pass over a state."""
     import gzip
 
     out = Path(paths["scratch"]) / "limit.bin"
@@ -137,29 +135,47 @@ def limits(paths: dict[str, Any], rows: int, features: int, repeats: int = 3
         while block := handle.read(1 << 22):
             digest.update(block)
     sha = time.perf_counter() - start
-    rng = np.random.default_rng(0)
-    state = rng.standard_normal(min(features, 1 << 24), dtype=np.float32)
+    state = np.random.default_rng(0).standard_normal(min(features, 1 << 24), dtype=np.float32)
     start = time.perf_counter()
     for _ in range(repeats):
         np.multiply(state, 1.0001, out=state)
     one_pass = (time.perf_counter() - start) / repeats * features / state.size
-    block = rng.standard_normal((rows, min(features, 1 << 18)), dtype=np.float32)
-    pair_weights = rows * (rows - 1) / 2 * block.shape[1]
-    block @ block.T
-    start = time.perf_counter()
-    for _ in range(repeats):
-        block @ block.T
-    gemm = (time.perf_counter() - start) / repeats / pair_weights * 1e9
-    kernel = bare_l1_kernel()
-    columns = np.ascontiguousarray(block.T)
-    sums = np.zeros((rows, rows), dtype=np.float32)
-    kernel(columns, sums)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        kernel(columns, sums)
-    l1 = (time.perf_counter() - start) / repeats / pair_weights * 1e9
-    return {"gunzip_write_s": gunzip, "sha256_s": sha, "float32_pass_s": one_pass,
-            "gemm_ns": gemm, "l1_ns": l1}
+    return {"gunzip_write_s": gunzip, "sha256_s": sha, "float32_pass_s": one_pass}
+
+
+def kernels(target: int, method: int, features: int, repeats: int = 2) -> dict[str, float]:
+    """ns per pair-weight (pairs i < j of the pooled rows) at the paper's row count, on one
+    block of ``features``: the distance engines as mmd runs them (SharedTargetDistances,
+    fast and exact) beside a bare float32 GEMM of the pooled rows and a bare L1 reduction
+    (three operations per pair-weight), the arithmetic limits. At 50 rows a block's
+    distances are bound by reading it, not by arithmetic: the rates for the extrapolation
+    come from here."""
+    from posteriorzoo.mmd.distances import SharedTargetDistances
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((target, features), dtype=np.float32)
+    y = rng.standard_normal((method, features), dtype=np.float32)
+    pooled = np.concatenate([x, y])
+    count = target + method
+    pair_weights = count * (count - 1) / 2 * features
+
+    def rate(function: Any) -> float:
+        function()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            function()
+        return (time.perf_counter() - start) / repeats / pair_weights * 1e9
+
+    def engine(precision: str) -> Any:
+        return lambda: SharedTargetDistances(target, [method], precision=precision).update(
+            x, [y], check_finite=False)
+
+    l1 = bare_l1_kernel()
+    columns = np.ascontiguousarray(pooled.T)
+    sums = np.zeros((count, count), dtype=np.float32)
+    return {"rows": count, "features": features,
+            "gemm_ns": rate(lambda: pooled @ pooled.T), "l1_ns": rate(lambda: l1(columns, sums)),
+            "fast_ns": rate(engine("fast")), "exact_ns": rate(engine("exact"))}
 
 
 def pairs(target: int, methods: list[int]) -> float:
@@ -222,8 +238,9 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
 
     with open_zoo(paths["target"]) as zoo:
         features = sum(int(np.prod(shape)) for shape in zoo.shapes.values())
-    rows = args.target + args.method
-    limit = limits(paths, rows, features)
+    limit = limits(paths, features)
+    paper_rows = (60, 6, 4096) if args.quick else (PAPER_TARGET, PAPER_SAMPLES, 32768)
+    limit.update(kernels(*paper_rows))
     return {"target": args.target, "method": args.method, "width": args.width,
             "features": features, "archive_bytes": sizes, "stages": stages, "limits": limit,
             "rates": rates(args, stages, limit, features)}
@@ -231,11 +248,18 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
 
 def rates(args: argparse.Namespace, stages: dict[str, Any], limit: dict[str, float],
           features: int) -> dict[str, Any]:
-    """Per checkpoint and per pair-weight, beside the limits, and the extrapolations."""
+    """Per checkpoint and per pair-weight, beside the limits, and the extrapolations.
+
+    An mmd run costs its distances' arithmetic (pairs x weights x the engine's rate at the
+    paper's row count, :func:`kernels`) plus reading and checking each checkpoint once: the
+    latter is what the measured run took beyond its own arithmetic, per checkpoint.
+    """
     count = args.target + args.method
-    measured_pairs = pairs(args.target, [args.method])
-    ns = {setting: stages[f"mmd {setting}"]["seconds"] / (measured_pairs * features) * 1e9
-          for setting in ("keep", "remove", "keep exact")}
+    measured_pair_weights = pairs(args.target, [args.method]) * features
+    engine = {"keep": "fast_ns", "remove": "fast_ns", "keep exact": "exact_ns"}
+    reading = {setting: max(0.0, stages[f"mmd {setting}"]["seconds"] - limit[rate]
+                            * 1e-9 * measured_pair_weights) / count
+               for setting, rate in engine.items()}
     per = {"import_s": stages["import"]["seconds"] / count,
            "import_limit_s": limit["gunzip_write_s"] / args.target,
            "verify_s": stages["verify"]["seconds"] / args.target,
@@ -243,55 +267,58 @@ def rates(args: argparse.Namespace, stages: dict[str, Any], limit: dict[str, flo
            "open_again_s": stages["open"]["again"],
            "canonicalize_s": stages["canonicalize"]["seconds"] / count,
            "canonicalize_limit_s": limit["float32_pass_s"],
-           "mmd_keep_ns": ns["keep"], "mmd_remove_ns": ns["remove"],
-           "mmd_exact_ns": ns["keep exact"],
+           "mmd_reading_s": reading,
+           "fast_ns": limit["fast_ns"], "exact_ns": limit["exact_ns"],
            "gemm_ns": limit["gemm_ns"], "l1_ns": limit["l1_ns"]}
     scale = RESNET18_WEIGHTS / features
     paper_checkpoints = PAPER_TARGET + PAPER_METHODS * PAPER_SAMPLES
     paper_pairs = pairs(PAPER_TARGET, [PAPER_SAMPLES] * PAPER_METHODS)
     release_pairs = RELEASE_CHECKPOINTS * (RELEASE_CHECKPOINTS - 1) / 2
+
+    def mmd_hours(setting: str, pair_count: float, checkpoints: int) -> float:
+        return (limit[engine[setting]] * 1e-9 * pair_count * RESNET18_WEIGHTS
+                + reading[setting] * scale * checkpoints) / 3600
+
     hours = {
         "import": per["import_s"] * scale * paper_checkpoints / 3600,
         "canonicalize": per["canonicalize_s"] * scale * paper_checkpoints / 3600,
-        "mmd (both settings)": (ns["keep"] + ns["remove"]) * 1e-9 * paper_pairs
-        * RESNET18_WEIGHTS / 3600,
-        "release all-pairs mmd": ns["keep"] * 1e-9 * release_pairs * RESNET18_WEIGHTS / 3600,
+        "mmd keep": mmd_hours("keep", paper_pairs, paper_checkpoints),
+        "mmd remove": mmd_hours("remove", paper_pairs, paper_checkpoints),
     }
     # the issue's measure: end to end from the imported files
-    hours["paper table from imported files"] = hours["canonicalize"] + hours[
-        "mmd (both settings)"]
+    hours["paper table from imported files"] = (hours["canonicalize"] + hours["mmd keep"]
+                                                + hours["mmd remove"])
+    hours["release all-pairs mmd"] = mmd_hours("keep", release_pairs, RELEASE_CHECKPOINTS)
     return {"per": per, "hours": hours, "scale_to_resnet18": scale,
             "paper_pairs": paper_pairs, "release_pairs": release_pairs,
-            "ratio_to_gemm": {k: v / limit["gemm_ns"] for k, v in ns.items()},
-            "exact_paper_mmd_hours": 2 * ns["keep exact"] * 1e-9 * paper_pairs
-            * RESNET18_WEIGHTS / 3600,
-            "ratio_to_gemm_plus_l1": {k: v / (limit["gemm_ns"] + limit["l1_ns"])
-                                      for k, v in ns.items()}}
+            "exact_paper_mmd_hours": 2 * mmd_hours("keep exact", paper_pairs,
+                                                   paper_checkpoints),
+            "fast_over_gemm": limit["fast_ns"] / limit["gemm_ns"],
+            "exact_over_gemm": limit["exact_ns"] / limit["gemm_ns"]}
 
 
 def print_table(result: dict[str, Any]) -> None:
     per, limit, stages = result["rates"]["per"], result["limits"], result["stages"]
     print(f"\n{result['target']} + {result['method']} ResNet-18 checkpoints (width "
           f"{result['width']}, {result['features']:,} weights each)")
-    print(f"{'stage':<14}{'measured':>20}{'limit':>20}{'ratio':>9}{'peak MB':>10}")
+    print(f"{'stage':<16}{'measured':>18}{'limit':>20}{'ratio':>9}{'peak MB':>10}")
     rows = [("import", per["import_s"], per["import_limit_s"], "s/ckpt"),
             ("verify", per["verify_s"], per["verify_limit_s"], "s/ckpt"),
-            ("canonicalize", per["canonicalize_s"], per["canonicalize_limit_s"], "s/ckpt"),
-            ("mmd keep", per["mmd_keep_ns"], per["gemm_ns"], "ns/pw"),
-            ("mmd remove", per["mmd_remove_ns"], per["gemm_ns"], "ns/pw"),
-            ("mmd keep exact", per["mmd_exact_ns"], per["gemm_ns"], "ns/pw")]
+            ("canonicalize", per["canonicalize_s"], per["canonicalize_limit_s"], "s/ckpt")]
     for name, value, bound, unit in rows:
-        peak = stages[name]["peak_mb"]
-        print(f"{name:<14}{value:>12.4g} {unit:<7}{bound:>12.4g} {unit:<7}"
-              f"{value / bound:>8.1f}x{peak:>10.0f}")
-    print(f"{'open again':<14}{per['open_again_s']:>12.3g} s       (first open "
-          f"{stages['open']['first']:.2f} s){stages['open']['peak_mb']:>28.0f}")
-    print(f"{'report':<14}{stages['report']['seconds']:>12.1f} s       (--no-predictions, "
-          f"whole){stages['report']['peak_mb']:>29.0f}")
-    print(f"limits: float32 GEMM {limit['gemm_ns']:.4g} ns and bare L1 {limit['l1_ns']:.4g} ns "
-          "per pair-weight; mmd per pair-weight is "
-          f"{result['rates']['ratio_to_gemm']['keep']:.1f}x the GEMM, "
-          f"{result['rates']['ratio_to_gemm_plus_l1']['keep']:.1f}x GEMM + L1")
+        print(f"{name:<16}{value:>10.4g} {unit:<7}{bound:>12.4g} {unit:<7}"
+              f"{value / bound:>8.1f}x{stages[name]['peak_mb']:>10.0f}")
+    for name in ("mmd keep", "mmd remove", "mmd keep exact"):
+        print(f"{name:<16}{stages[name]['seconds']:>10.1f} s       (reading "
+              f"{per['mmd_reading_s'][name[4:]]:.3f} s/ckpt){stages[name]['peak_mb']:>27.0f}")
+    print(f"{'open again':<16}{per['open_again_s']:>10.3g} s       (first open "
+          f"{stages['open']['first']:.2f} s){stages['open']['peak_mb']:>26.0f}")
+    print(f"{'report':<16}{stages['report']['seconds']:>10.1f} s       (--no-predictions, "
+          f"--precision fast){stages['report']['peak_mb']:>16.0f}")
+    print(f"distance engines at {limit['rows']} rows x {limit['features']} features, ns per "
+          f"pair-weight: fast {limit['fast_ns']:.4g} ({result['rates']['fast_over_gemm']:.2f}x "
+          f"the GEMM), exact {limit['exact_ns']:.4g} ({result['rates']['exact_over_gemm']:.2f}x);"
+          f" bare float32 GEMM {limit['gemm_ns']:.4g}, bare L1 {limit['l1_ns']:.4g}")
     hours = result["rates"]["hours"]
     print("extrapolated to ResNet-18 on these cores (hours): "
           + "; ".join(f"{k} {v:.2f}" for k, v in hours.items())
