@@ -557,9 +557,28 @@ def cross_distances(a: np.ndarray | Iterable, b: np.ndarray | Iterable, *,
         ``l1[i, j] = sum_k |a_ik - b_jk|`` and ``l2sq[i, j] = sum_k (a_ik - b_jk)^2``,
         float64.
     """
-    from posteriorzoo.mmd import distances_fast
+    return _cross_tile(_blocks_of(a, block_features, "a"),
+                       None if b is a else _blocks_of(b, block_features, "b"),
+                       precision=precision, device=device, check_finite=check_finite)
 
-    return distances_fast.cross_tile(
-        _blocks_of(a, block_features, "a"),
-        None if b is a else _blocks_of(b, block_features, "b"),
-        precision=precision, device=device, check_finite=check_finite)
+
+def _cross_tile(a_blocks: Iterable[np.ndarray], b_blocks: Iterable[np.ndarray] | None, *,
+               precision: str, device: str, check_finite: bool
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """The body of :func:`cross_distances` (blocks given)."""
+
+    pairs = (((block, ()) for block in a_blocks) if b_blocks is None
+             else ((x, (y,)) for x, y in zip(a_blocks, b_blocks, strict=True)))
+    engine = None
+    for x_block, y_blocks in pairs:
+        if engine is None:
+            engine = SharedTargetDistances(
+                np.shape(x_block)[0], [np.shape(y)[0] for y in y_blocks],
+                precision=precision, device=device, within=b_blocks is None)
+        engine.update(x_block, list(y_blocks), check_finite=check_finite)
+    if engine is None or engine.features == 0:
+        raise ShapeMismatchError("the row sets have no features (an empty layer)")
+    if b_blocks is None:
+        l1, l2sq = engine.self_packed()
+        return unpack(l1, engine.m), unpack(l2sq, engine.m)
+    return engine.cross(0)

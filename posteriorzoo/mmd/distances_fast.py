@@ -49,7 +49,7 @@ the bits depend (within the bound) on the blocking and on the BLAS library and C
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
@@ -57,7 +57,6 @@ import numpy as np
 from numba import prange, uint64
 
 from posteriorzoo._numba import announce_compilation
-from posteriorzoo.errors import ShapeMismatchError
 
 announce_compilation()
 
@@ -387,26 +386,3 @@ def _packed(norms: np.ndarray, gram: np.ndarray) -> np.ndarray:
     out = np.empty(rows * (rows - 1) // 2)
     packed_squared(norms, gram, out)
     return out
-
-
-def cross_tile(a_blocks: Iterable[np.ndarray], b_blocks: Iterable[np.ndarray] | None, *,
-               precision: str, device: str, check_finite: bool
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """The body of :func:`posteriorzoo.mmd.distances.cross_distances` (blocks given)."""
-    from posteriorzoo.mmd.distances import SharedTargetDistances, unpack
-
-    pairs = (((block, ()) for block in a_blocks) if b_blocks is None
-             else ((x, (y,)) for x, y in zip(a_blocks, b_blocks, strict=True)))
-    engine = None
-    for x_block, y_blocks in pairs:
-        if engine is None:
-            engine = SharedTargetDistances(
-                np.shape(x_block)[0], [np.shape(y)[0] for y in y_blocks],
-                precision=precision, device=device, within=b_blocks is None)
-        engine.update(x_block, list(y_blocks), check_finite=check_finite)
-    if engine is None or engine.features == 0:
-        raise ShapeMismatchError("the row sets have no features (an empty layer)")
-    if b_blocks is None:
-        l1, l2sq = engine.self_packed()
-        return unpack(l1, engine.m), unpack(l2sq, engine.m)
-    return engine.cross(0)
