@@ -71,6 +71,27 @@ class BasicBlock(nn.Module):
         return self.relu(out + self.shortcut(x))
 
 
+def _add_stages(network: nn.Module, block: Callable[[int, int, int, bool], nn.Module],
+                blocks_per_stage: tuple[int, ...], width: int, conv_bias: bool) -> int:
+    """Register ``layer1``, ``layer2``, ... on ``network``: the CIFAR ResNets' stages.
+
+    Stage ``i`` (from 0) has ``blocks_per_stage[i]`` blocks of ``width * 2**i`` channels,
+    the first with stride 2 but in stage 0; a block is built as
+    ``block(in_planes, planes, stride, conv_bias)``. One loop for ResNet-18 and
+    ResNet-20-FRN, so their stage layout (hence their state-dict keys) cannot drift apart.
+    Returns the channels of the last stage, the input width of the head.
+    """
+    planes = width
+    for index, blocks in enumerate(blocks_per_stage):
+        out_planes = width * 2**index
+        stride = 1 if index == 0 else 2
+        stage = [block(planes, out_planes, stride, conv_bias)]
+        stage += [block(out_planes, out_planes, 1, conv_bias) for _ in range(blocks - 1)]
+        network.add_module(f"layer{index + 1}", nn.Sequential(*stage))
+        planes = out_planes
+    return planes
+
+
 class ResNet18(nn.Module):
     """CIFAR-style ResNet-18.
 
@@ -117,15 +138,7 @@ class ResNet18(nn.Module):
         self.conv1 = nn.Conv2d(in_channels, width, 3, stride=1, padding=1, bias=conv_bias)
         self.bn1 = nn.BatchNorm2d(width)
         self.relu = nn.ReLU()
-        planes = width
-        for index, blocks in enumerate(_BLOCKS_PER_STAGE):
-            out_planes = width * 2**index
-            stride = 1 if index == 0 else 2
-            stage = [BasicBlock(planes, out_planes, stride, conv_bias)]
-            stage += [BasicBlock(out_planes, out_planes, 1, conv_bias)
-                      for _ in range(blocks - 1)]
-            self.add_module(f"layer{index + 1}", nn.Sequential(*stage))
-            planes = out_planes
+        planes = _add_stages(self, BasicBlock, _BLOCKS_PER_STAGE, width, conv_bias)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.flatten = nn.Flatten(1)
         self.dropout = nn.Dropout(check_probability("dropout", dropout))

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from posteriorzoo.models.registry import register
-from posteriorzoo.models.resnet import _image_shape
+from posteriorzoo.models.resnet import _add_stages, _image_shape
 from posteriorzoo.options import check_bool, check_integer, check_number, check_probability
 
 __all__ = ["FRNBasicBlock", "FilterResponseNorm2d", "ResNet20FRN"]
@@ -167,15 +167,7 @@ class ResNet20FRN(nn.Module):
         self.conv1 = _conv(in_channels, width, 3, 1, conv_bias)
         self.bn1 = FilterResponseNorm2d(width)
         self.activation = nn.SiLU()
-        planes = width
-        for index, blocks in enumerate(_BLOCKS_PER_STAGE):
-            out_planes = width * 2**index
-            stride = 1 if index == 0 else 2
-            stage = [FRNBasicBlock(planes, out_planes, stride, conv_bias)]
-            stage += [FRNBasicBlock(out_planes, out_planes, 1, conv_bias)
-                      for _ in range(blocks - 1)]
-            self.add_module(f"layer{index + 1}", nn.Sequential(*stage))
-            planes = out_planes
+        planes = _add_stages(self, FRNBasicBlock, _BLOCKS_PER_STAGE, width, conv_bias)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.flatten = nn.Flatten(1)
         self.dropout = nn.Dropout(check_probability("dropout", dropout))
