@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ray_cluster import two_node_cluster
 from zoo_helpers import checkpoint
 
 import posteriorzoo.mmd.tiles as tiles_module
@@ -288,14 +289,6 @@ def test_gpu_options_of_tiles_are_checked_before_any_work(zoos, tmp_path, option
 
 
 # ------------------------------------------------------------------- a two-node cluster
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_mmd_tiles_on_a_two_node_ray_cluster_are_the_serial_result(zoos, tmp_path):
     """``posteriorzoo mmd --tiles-dir --ray-address`` against a local two-node cluster
     (each node ``ray start --block`` in a home of its own, one CPU each; token
@@ -305,48 +298,15 @@ def test_mmd_tiles_on_a_two_node_ray_cluster_are_the_serial_result(zoos, tmp_pat
     The head also declares one GPU, which this machine need not have: tiles asked for on
     cuda with num_gpus are placed on it (CUDA_VISIBLE_DEVICES=0) and, with a CPU-only
     torch, refused in one line naming the cause."""
-    import secrets
-    import shutil
-    import tempfile
-    import time
-
     pytest.importorskip("ray")
-    ray_command = str(Path(sys.executable).with_name("ray"))
     posteriorzoo = str(Path(sys.executable).with_name("posteriorzoo"))
-    port, token = _free_port(), secrets.token_hex(32)
-
-    def environment(home: str) -> dict[str, str]:
-        (tmp_path / home).mkdir()
-        return {**os.environ, "HOME": str(tmp_path / home), "RAY_AUTH_MODE": "token",
-                "RAY_AUTH_TOKEN": token, "POSTERIORZOO_DISTANCE_CACHE": "off"}
-
-    head_env, node_env = environment("head"), environment("node")
-    common = ["--num-cpus=1", "--node-ip-address=127.0.0.1", "--block"]
-    sessions = tempfile.mkdtemp(prefix="pz-ray-")   # Unix socket paths: 107 bytes at most
-    nodes = [subprocess.Popen([ray_command, "start", "--head", f"--port={port}",
-                               "--include-dashboard=false", f"--temp-dir={sessions}",
-                               "--num-gpus=1", *common], env=head_env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     command = [posteriorzoo, "mmd", str(zoos["target"]), f"a={zoos['a']}", f"b={zoos['b']}",
                "--symmetries", "keep", "--tile-rows", "4", "--json", "--no-progress"]
-    try:
-        def alive() -> int:
-            status = subprocess.run([ray_command, "status", f"--address=127.0.0.1:{port}"],
-                                    env=head_env, capture_output=True, text=True)
-            return status.stdout.count(" node_") if status.returncode == 0 else 0
-
-        deadline = time.monotonic() + 90
-        while alive() < 1 and time.monotonic() < deadline:
-            time.sleep(1)
-        nodes.append(subprocess.Popen([ray_command, "start", f"--address=127.0.0.1:{port}",
-                                       *common], env=node_env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL))
-        while alive() < 2 and time.monotonic() < deadline:
-            time.sleep(1)
-        assert alive() == 2, "the second node did not join"
+    with two_node_cluster(tmp_path, {"POSTERIORZOO_DISTANCE_CACHE": "off"},
+                          ["--num-gpus=1"]) as (address, head_env):
         clustered = subprocess.run(
             [*command, "--out", str(tmp_path / "cluster"), "--tiles-dir",
-             str(tmp_path / "cluster-tiles"), "--ray-address", f"127.0.0.1:{port}"],
+             str(tmp_path / "cluster-tiles"), "--ray-address", address],
             env=head_env, capture_output=True, text=True, timeout=300)
         assert clustered.returncode == 0, clustered.stderr[-2000:]
         gpu = subprocess.run(
@@ -356,20 +316,12 @@ def test_mmd_tiles_on_a_two_node_ray_cluster_are_the_serial_result(zoos, tmp_pat
              "from posteriorzoo.collection import compare_tiles\n"
              f"compare_tiles({str(zoos['target'])!r}, [{str(zoos['a'])!r}], "
              f"tiles_dir={str(tmp_path / 'gpu')!r}, backend='ray', "
-             f"ray_address='127.0.0.1:{port}', device='cuda', precision='fast', "
+             f"ray_address={address!r}, device='cuda', precision='fast', "
              "num_gpus=0.5)\n"], env=head_env, capture_output=True, text=True, timeout=300)
         if gpu.returncode != 3:   # 3: a real GPU, where the task would compute its tile
             assert gpu.returncode == 1
             assert re.search(r"given a GPU \(CUDA_VISIBLE_DEVICES=0\) but torch .* sees "
                              r"no CUDA device", gpu.stderr), gpu.stderr[-2000:]
-    finally:
-        for node in reversed(nodes):
-            node.terminate()
-            try:
-                node.wait(60)
-            except subprocess.TimeoutExpired:
-                node.kill()
-        shutil.rmtree(sessions, ignore_errors=True)
     serial = subprocess.run([*command, "--out", str(tmp_path / "serial"), "--tiles-dir",
                              str(tmp_path / "serial-tiles")], env=head_env,
                             capture_output=True, text=True, timeout=300)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from ray_cluster import two_node_cluster
 
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 from train_zoo.backends import ray_backend
@@ -296,14 +297,6 @@ def test_train_zoo_does_not_import_ray():
 
 
 # ---------------------------------------------------------------- the README's cluster recipe
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_the_readme_cluster_recipe_trains_on_a_two_node_cluster(tmp_path):
     """The README's recipe, on a local two-node cluster: one secret token shared through
     RAY_AUTH_MODE=token and RAY_AUTH_TOKEN by every node and the driver (Ray 2.5x
@@ -312,64 +305,21 @@ def test_the_readme_cluster_recipe_trains_on_a_two_node_cluster(tmp_path):
     runs ``ray start --block`` as a child of this test, with a home folder of its own (as
     another machine), so ending them stops only this cluster. The collection equals the
     serial backend's bit for bit."""
-    import os
-    import secrets
-    import shutil
-    import tempfile
-    import time
     from pathlib import Path
 
     pytest.importorskip("ray")
-    ray_command = str(Path(sys.executable).with_name("ray"))
     posteriorzoo = str(Path(sys.executable).with_name("posteriorzoo"))
-    port, token = _free_port(), secrets.token_hex(32)
     spec = tmp_path / "spec.toml"
     spec.write_text('recipe = "optunet-mnist"\ndataset = "digits"\ncheckpoints = 2\n'
                     'base_seed = 7\n\n[recipe_overrides]\nepochs = 1\n')
 
-    def environment(home: str) -> dict[str, str]:
-        (tmp_path / home).mkdir()
-        return {**os.environ, "HOME": str(tmp_path / home), "RAY_AUTH_MODE": "token",
-                "RAY_AUTH_TOKEN": token}
-
-    head_env, node_env = environment("head"), environment("node")
-    common = ["--num-cpus=1", "--node-ip-address=127.0.0.1", "--block"]
-    # Ray's session folder holds Unix sockets, whose paths may not exceed 107 bytes:
-    # a short folder of its own, not pytest's deep tmp_path
-    sessions = tempfile.mkdtemp(prefix="pz-ray-")
-    nodes = [subprocess.Popen([ray_command, "start", "--head", f"--port={port}",
-                               "--include-dashboard=false", f"--temp-dir={sessions}",
-                               *common], env=head_env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)]
-    try:
-        def alive() -> int:
-            status = subprocess.run([ray_command, "status", f"--address=127.0.0.1:{port}"],
-                                    env=head_env, capture_output=True, text=True)
-            return status.stdout.count(" node_") if status.returncode == 0 else 0
-
-        deadline = time.monotonic() + 90
-        while alive() < 1 and time.monotonic() < deadline:
-            time.sleep(1)
-        nodes.append(subprocess.Popen([ray_command, "start", f"--address=127.0.0.1:{port}",
-                                       *common], env=node_env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL))
-        while alive() < 2 and time.monotonic() < deadline:
-            time.sleep(1)
-        assert alive() == 2, "the second node did not join"
+    with two_node_cluster(tmp_path) as (address, head_env):
         out = tmp_path / "cluster.h5"
         trained = subprocess.run([posteriorzoo, "train", str(spec), "--out", str(out),
-                                  "--backend", "ray", "--ray-address", f"127.0.0.1:{port}",
+                                  "--backend", "ray", "--ray-address", address,
                                   "--engine", "torch", "--no-progress"],
                                  env=head_env, capture_output=True, text=True, timeout=300)
         assert trained.returncode == 0, trained.stderr[-2000:]
-    finally:
-        for node in reversed(nodes):
-            node.terminate()
-            try:
-                node.wait(60)
-            except subprocess.TimeoutExpired:
-                node.kill()
-        shutil.rmtree(sessions, ignore_errors=True)
     serial = tmp_path / "serial.h5"
     from posteriorzoo.cli import main
     from posteriorzoo.zoo import open_zoo
