@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import pytest
-from zoo_helpers import checkpoint
+from zoo_helpers import make_zoo
 
 import posteriorzoo.mmd.cache as cache_module
 from posteriorzoo.collection import compare
@@ -21,7 +21,7 @@ from posteriorzoo.mmd.cache import (
     DistanceKey,
     array_row_hashes,
 )
-from posteriorzoo.zoo import create_zoo, open_zoo
+from posteriorzoo.zoo import open_zoo
 
 KEY = DistanceKey(("a" * 64, "b" * 64, "c" * 64), ("fc.weight",), ((10, 10),), "fast@cpu")
 
@@ -205,14 +205,6 @@ def test_row_hashes_follow_content_dtype_and_shape():
 
 
 # ------------------------------------------------------------------ mmd and the noise floor
-def make_zoo(path, seeds):
-    states = [checkpoint(seed) for seed in seeds]
-    with create_zoo(path, architecture="optunet", dataset="digits", method="test",
-                    num_classes=10, template=states[0]) as zoo:
-        zoo.append_many(states, [{"seed": s} for s in seeds])
-    return path
-
-
 def values(result) -> list[np.ndarray]:
     return [np.concatenate([r.mmd.values, r.mmd.bandwidths.ravel()])
             for r in result.comparison.results]

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from ray_cluster import two_node_cluster
-from zoo_helpers import checkpoint
+from zoo_helpers import make_zoo
 
 import posteriorzoo.mmd.tiles as tiles_module
 from posteriorzoo.collection.tiles import ZooRows, compare_tiles
@@ -21,17 +21,9 @@ from posteriorzoo.errors import ChecksumError, InvalidOptionError, OutputExistsE
 from posteriorzoo.mmd import compare_arrays, pooled_distances
 from posteriorzoo.mmd.sources import Layer
 from posteriorzoo.mmd.tiles import TileStore, TileWarning, plan_tiles
-from posteriorzoo.zoo import create_zoo, open_zoo
+from posteriorzoo.zoo import open_zoo
 
 KEYS = ("conv1.weight", "conv2.weight", "fc.weight", "fc.bias")
-
-
-def make_zoo(path, seeds):
-    states = [checkpoint(seed) for seed in seeds]
-    with create_zoo(path, architecture="optunet", dataset="digits", method="test",
-                    num_classes=10, template=states[0]) as zoo:
-        zoo.append_many(states, [{"seed": s} for s in seeds])
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import h5py
 import torch
 
 from posteriorzoo.models import build
+from posteriorzoo.zoo import create_zoo
 
 
 def checkpoint(seed: int, architecture: str = "optunet", **options) -> dict[str, torch.Tensor]:
@@ -23,6 +24,16 @@ def checkpoint(seed: int, architecture: str = "optunet", **options) -> dict[str,
             if key.endswith("num_batches_tracked"):
                 value.fill_(seed + 3)
     return {key: value.clone() for key, value in state.items()}
+
+
+def make_zoo(path: Path, seeds) -> Path:
+    """An optunet collection at ``path`` of ``checkpoint(seed)`` for each seed, in order
+    (the MMD tests' zoos: their contents, hence their digests, follow from the seeds)."""
+    states = [checkpoint(seed) for seed in seeds]
+    with create_zoo(path, architecture="optunet", dataset="digits", method="test",
+                    num_classes=10, template=states[0]) as zoo:
+        zoo.append_many(states, [{"seed": s} for s in seeds])
+    return path
 
 
 def flip_byte_in_chunk(path: Path, key: str, chunk: int = 0, offset: int = 3) -> None:
