@@ -439,7 +439,11 @@ def test_the_ray_backend_passes_the_plugins(folder, monkeypatch):
         def remote(self, **options):
             class Task:
                 @staticmethod
-                def remote(spec, group, engine, plugins=None):
+                def options(**resources):   # Ray's per-call resources (num_gpus)
+                    return Task
+
+                @staticmethod
+                def remote(spec, group, engine, plugins=None, *rest):
                     passed.append(plugins)
                     return group
 
