@@ -9,6 +9,7 @@ solver. :func:`canonicalize` returns a :class:`CanonicalizeResult`, :func:`min_m
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Iterator
@@ -315,12 +316,14 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
                         recipe=zoo.recipe, annotations=annotations, command=command,
                         overwrite=overwrite, publish=False) as out, \
                 progress_bar(total=count, desc="canonicalize", unit="ckpt",
-                             enabled=progress) as bar, WriteBehind() as writer:
+                             enabled=progress) as bar, WriteBehind() as writer, \
+                contextlib.closing(read_ahead(_batches(zoo, checkpoints_per_batch,
+                                                       computing))) as blocks:
             out.check_space(count)  # a full disk refused before any work
             # The next block is read and verified, and the last one written, while this
-            # one is canonicalized (posteriorzoo._pipeline).
-            for start, block, batch, non_finite in read_ahead(
-                    _batches(zoo, checkpoints_per_batch, computing)):
+            # one is canonicalized (posteriorzoo._pipeline); on an error the reader stops
+            # before the input closes, and the writer finishes before the output does.
+            for start, block, batch, non_finite in blocks:
                 canonical, report = canonicalize_batch(
                     {key: value.to(where) for key, value in batch.items()}, structure,
                     permutation, scaling, softmax, solver, signs)
