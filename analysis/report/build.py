@@ -390,7 +390,8 @@ def build_report(target: str | os.PathLike,
 
             with stage("figures"):
                 drawn, notes = report_figures(target, targets, per_layer, noise,
-                                              evaluations.get(collapse), collapse, entries)
+                                              evaluations.get(collapse), collapse, entries,
+                                              distances)
     first = evaluations.get(entries[0]["name"])
     return ReportResult(
         info, rows, noise, per_layer,

@@ -14,8 +14,9 @@ from posteriorzoo.mmd.noise import NoiseFloor
 def report_figures(target: Path, targets: Mapping[str, Any],
                    per_layer: Mapping[str, Mapping[str, Mapping[str, float]]],
                    noise: Mapping[str, NoiseFloor], collapse: Any, collapse_name: str,
-                   entries: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any],
-                                                                  dict[str, str]]:
+                   entries: Sequence[Mapping[str, Any]],
+                   distances: Mapping[str, str] | None = None
+                   ) -> tuple[dict[str, Any], dict[str, str]]:
     """Name -> Figure, and name -> a sentence of numbers for its caption.
 
     ``targets``: the target's sample sources by treatment (``"keep"``, and ``"remove"``
@@ -67,12 +68,13 @@ def report_figures(target: Path, targets: Mapping[str, Any],
                              f"{r:.2f}.")
     # each method drawn in the style of what its file holds, as posteriorzoo plot draws it
     styles = {"target": method_style("target")}
-    curves = {"target": _explained_variance(raw)}
+    distances = dict(distances or {})   # precision and device, as the noise floor's
+    curves = {"target": _explained_variance(raw, **distances)}
     for entry in entries:
         with open_zoo(Path(entry["path"]), verify=True) as zoo:
             styles[entry["name"]] = collection_style(zoo, entry["name"])
             curves[entry["name"]] = _explained_variance(
-                ZooSource(entry["name"], zoo, keys=list(raw.shapes)))
+                ZooSource(entry["name"], zoo, keys=list(raw.shapes)), **distances)
     for treatment, name in (("keep", "mmd"), ("remove", "ns-mmd")):
         if treatment in per_layer and treatment in noise:
             floor = noise[treatment]
@@ -101,21 +103,23 @@ def _unit_weights(source: Any, axes: Mapping[str, int], units: int) -> dict[str,
     return shown
 
 
-def _explained_variance(source: Any) -> np.ndarray:
+def _explained_variance(source: Any, **distances: str) -> np.ndarray:
     """The PCA curve of a source's flattened checkpoints, from their squared distances.
 
     With H the centring matrix, ``-H D H / 2`` is the Gram matrix of the centred weights
     (D: squared Euclidean distances, summed over the layers), whose eigenvalues are the
     squared singular values :func:`~analysis.figures.statistics.pca_explained_variance`
-    takes; memory is one block and the (N, N) matrices.
+    takes; memory is one block and the (N, N) matrices. ``distances``: the precision and
+    device of :func:`~posteriorzoo.mmd.self_distances` (the noise floor's, so that the
+    target's come from the distance cache).
     """
     from analysis.figures.statistics import gram_explained_variance
     from posteriorzoo.mmd import self_distances
     from posteriorzoo.mmd.sources import group_layers
 
     layers = group_layers(list(source.shapes), source.shapes)
-    squared = sum(self_distances(source, layer, getattr(source, "row_digests", None))[1]
-                  for layer in layers)
+    squared = sum(self_distances(source, layer, getattr(source, "row_digests", None),
+                                 **distances)[1] for layer in layers)
     centred = squared - squared.mean(axis=0) - squared.mean(axis=1, keepdims=True) \
         + squared.mean()
     return gram_explained_variance(-centred / 2, sum(layer.size for layer in layers))
