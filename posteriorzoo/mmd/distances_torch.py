@@ -21,22 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.devices import check_device
 from posteriorzoo.mmd.distances_fast import GRAM_CHUNK, L1_CHUNK
-
-
-def torch_device(device: str):
-    """``torch.device(device)``, refused in one line if torch does not know it or it is
-    not available here."""
-    import torch
-
-    try:
-        chosen = torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise InvalidOptionError(f"device {device!r} is not a torch device ({error})") from None
-    if chosen.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidOptionError(f"device {device!r}: no CUDA device is available here")
-    return chosen
 
 
 class TorchDistances:
@@ -48,7 +34,7 @@ class TorchDistances:
         import torch
 
         self.torch = torch
-        self.device = torch_device(device)
+        self.device = check_device(device)
         self.m, self.ns, self.within = int(m), [int(n) for n in ns], within
 
         def zeros(*shape):
