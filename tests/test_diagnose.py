@@ -166,3 +166,34 @@ def test_a_chain_with_a_diverged_draw_gets_no_chain_statistics(tmp_path):
     assert result.left_out == 1 and result.chains == []
     assert any("mode 0: 1 of its 100 samples diverged" in line and "no chain statistics"
                in line for line in result.unknown)
+
+
+def test_statistics_stream_through_blocks_of_weights(monkeypatch):
+    """diagnose reads a mode's draws in blocks of weights (100 ResNet-18 draws in float64
+    are 9 GB): with blocks of 7 weights it gives the numbers of the whole draws at once,
+    and no read exceeds the block's budget. Every statistic is per weight, so the blocks
+    compute the same function of the same values: equal bit for bit (medians and
+    percentiles of the same multiset)."""
+    import numpy as np
+
+    from posteriorzoo.collection import comparison, diagnosis
+
+    whole_chains = diagnose(reference_path("sghmc"), predictions=False).chains
+    whole_sigmas = diagnose(reference_path("bbb"), predictions=False).variational
+    budget = 8 * 100 * 7
+    monkeypatch.setattr(diagnosis, "BLOCK_BYTES", budget)
+    widest = []
+    read = comparison.ZooSource.read
+
+    def spy(self, key, index, rows=None):
+        block = read(self, key, index, rows)
+        widest.append(block.size)
+        return block
+
+    monkeypatch.setattr(comparison.ZooSource, "read", spy)
+    blocked_chains = diagnose(reference_path("sghmc"), predictions=False).chains
+    assert len(widest) > 392 // 7 and max(widest) * 8 <= budget
+    blocked_sigmas = diagnose(reference_path("bbb"), predictions=False).variational
+    assert json.dumps(blocked_chains) == json.dumps(whole_chains)
+    assert json.dumps(blocked_sigmas) == json.dumps(whole_sigmas)
+    assert np.isfinite(whole_chains[0]["ess"]["median"])

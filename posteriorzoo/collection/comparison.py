@@ -106,11 +106,13 @@ class ZooSource:
             self._direct[key] = h5py.Dataset(identifier)
         return self._direct[key]
 
-    def read(self, key: str, index: tuple) -> np.ndarray:
+    def read(self, key: str, index: tuple, rows: slice | None = None) -> np.ndarray:
+        """Rows ``rows`` (default all) of the hyperslab ``index`` of ``key``, flattened to
+        ``(rows, features)``."""
         whole = all(isinstance(i, slice) and i == slice(None) for i in index)
         dataset = self.zoo.dataset_handle(key) if whole else self._uncached(key)
-        block = dataset[(slice(0, self.rows), *index)]
-        return np.asarray(block).reshape(self.rows, -1)
+        block = np.asarray(dataset[(rows or slice(0, self.rows), *index)])
+        return block.reshape(len(block), -1)
 
     def close(self) -> None:
         self._direct.clear()

@@ -31,7 +31,7 @@ in the collection, never computed with.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,8 @@ from posteriorzoo.diagnostics import (
     DEFAULT_LAGS,
     SCALE_MOVED_FACTOR,
     TEMPERATURE_TOLERANCE,
-    chain_statistics,
+    ChainCoordinates,
+    chain_coordinates,
     scale_movement,
 )
 from posteriorzoo.errors import DataNotFoundError
@@ -63,6 +64,11 @@ RECORDED_SCALE_METHODS = ("rank-1",)
 RECORDING_METHODS = ("sghmc", "bbb", "swag", "laplace", "emp", "ecmp", "rank-1")
 NOT_RECORDED = ("unknown: not recorded (the collection was made before training records "
                 "were stored)")
+
+
+#: Budget of one block of a mode's draws (bytes, at 8 per value): 100 ResNet-18
+#: checkpoints in float64 are 9 GB, so the statistics stream through blocks of weights.
+BLOCK_BYTES = 64 << 20
 
 
 @dataclass
@@ -143,40 +149,48 @@ def _finite_rows(zoo) -> np.ndarray:
     """``(N,)`` bool: the checkpoints whose floating tensors (buffers too) are all finite,
     read one block of one tensor at a time."""
     finite = np.ones(len(zoo), dtype=bool)
-    for key, (_, dtype) in zoo.tensor_layout.items():
+    for key, (shape, dtype) in zoo.tensor_layout.items():
         if np.dtype(dtype).kind != "f":
             continue
-        for start, block in zoo.layer_blocks(key):
+        rows = max(1, BLOCK_BYTES // (np.dtype(dtype).itemsize * max(1, math.prod(shape))))
+        for start, block in zoo.layer_blocks(key, rows=rows):
             rows = block.reshape(len(block), -1)
             finite[start:start + len(block)] &= np.isfinite(rows).all(axis=1)
     return finite
 
 
-class _Parameters(Mapping):
-    """Every floating tensor of the collection as ``(N, count)`` float64, read when asked
-    for: a method without chain or sigma statistics (an ensemble, SWAG) reads none, and
-    the sigma statistics hold one layer at a time (100 ResNet-18 checkpoints in float64
-    are 9 GB)."""
-
-    def __init__(self, zoo) -> None:
-        self._zoo = zoo
-        self._keys = [key for key, (_, dtype) in zoo.tensor_layout.items()
-                      if np.dtype(dtype).kind == "f" and "running_" not in key]
-
-    def __getitem__(self, key: str) -> np.ndarray:
-        if key not in self._keys:
-            raise KeyError(key)
-        return np.asarray(self._zoo.layer(key), dtype=np.float64).reshape(len(self._zoo), -1)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
+def _weight_keys(zoo) -> list[str]:
+    """The floating tensors whose samples are statistics: not BatchNorm's running ones."""
+    return [key for key, (_, dtype) in zoo.tensor_layout.items()
+            if np.dtype(dtype).kind == "f" and "running_" not in key]
 
 
-def _chain_part(modes, layers, options, records, lags, flags, unknown, finite):
-    flat = np.concatenate(list(layers.values()), axis=1)
+def _mode_blocks(zoo, rows: np.ndarray, keys: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+    """``(key, block)`` over ``keys`` in order: ``block`` is ``(len(rows), b)`` float64,
+    the checkpoints ``rows`` (in that order) at ``b`` consecutive weights of ``key``.
+
+    Only the rows' span is read, one HDF5 hyperslab per block (a mode's rows are
+    consecutive in a collection in mode order), so memory is one block whatever the
+    collection's size.
+    """
+    from posteriorzoo.collection.comparison import ZooSource
+    from posteriorzoo.mmd.sources import block_plan, features_per_block
+
+    source = ZooSource("diagnose", zoo, keys=keys)
+    first, last = int(rows.min()), int(rows.max())
+    span = slice(first, last + 1)
+    features = features_per_block(last + 1 - first, BLOCK_BYTES)
+    try:
+        for key in keys:
+            for index in block_plan(source.shapes[key], features):
+                block = source.read(key, index, rows=span)
+                yield key, block[rows - first].astype(np.float64)
+    finally:
+        source.close()
+
+
+def _chain_part(zoo, modes, options, records, lags, flags, unknown, finite):
+    keys = _weight_keys(zoo)
     chains_per_mode = int(options.get("chains", 1))
     parts = []
     for mode, rows in modes.items():
@@ -191,9 +205,10 @@ def _chain_part(modes, layers, options, records, lags, flags, unknown, finite):
             unknown.append(f"mode {mode}: {len(rows)} samples in {chains_per_mode} chain(s) "
                            "are too few for chain statistics (4 per chain)")
             continue
-        draws = flat[rows[:per_chain * chains_per_mode]].reshape(
-            chains_per_mode, per_chain, flat.shape[1])
-        stats = chain_statistics(draws, lags=tuple(lag for lag in lags if lag < per_chain))
+        chain_lags = tuple(lag for lag in lags if lag < per_chain)
+        blocks = [chain_coordinates(block.reshape(chains_per_mode, per_chain, -1), chain_lags)
+                  for _, block in _mode_blocks(zoo, rows[:per_chain * chains_per_mode], keys)]
+        stats = ChainCoordinates.join(blocks).summary()
         entry = {"mode": mode, **stats.to_dict(), "kinetic_temperature": None,
                  "exact_temperature": None}
         flags.extend(f"mode {mode}: {flag}" for flag in stats.flags())
@@ -216,24 +231,25 @@ def _layer_of(key: str) -> str:
     return key.rsplit(".", 1)[0] if "." in key else key
 
 
-def _variational_part(zoo, modes, layers, options, records, flags, unknown):
+def _variational_part(zoo, modes, options, records, flags, unknown):
     kinds = {_layer_of(key): ("conv" if len(shape) >= 3 else "linear")
              for key, (shape, _) in zoo.tensor_layout.items() if key.endswith("weight")}
     rho = {"linear": float(options.get("rho_linear", -7.0)),
            "conv": float(options.get("rho_conv", -6.0))}
+    keys = [key for key in _weight_keys(zoo) if _layer_of(key) in kinds]
     parts = []
     for mode, rows in modes.items():
         if len(rows) < 2:
             unknown.append(f"mode {mode}: one sample tells no sigma" if len(rows) else
                            f"mode {mode}: every sample diverged, none tells a sigma")
             continue
+        sigmas: dict[str, list[np.ndarray]] = {key: [] for key in keys}
+        for key, block in _mode_blocks(zoo, rows, keys):
+            sigmas[key].append(block.std(axis=0, ddof=1))
         moved = []
-        for key, values in layers.items():
-            kind = kinds.get(_layer_of(key))
-            if kind is None:
-                continue
-            initial = math.log1p(math.exp(rho[kind]))
-            sample_sigma = values[rows].std(axis=0, ddof=1)
+        for key, pieces in sigmas.items():
+            initial = math.log1p(math.exp(rho[kinds[_layer_of(key)]]))
+            sample_sigma = np.concatenate(pieces)
             if not (sample_sigma > 0).any():
                 continue
             factor = scale_movement(np.array([initial]),
@@ -344,15 +360,13 @@ def diagnose(source: Source, *, predictions: bool = True, data_dir: str | None =
         records = zoo.training_records()
         finite = _finite_rows(zoo)
         modes = _by_mode(metadata)
-        layers = _Parameters(zoo)
         chains = variational = None
         if zoo.method in CHAIN_METHODS:
-            chains = _chain_part(modes, layers, options, records, lags, flags, unknown,
-                                 finite)
+            chains = _chain_part(zoo, modes, options, records, lags, flags, unknown, finite)
         if zoo.method in VARIATIONAL_METHODS:
             finite_modes = {mode: rows[finite[rows]] for mode, rows in modes.items()}
-            variational = _variational_part(zoo, finite_modes, layers, options, records,
-                                            flags, unknown)
+            variational = _variational_part(zoo, finite_modes, options, records, flags,
+                                            unknown)
         elif zoo.method in RECORDED_SCALE_METHODS:
             variational = _recorded_scales_part(modes, records, flags, unknown)
         build = {str(mode): record_ for mode, record_ in records.items()}
