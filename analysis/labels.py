@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from posteriorzoo.vocabulary import METHODS
+
 __all__ = ["METHOD_LABELS", "collection_label"]
 
-#: Display names of the methods (multi-mode versions get "MM-").
-METHOD_LABELS = {"de": "DE", "mc-dropout": "Dropout", "bbb": "BBB", "swag": "SWAG",
-                 "laplace": "Laplace", "sghmc": "SGHMC", "emp": "EMP", "ecmp": "ECMP",
-                 "rank-1": "Rank-1"}
+#: Display names of the methods (multi-mode versions get "MM-"), the vocabulary's.
+METHOD_LABELS = {name: info.label for name, info in METHODS.items()}
 
 
 def collection_label(zoo: Any) -> str:

@@ -70,10 +70,10 @@ def datasets() -> tuple[str, str]:
 def collections(quick: bool, folder: Path) -> tuple[Path, list[Path]]:
     """The shipped target and method collections; with ``quick``, copies of the first
     200 target checkpoints and of the first 20 of three methods in ``folder``."""
-    from posteriorzoo.reference import METHODS, reference_path
+    from posteriorzoo.reference import METHOD_COLLECTIONS, reference_path
 
     if not quick:
-        return reference_path("target"), [reference_path(n) for n in ("de", *METHODS)]
+        return reference_path("target"), [reference_path(n) for n in ("de", *METHOD_COLLECTIONS)]
     return (_head(reference_path("target"), 200, folder),
             [_head(reference_path(name), 20, folder) for name in ("de", "swag", "laplace")])
 

@@ -38,7 +38,7 @@ from posteriorzoo.options import check_choice, check_integer
 __all__ = [
     "BBB",
     "EMP",
-    "METHODS",
+    "COUNTED_METHODS",
     "PATCHES",
     "RANK1",
     "ArchitectureOverhead",
@@ -57,9 +57,8 @@ __all__ = [
     "weighted_layers",
 ]
 
-EMP, RANK1, BBB = "emp", "rank1", "bbb"
-#: The methods counted, in the order they are reported.
-METHODS = (EMP, RANK1, BBB)
+#: The methods counted, in the order they are reported (the vocabulary's names).
+COUNTED_METHODS = (EMP, RANK1, BBB) = ("emp", "rank-1", "bbb")
 #: EMP/ECMP patches: BatchNorm affine; BN and the output layer; the input and output layers.
 PATCHES = ("bn", "bn+out", "in+out")
 #: The seeds' numbers of components: EMP/ECMP K = 5 (seed 001), Rank-1 K = 4 (seed 002).

@@ -28,7 +28,7 @@ from posteriorzoo.errors import (
     DataNotFoundError,
     InvalidOptionError,
 )
-from posteriorzoo.reference import METHODS
+from posteriorzoo.reference import METHOD_COLLECTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ROOT / "posteriorzoo" / "data" / "bundled" / "fashion-mnist"
@@ -206,7 +206,7 @@ def test_demo_writes_the_report_with_no_data_anywhere(tmp_path):
     assert (out / "report" / "report.html").is_file()
     report = json.loads((out / "demo-summary.json").read_text())["report"]
     # every shipped method collection and the Deep Ensemble
-    assert len(report["table1"]) == len(METHODS) + 1 and report["ood"] == "digits"
+    assert len(report["table1"]) == len(METHOD_COLLECTIONS) + 1 and report["ood"] == "digits"
     assert set(_cached(tmp_path / "cache")) <= {"digits/prepared"}  # no download
     # it ends saying how to run the command line
     assert any("posteriorzoo --help" in line for line in done.stdout.splitlines()[-2:])

@@ -230,12 +230,12 @@ def test_mean_field_on_resnet18_and_rank1_on_resnet50_and_wrn() -> None:
     _, bbb = _method("resnet18-imagenet", "bbb")
     assert f"{bbb.total / 1e6:.1f}M" == "23.4M"                     # seed 001, Table 1
     assert f"{100 * bbb.fraction:.0f}%" == "100%"
-    row, rank1 = _method("resnet50", "rank1")
+    row, rank1 = _method("resnet50", "rank-1")
     assert f"{row.parameters / 1e6:.1f}M" == "25.6M"                # seed 002, Table 1
     assert f"{rank1.total / 1e6:.1f}M" == "26.0M"
     # its BatchEnsemble row (25.8M) is the same factors, means only: half the added part
     assert f"{(row.parameters + rank1.added // 2) / 1e6:.1f}M" == "25.8M"
-    row, rank1 = _method("wrn28-10", "rank1", num_classes=10)
+    row, rank1 = _method("wrn28-10", "rank-1", num_classes=10)
     assert f"{row.parameters / 1e6:.1f}M" == "36.5M"                # seed 002, Table 2
     assert f"{rank1.total / 1e6:.1f}M" == "36.6M"
 
@@ -283,7 +283,7 @@ def test_cli_json_equals_the_core(capsys) -> None:
     assert row["parameters"] == 36_536_884
     expected = architecture_overhead("wrn28-10", 100, emp_components=3, rank1_components=2)
     assert row == json.loads(json.dumps(expected.to_dict()))
-    rank1 = next(m for m in row["methods"] if m["method"] == "rank1")
+    rank1 = next(m for m in row["methods"] if m["method"] == "rank-1")
     assert rank1["added"] == 2 * 2 * 19_671 and rank1["components"] == 2
 
 

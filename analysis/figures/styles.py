@@ -10,8 +10,9 @@ the report's labels (``SWAG``, ``MM-SWAG``, ``BBB (trained-variance)``,
 (``optunet-fashion-mnist-swag-multi-mode``) get the same style, because the style is read
 from the method the name mentions:
 
-- the colour says the method (Deep Ensemble, MC Dropout, BBB, BBB with trained variance,
-  SWAG, Laplace, SGHMC; the target is black);
+- the colour says the method (each method's ``colour`` in
+  :data:`posteriorzoo.vocabulary.METHODS`, named by its name or its label; BBB with
+  trained variance has its own; the target is black);
 - the marker says single-mode (circle), multi-mode (square, ``MM-`` or ``multi-mode``)
   or a Deep Ensemble (diamond), and lines are dashed for multi-mode methods;
 - ``plot pca --symmetries both`` names its curves ``NAME (raw)`` and ``NAME (canonical)``:
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from analysis.labels import collection_label
+from posteriorzoo.vocabulary import METHODS
 
 __all__ = ["MethodStyle", "collection_style", "method_style"]
 
@@ -43,12 +45,19 @@ class MethodStyle:
     linestyle: str
 
 
-#: Method (as the name spells it) -> colour; checked in this order, so the trained-variance
-#: BBB is told from the paper's.
-_COLOURS = (("trained-variance", "#e377c2"), ("dropout", "#ff7f0e"), ("sghmc", "#8c564b"),
-            ("swag", "#d62728"), ("laplace", "#9467bd"), ("bbb", "#2ca02c"), ("de", "#1f77b4"),
-            ("ensemble", "#1f77b4"), ("ecmp", "#17becf"), ("emp", "#bcbd22"),
-            ("rank-1", "#393b79"))
+#: Preset (as the name spells it) -> colour, checked before the methods: the
+#: trained-variance BBB is told from the paper's (a BBB, so a single- or multi-mode one).
+_PRESET_COLOURS = {"trained-variance": "#e377c2"}
+#: Other words that name a method in a file name.
+_ALIASES = {"ensemble": "de"}
+#: (word, method): the words a name may use for a method (its name, its label, an
+#: alias), in the order checked: every method, Deep Ensembles last (a name that mentions
+#: another method too is that method's).
+_WORDS = tuple(
+    (word, name)
+    for name in sorted(METHODS, key=lambda name: METHODS[name].family == "ensemble")
+    for word in dict.fromkeys((name, METHODS[name].label.lower(),
+                               *(alias for alias, of in _ALIASES.items() if of == name))))
 _TARGET = MethodStyle("#000000", "*", "-")
 #: Colours and markers of names that mention no known method (none of the above).
 _OTHER_COLOURS = ("#7f7f7f", "#637939", "#843c39", "#e7ba52", "#7b4173", "#ad494a")
@@ -82,11 +91,19 @@ def method_style(name: str) -> MethodStyle:
     if words[-1:] == ["target"]:
         return _target(canonical)
     multi = (bool(words) and words[0] == "mm") or "multi-mode" in text or "multimode" in text
-    for token, colour in _COLOURS:
-        if token in text if "-" in token else token in words:
-            deep_ensemble = token in ("de", "ensemble")
+
+    def mentions(word: str) -> bool:
+        return word in text if "-" in word else word in words
+
+    preset = next((colour for word, colour in _PRESET_COLOURS.items() if mentions(word)), None)
+    for word, method in _WORDS:
+        if mentions(word):
+            deep_ensemble = METHODS[method].family == "ensemble"
             marker = "D" if deep_ensemble else "s" if multi else "o"
-            return MethodStyle(colour, marker, _line(multi and not deep_ensemble, canonical))
+            return MethodStyle(preset or METHODS[method].colour, marker,
+                               _line(multi and not deep_ensemble, canonical))
+    if preset:
+        return MethodStyle(preset, "s" if multi else "o", _line(multi, canonical))
     digest = hashlib.sha256(" ".join(words).encode("utf-8")).digest()
     return MethodStyle(_OTHER_COLOURS[digest[0] % len(_OTHER_COLOURS)],
                        _OTHER_MARKERS[digest[1] % len(_OTHER_MARKERS)], _line(multi, canonical))

@@ -108,11 +108,11 @@ def report_step(out: Path, final: Path, command: str, progress: bool,
     from analysis.report.tables import TABLE1_COLUMNS
     from posteriorzoo.data import load_dataset
     from posteriorzoo.errors import PosteriorZooError
-    from posteriorzoo.reference import METHODS, reference_path
+    from posteriorzoo.reference import METHOD_COLLECTIONS, reference_path
 
     try:
         load_dataset("fashion-mnist", "test", download=False)
-        methods = [reference_path(name) for name in ("de", *METHODS)]
+        methods = [reference_path(name) for name in ("de", *METHOD_COLLECTIONS)]
         target = reference_path("target")
     except PosteriorZooError as error:
         print(f"[2] report on the reference zoo: skipped ({error})")

@@ -1,20 +1,23 @@
 """Diagnose a collection: what its samples and its recorded training say, not what the
 method promises (``posteriorzoo diagnose``).
 
-Three parts, each present where it applies:
+Three parts, each present where it applies; what applies is read from the method's entry
+in :data:`posteriorzoo.vocabulary.METHODS` (its family, whether its samples show a sigma,
+what it records), so a new method gets them by being described there:
 
 - **every collection:** sample diversity (the spread of the members' test accuracies, and
   with predictions the ensemble's in-distribution mutual information, IDMI) and what the
   method recorded at build time (SWAG's rank and iterates, Laplace's prior precision and
   evidence, ...);
-- **chains** (SGHMC): per mode, the samples split into the method's ``chains`` in
-  sample order, then :func:`posteriorzoo.diagnostics.chain_statistics` on every weight,
-  and the kinetic temperature each chain recorded;
-- **variational** (BBB): per layer, the standard deviation of the samples around their
-  mode (the learned sigma: a sample is ``mu + sigma * eps``) against the initial sigma of
-  the method's options, and the recorded sigma and ELBO terms at the start and the end of
-  training. Rank-1 (whose samples are products, so their spread is not a sigma): per
-  layer and factor, the recorded median scale at the start and the end of training.
+- **chains** (the ``chain`` family: SGHMC): per mode, the samples split into the method's
+  ``chains`` in sample order, then :func:`posteriorzoo.diagnostics.chain_statistics` on
+  every weight, and the kinetic temperature each chain recorded;
+- **variational** (samples ``mu + sigma * eps``: BBB): per layer, the standard deviation
+  of the samples around their mode (the learned sigma) against the initial sigma of the
+  method's options, and the recorded sigma and ELBO terms at the start and the end of
+  training. A method that records its ``scales`` (Rank-1, whose samples are products, so
+  their spread is not a sigma): per layer and factor, the recorded median scale at the
+  start and the end of training.
 
 A collection made before training records existed still gets every statistic its
 samples allow; what only a record can tell is reported as unknown, with the reason.
@@ -50,18 +53,10 @@ from posteriorzoo.diagnostics import (
 from posteriorzoo.errors import DataNotFoundError
 from posteriorzoo.provenance import record
 from posteriorzoo.results import CollectionResult, csv_text
+from posteriorzoo.vocabulary import method_info
 
 __all__ = ["DiagnoseResult", "diagnose"]
 
-#: Methods whose samples are Markov-chain draws.
-CHAIN_METHODS = ("sghmc",)
-#: Methods with a mean-field Gaussian posterior whose samples are ``mu + sigma * eps``.
-VARIATIONAL_METHODS = ("bbb",)
-#: Variational methods whose record holds how their scales moved (``"scales"``: per
-#: factor, the median scale at the start and the end), read instead of the samples.
-RECORDED_SCALE_METHODS = ("rank-1",)
-#: Methods whose phase records what it did while training (DE and MC Dropout have none).
-RECORDING_METHODS = ("sghmc", "bbb", "swag", "laplace", "emp", "ecmp", "rank-1")
 NOT_RECORDED = ("unknown: not recorded (the collection was made before training records "
                 "were stored)")
 
@@ -361,16 +356,20 @@ def diagnose(source: Source, *, predictions: bool = True, data_dir: str | None =
         finite = _finite_rows(zoo)
         modes = _by_mode(metadata)
         chains = variational = None
-        if zoo.method in CHAIN_METHODS:
+        # what the method is decides what is computed (posteriorzoo.vocabulary); a method
+        # the vocabulary does not know gets the statistics every collection gets
+        info = method_info(zoo.method)
+        family, records_kinds = (info.family, info.records) if info else (None, ())
+        if family == "chain":
             chains = _chain_part(zoo, modes, options, records, lags, flags, unknown, finite)
-        if zoo.method in VARIATIONAL_METHODS:
+        if info is not None and info.sample_sigma:
             finite_modes = {mode: rows[finite[rows]] for mode, rows in modes.items()}
             variational = _variational_part(zoo, finite_modes, options, records, flags,
                                             unknown)
-        elif zoo.method in RECORDED_SCALE_METHODS:
+        elif "scales" in records_kinds:
             variational = _recorded_scales_part(modes, records, flags, unknown)
         build = {str(mode): record_ for mode, record_ in records.items()}
-        if not records and zoo.method in RECORDING_METHODS:
+        if not records and records_kinds:
             unknown.append(f"build-time records {NOT_RECORDED}")
         flags = _grouped(flags)
         diversity = _diversity(zoo, metadata, predictions, data_dir, unknown, finite)

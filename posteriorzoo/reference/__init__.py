@@ -39,14 +39,16 @@ from posteriorzoo.zoo import Zoo, open_zoo
 
 #: The method collections in the order of the paper's Table 1 (single-, then multi-mode;
 #: the seeds' variants after the paper's single-mode methods).
-METHODS = ("mc-dropout", "bbb", "bbb-trained-variance", "swag", "laplace", "sghmc", "emp",
-           "ecmp", "rank-1", "mc-dropout-multi-mode", "bbb-multi-mode",
-           "bbb-trained-variance-multi-mode", "swag-multi-mode", "laplace-multi-mode")
+METHOD_COLLECTIONS = ("mc-dropout", "bbb", "bbb-trained-variance", "swag", "laplace", "sghmc",
+                      "emp", "ecmp", "rank-1", "mc-dropout-multi-mode", "bbb-multi-mode",
+                      "bbb-trained-variance-multi-mode", "swag-multi-mode",
+                      "laplace-multi-mode")
 #: Name -> file name of every shipped collection.
-COLLECTIONS = {name: f"optunet-fashion-mnist-{name}.h5" for name in ("target", "de", *METHODS)}
+COLLECTIONS = {name: f"optunet-fashion-mnist-{name}.h5"
+               for name in ("target", "de", *METHOD_COLLECTIONS)}
 #: Name -> the spec that produced it, relative to the repository root.
 SPECS = {name: f"specs/optunet-fashion-mnist-{name}.toml" for name in COLLECTIONS}
-__all__ = ["COLLECTIONS", "METHODS", "SPECS", "open_reference", "reference_path"]
+__all__ = ["COLLECTIONS", "METHOD_COLLECTIONS", "SPECS", "open_reference", "reference_path"]
 
 
 @public
