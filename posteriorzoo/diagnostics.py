@@ -28,6 +28,9 @@ from posteriorzoo.errors import InvalidOptionError, SampleSizeError
 #: R-hat above this: the chains have not converged to one distribution (Vehtari et al.
 #: 2021 recommend 1.01 for final results; 1.05 is the usual warning level).
 R_HAT_LIMIT = 1.05
+#: Vehtari et al. (2021)'s threshold for final results: the share of coordinates above
+#: it is reported beside the median (a median of 1.045 can hide 82% above 1.01).
+R_HAT_STRICT = 1.01
 #: ESS below this fraction of the draws: the draws are strongly autocorrelated.
 ESS_FRACTION = 0.5
 #: Kinetic temperature more than this fraction above the exact chain's: too hot.
@@ -55,24 +58,28 @@ DEFAULT_LAGS = (1, 5, 10)
 
 @dataclass(frozen=True)
 class Summary:
-    """A per-coordinate statistic summarised: its median and its worst tenth (the 10th
-    percentile where low is bad, like ESS; the 90th where high is bad), over the
-    ``count`` coordinates where it is defined (constant coordinates have none)."""
+    """A per-coordinate statistic summarised over the ``count`` coordinates where it is
+    defined (constant coordinates have none): its median, its worst tenth (the 10th
+    percentile where low is bad, like ESS; the 90th where high is bad) and its worst value
+    (the minimum, or the maximum)."""
 
     median: float
     worst_tenth: float
     count: int
+    worst: float = float("nan")
 
     def to_dict(self) -> dict[str, float | int]:
-        return {"median": self.median, "worst_tenth": self.worst_tenth, "count": self.count}
+        return {"median": self.median, "worst_tenth": self.worst_tenth, "worst": self.worst,
+                "count": self.count}
 
 
 def _summary(values: np.ndarray, low_is_bad: bool) -> Summary:
     finite = values[np.isfinite(values)]
     if finite.size == 0:
         return Summary(float("nan"), float("nan"), 0)
-    worst = np.percentile(finite, 10 if low_is_bad else 90)
-    return Summary(float(np.median(finite)), float(worst), int(finite.size))
+    tenth = np.percentile(finite, 10 if low_is_bad else 90)
+    worst = finite.min() if low_is_bad else finite.max()
+    return Summary(float(np.median(finite)), float(tenth), int(finite.size), float(worst))
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,9 @@ class ChainStatistics:
         standard deviation, averaged over chains.
     constant : int
         Coordinates that never move (no statistic).
+    r_hat_above_strict : float
+        Share of the coordinates with an R-hat whose R-hat exceeds :data:`R_HAT_STRICT`
+        (1.01, Vehtari et al. 2021's threshold for final results).
     """
 
     chains: int
@@ -104,6 +114,7 @@ class ChainStatistics:
     autocorrelation: dict[int, Summary]
     drift: Summary
     constant: int
+    r_hat_above_strict: float = float("nan")
 
     def flags(self) -> list[str]:
         """The :data:`FLAGS` these statistics raise."""
@@ -120,7 +131,13 @@ class ChainStatistics:
                 "autocorrelation": {str(lag): summary.to_dict()
                                     for lag, summary in self.autocorrelation.items()},
                 "drift": self.drift.to_dict(), "constant": self.constant,
-                "flags": self.flags()}
+                "r_hat_above_1_01": self.r_hat_above_strict, "flags": self.flags()}
+
+
+def _share_above(values: np.ndarray, limit: float) -> float:
+    """The share of the finite ``values`` above ``limit`` (NaN when none is finite)."""
+    finite = values[np.isfinite(values)]
+    return float((finite > limit).mean()) if finite.size else float("nan")
 
 
 @dataclass(frozen=True)
@@ -172,7 +189,8 @@ class ChainCoordinates:
             r_hat=_summary(self.r_hat, low_is_bad=False),
             autocorrelation={lag: _summary(values, low_is_bad=False)
                              for lag, values in self.autocorrelation.items()},
-            drift=_summary(self.drift, low_is_bad=False), constant=self.constant)
+            drift=_summary(self.drift, low_is_bad=False), constant=self.constant,
+            r_hat_above_strict=_share_above(self.r_hat, R_HAT_STRICT))
 
 
 def chain_coordinates(draws: np.ndarray, lags: tuple[int, ...] = DEFAULT_LAGS

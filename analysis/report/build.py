@@ -478,7 +478,9 @@ def diagnosis_row(name: str, diagnosis: Any) -> dict[str, Any]:
                  + f" (exact chain {chain['exact_temperature']:.2f})")
         parts.append(
             f"mode {chain['mode']}: {chain['chains']} chain(s) x {chain['draws']} draws, ESS "
-            f"median {chain['ess']['median']:.1f}, R-hat median {chain['r_hat']['median']:.2f},"
+            f"median {chain['ess']['median']:.1f}, R-hat median {chain['r_hat']['median']:.2f}"
+            f" (max {chain['r_hat']['worst']:.2f}; {100 * chain['r_hat_above_1_01']:.0f}% of "
+            f"weights above 1.01),"
             f" lag-1 autocorrelation {chain['autocorrelation'].get('1', {}).get('median', 0):.2f},"
             f" halves {chain['drift']['median']:.2f} sd apart, kinetic temperature {shown}")
     layers = [v for v in diagnosis.variational or [] if v.get("moved_factor") is not None]

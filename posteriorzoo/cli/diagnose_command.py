@@ -67,7 +67,9 @@ def _print(result) -> None:
         print(f"  mode {chain['mode']}: {chain['chains']} chain(s) x {chain['draws']} draws: "
               f"ESS median {chain['ess']['median']:.1f} (worst tenth "
               f"{chain['ess']['worst_tenth']:.1f}), R-hat median {chain['r_hat']['median']:.3f} "
-              f"(worst tenth {chain['r_hat']['worst_tenth']:.3f}), lag-1 autocorrelation "
+              f"(worst tenth {chain['r_hat']['worst_tenth']:.3f}, max "
+              f"{chain['r_hat']['worst']:.3f}, {100 * chain['r_hat_above_1_01']:.0f}% of "
+              f"weights above 1.01), lag-1 autocorrelation "
               f"{chain['autocorrelation'].get('1', {}).get('median', float('nan')):.3f}, "
               f"drift {chain['drift']['median']:.2f} sd, kinetic temperature "
               f"{_number(chain['kinetic_temperature'])}")

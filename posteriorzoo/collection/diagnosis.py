@@ -115,11 +115,13 @@ class DiagnoseResult(CollectionResult):
         tables = {}
         if self.chains:
             tables["chains.csv"] = csv_text(
-                ["mode", "chains", "draws", "ess_median", "ess_worst_tenth", "r_hat_median",
-                 "r_hat_worst_tenth", "autocorrelation_lag1_median", "drift_median",
+                ["mode", "chains", "draws", "ess_median", "ess_worst_tenth", "ess_min",
+                 "r_hat_median", "r_hat_worst_tenth", "r_hat_max", "r_hat_above_1_01",
+                 "autocorrelation_lag1_median", "drift_median",
                  "kinetic_temperature", "exact_temperature"],
                 ([c["mode"], c["chains"], c["draws"], c["ess"]["median"],
-                  c["ess"]["worst_tenth"], c["r_hat"]["median"], c["r_hat"]["worst_tenth"],
+                  c["ess"]["worst_tenth"], c["ess"]["worst"], c["r_hat"]["median"],
+                  c["r_hat"]["worst_tenth"], c["r_hat"]["worst"], c["r_hat_above_1_01"],
                   c["autocorrelation"]["1"]["median"] if "1" in c["autocorrelation"]
                   else None, c["drift"]["median"], c["kinetic_temperature"],
                   c["exact_temperature"]] for c in self.chains))
