@@ -46,8 +46,8 @@ def test_the_listing_and_the_validation_read_the_registry():
     assert [(row["method"], row["option"]) for row in rows] == expected
     for name, method in registry.REGISTRY.items():
         assert option_table(name) is method.option_table()
-    with pytest.raises(UnknownNameError, match="unknown method 'sgld'.*de, mc-dropout"):
-        option_table("sgld")
+    with pytest.raises(UnknownNameError, match="unknown method 'svgd-x'.*de, mc-dropout"):
+        option_table("svgd-x")
 
 
 def test_no_method_is_named_outside_its_module_and_the_registry():
