@@ -5,7 +5,9 @@ cycles of ``L`` steps. Step ``k`` (0-based) runs at the cosine step size::
 
     lr_k = lr / 2 * (cos(pi * (k mod L) / L) + 1)
 
-falling from ``lr`` to about 0 within every cycle, then jumping back: the large steps at a
+falling from ``lr`` to about 0 within every cycle, then jumping back (``lr`` by default
+``alpha`` times the recipe's ``lr / (1 - momentum)``: the step the recipe's momentum SGD
+takes, which the update below takes at friction ``alpha``): the large steps at a
 cycle's start leave the mode the last cycle found, the small ones at its end settle into
 the next. Each cycle has two stages:
 
@@ -53,7 +55,6 @@ from train_zoo.methods.base import (
     Resolved,
     constant,
     generator_for,
-    recipe_lr,
     with_context,
 )
 from train_zoo.methods.common import Params, parameters_of
@@ -151,6 +152,17 @@ def _cycles_default(context: Context) -> Resolved:
              f"dividing samples_per_mode={per_mode})")
 
 
+def _lr_default(context: Context) -> Resolved:
+    # The recipe's SGD takes lr / (1 - momentum) steps once its momentum has built up;
+    # the SGHMC form takes eta / alpha (v = (1 - alpha) v + eta g): so lr = alpha x that
+    # keeps the recipe's effective step at each cycle's start.
+    recipe = context.recipe
+    alpha = context.resolved.get("alpha", 1.0)
+    return Resolved(alpha * recipe.lr / (1 - recipe.momentum),
+                    f"derived from the recipe (lr {recipe.lr:g}, momentum "
+                    f"{recipe.momentum:g}) and alpha {alpha:g}")
+
+
 def _epochs_default(context: Context) -> Resolved:
     return Resolved(context.recipe.epochs, "derived from the recipe (its epochs)")
 
@@ -174,9 +186,11 @@ class CyclicalSgmcmc(Method):
                          constant(self.alpha), f"{self.alpha:g}",
                          "friction in (0, 1]: 1 - the momentum of the exploration stage"),)
         return (
-            MethodOption("lr", with_context(check_number, 0, strict=True), recipe_lr,
-                         "the recipe's lr", "step size at each cycle's start, on the mean "
-                         "loss (the chain's step on the full-data posterior is lr_k / N)"),
+            *friction,
+            MethodOption("lr", with_context(check_number, 0, strict=True), _lr_default,
+                         "alpha x the recipe's lr / (1 - its momentum)",
+                         "step size at each cycle's start, on the mean loss (the chain's "
+                         "step on the full-data posterior is lr_k / N)"),
             MethodOption("epochs", with_context(check_integer, 1, MAX_EPOCHS),
                          _epochs_default, "the recipe's epochs",
                          "the run's budget in epochs of the recipe's batches"),
@@ -191,7 +205,6 @@ class CyclicalSgmcmc(Method):
             MethodOption("keep_fraction", _fraction, constant(KEEP_FRACTION),
                          f"{KEEP_FRACTION:g}", "share of each cycle, at its end, over "
                          "which its samples are kept, in (0, 1]"),
-            *friction,
             MethodOption("prior_precision", laplace.prior_check(("training",)),
                          constant("training"), "training",
                          f"training (N x weight decay) or a number in [{low:g}, {high:g}]"),
