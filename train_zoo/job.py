@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
+from posteriorzoo.vocabulary import ENGINES
 from train_zoo import fast, vectorised
 from train_zoo.data import TrainingData, check_channels, load_training_data
 from train_zoo.device import CPU, TrainingDevice, resolve_device
@@ -20,8 +21,6 @@ from train_zoo.methods.registry import get_method
 from train_zoo.programs import produce_mode
 from train_zoo.result import CheckpointResult
 from train_zoo.spec import ZooSpec
-
-ENGINES = ("auto", "torch", "fast", "vectorised")
 
 
 def resolve_engine(spec: ZooSpec, engine: str, device: TrainingDevice = CPU) -> str:

@@ -37,7 +37,9 @@ from analysis.figures.statistics import (
 )
 from analysis.figures.styles import MethodStyle, method_style
 from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.options import check_choice
 from posteriorzoo.text import MMD_DISPLAY_SCALE, matplotlib_text, scaled_label
+from posteriorzoo.vocabulary import SYMMETRIES
 
 __all__ = ["collapse_figure", "marginals_figure", "mass_figure", "mmd_figure", "pca_figure"]
 
@@ -337,8 +339,7 @@ def mmd_figure(per_layer: Mapping[str, Mapping[str, float]],
     Figure
         One axis; a log or symlog scale when the values span more than two decades.
     """
-    if symmetries not in ("keep", "remove"):
-        raise InvalidOptionError(f"symmetries must be 'keep' or 'remove', not {symmetries!r}")
+    check_choice("symmetries", symmetries, tuple(SYMMETRIES))
     if not per_layer:
         raise InvalidOptionError("no method to draw")
     layers = list(dict.fromkeys(name for values in per_layer.values() for name in values))
@@ -368,7 +369,7 @@ def mmd_figure(per_layer: Mapping[str, Mapping[str, float]],
                   ha="right", fontsize=8)
     ax.set_xlim(-0.6, len(layers) - 0.4)
     ax.set_xlabel("layer (one parameter tensor)")
-    name = "MMD" if symmetries == "keep" else "NS-MMD"
+    name = SYMMETRIES[symmetries].statistic
     ax.set_ylabel(f"{scaled_label(name + '$^2$', scale)} to the target (unitless)\n"
                   f"{matplotlib_text(statistic)} over "
                   f"{kernels} kernels, {axis_scale.split(' ')[0]} scale", fontsize=9)

@@ -21,6 +21,8 @@ import numpy as np
 
 from analysis.figures.statistics import gram_explained_variance
 from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.options import check_choice
+from posteriorzoo.vocabulary import KERNEL_STATISTICS, SYMMETRY_CHOICES
 
 __all__ = ["CollapseData", "MarginalLayers", "canonical_copy", "collapse_data",
            "marginal_layers", "mmd_noise_band", "mmd_values", "pca_curve", "select_keys",
@@ -115,8 +117,7 @@ def marginal_layers(path: PathLike, layers: Sequence[str] | None = None, *,
     """
     from posteriorzoo.zoo import open_zoo
 
-    if symmetries not in ("keep", "remove", "both"):
-        raise InvalidOptionError(f"symmetries must be keep, remove or both, not {symmetries!r}")
+    check_choice("symmetries", symmetries, SYMMETRY_CHOICES)
     with open_zoo(path, verify=verify) as zoo:
         if len(zoo) < 2:
             raise InvalidOptionError(f"{path}: marginals need at least 2 checkpoints")
@@ -203,8 +204,7 @@ def mmd_values(report, symmetries: str = "keep", statistic: str = "median"
                ) -> dict[str, dict[str, float]]:
     """``{method: {layer: value}}`` of a :class:`~posteriorzoo.collection.CompareResult`
     for one treatment; ``statistic``: median, mean or max over the kernels."""
-    if statistic not in ("median", "mean", "max"):
-        raise InvalidOptionError(f"statistic must be median, mean or max, not {statistic!r}")
+    check_choice("statistic", statistic, KERNEL_STATISTICS)
     values: dict[str, dict[str, float]] = {method: {} for method in report.methods}
     for result in report.results:
         if result.symmetries == symmetries:

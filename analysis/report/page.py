@@ -20,6 +20,7 @@ from posteriorzoo.text import (
     markdown_text,
     scaled_label,
 )
+from posteriorzoo.vocabulary import SYMMETRIES
 
 if TYPE_CHECKING:
     from analysis.report.build import ReportResult
@@ -101,12 +102,12 @@ def _verdicts(report: ReportResult, escape: Callable[[str], str] = _same) -> lis
     lines = []
     for row in report.rows:
         parts = []
-        for key, treatment, label in (("mmd", "keep", "MMD"), ("ns_mmd", "remove", "NS-MMD")):
-            noise, value = report.noise.get(treatment), row.get(key)
+        for key, setting in (("mmd", SYMMETRIES["keep"]), ("ns_mmd", SYMMETRIES["remove"])):
+            noise, value = report.noise.get(setting.word), row.get(key)
             if noise is None or value is None:
                 continue
             inside = noise.contains(value)
-            parts.append(f"{scaled_label(label)} {MMD_DISPLAY_SCALE * value:.3f} is "
+            parts.append(f"{scaled_label(setting.statistic)} {MMD_DISPLAY_SCALE * value:.3f} is "
                          f"{'inside' if inside else 'outside'} the noise band")
         if parts:
             lines.append(f"{escape(row['name'])}: " + "; ".join(parts))

@@ -31,13 +31,12 @@ import numpy as np
 
 from analysis.studies._common import StudyResult
 from posteriorzoo.errors import DataNotFoundError, InvalidOptionError
-from posteriorzoo.options import check_integer
+from posteriorzoo.options import check_choice, check_integer
 from posteriorzoo.results import csv_text
+from posteriorzoo.vocabulary import SORT_KEYS  # the canonicalizer's keys that sort
 
 RECIPE = "optunet-mnist"
 ARCHITECTURE = "optunet"
-#: The canonicalizer's sort keys: first incoming weight, largest incoming weight.
-SORT_KEYS = ("first", "max")
 #: Bins of snapshots in the figure (and in tau_binned.csv).
 FIGURE_BINS = 400
 #: A tau this close to 1 means the permutation did not change (scipy's rounding).
@@ -332,8 +331,7 @@ def run_permutation_stability(runs: int = 5, epochs: int = 60, dataset: str = "a
     check_integer("runs", runs, 1, MAX_RUNS)
     check_integer("epochs", epochs, 1, MAX_EPOCHS)
     check_integer("every", every, 1, MAX_EVERY)
-    if key not in SORT_KEYS:
-        raise InvalidOptionError(f"key must be one of {', '.join(SORT_KEYS)}, not {key!r}")
+    check_choice("key", key, SORT_KEYS)
     check_options(key, scaling)
     started = time.perf_counter()
     dataset = resolve_dataset(dataset)

@@ -14,6 +14,7 @@ from posteriorzoo.cli._types import (
     integer_in,
     seed_option,
 )
+from posteriorzoo.vocabulary import MINMASS_SOLVERS, PERMUTATION_KEYS, SCALINGS, STORAGE_DTYPES
 
 # The ranges of the numeric options (each is checked when the command line is parsed).
 #: Checkpoints per batch: held in memory together, with their canonical forms.
@@ -44,16 +45,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("source", type=Path, metavar="IN", help="collection file (.h5)")
     parser.add_argument("--out", dest="target", type=Path, required=True, metavar="OUT",
                         help="new collection file (.h5)")
-    parser.add_argument("--permutation", choices=["first", "max", "none"], default="first",
+    parser.add_argument("--permutation", choices=PERMUTATION_KEYS, default="first",
                         help="sort key: first incoming weight (the paper's default), largest "
                              "incoming weight, or no sorting (default: %(default)s)")
-    parser.add_argument("--scaling", choices=["norm", "std", "minmass", "none"],
+    parser.add_argument("--scaling", choices=SCALINGS,
                         default="norm",
                         help="unit L2 norm or unit standard deviation of each unit's incoming "
                              "weights; minmass: norm, then the scaling of least total squared "
                              "weight (BatchNorm weights count; the scales a BatchNorm absorbs "
                              "keep their norm value); or none (default: %(default)s)")
-    parser.add_argument("--solver", choices=["fast", "cvxpy"], default="fast",
+    parser.add_argument("--solver", choices=MINMASS_SOLVERS, default="fast",
                         help="min-mass solver: batched Newton (fast) or the cvxpy reference, "
                              "one checkpoint at a time (default: %(default)s)")
     parser.add_argument("--checkpoints-per-batch", type=PER_BATCH, default=None, metavar="B",
@@ -67,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"check that N random checkpoints compute the same logits "
                              f"before and after, {VERIFY.range_text} (time) "
                              "(default: %(default)s)")
-    parser.add_argument("--dtype", choices=["float16", "float32", "float64"], default=None,
+    parser.add_argument("--dtype", choices=STORAGE_DTYPES, default=None,
                         help="store the canonical floating tensors in this dtype (default: "
                              "the source's). The canonical form is computed in float32 "
                              "(float64 if stored or asked for) either way; float16 "
@@ -94,7 +95,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "input's SHA-256). Checkpoints with non-finite weights (flagged "
                     "diverged) get empty values.")
     report.add_argument("source", type=Path, metavar="IN", help="collection file (.h5)")
-    report.add_argument("--solver", choices=["fast", "cvxpy"], default="fast",
+    report.add_argument("--solver", choices=MINMASS_SOLVERS, default="fast",
                         help="batched Newton (fast) or the cvxpy reference "
                              "(default: %(default)s)")
     report.add_argument("--out", type=Path, default=None, metavar="DIR",

@@ -17,6 +17,13 @@ from posteriorzoo.cli._types import (
 )
 from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.text import MMD_DISPLAY_SCALE
+from posteriorzoo.vocabulary import (
+    DISTANCE_PRECISIONS,
+    LAYER_GROUPS,
+    PERMUTATION_KEYS,
+    SCALINGS,
+    SYMMETRY_CHOICES,
+)
 
 # The ranges of the numeric options (each is checked when the command line is parsed).
 #: Bandwidths per kernel family: each adds two kernels, one pass over the distances each.
@@ -83,20 +90,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("methods", nargs="+", metavar="METHOD",
                         help="method collections (.h5); NAME=PATH names one in the report "
                              "(default name: the file stem)")
-    parser.add_argument("--symmetries", choices=["keep", "remove", "both"], default="both",
+    parser.add_argument("--symmetries", choices=SYMMETRY_CHOICES, default="both",
                         help="MMD on the stored weights (keep), NS-MMD on canonical forms "
                              "(remove), or both (default: %(default)s)")
-    parser.add_argument("--permutation", choices=["first", "max", "none"], default="first",
+    parser.add_argument("--permutation", choices=PERMUTATION_KEYS, default="first",
                         help="NS-MMD: the canonicalizer's permutation key "
                              "(default: %(default)s)")
-    parser.add_argument("--scaling", choices=["norm", "std", "minmass", "none"],
+    parser.add_argument("--scaling", choices=SCALINGS,
                         default="norm", help="NS-MMD: the canonicalizer's scaling "
                                              "(default: %(default)s)")
     parser.add_argument("--layers", nargs="+", metavar="NAME",
                         help="layers to compare: names or shell patterns such as 'layer4.*' "
                              "(default: every parameter); a pattern matching nothing is an "
                              "error")
-    parser.add_argument("--group", choices=["tensor", "module"], default="tensor",
+    parser.add_argument("--group", choices=LAYER_GROUPS, default="tensor",
                         help="a layer is one parameter tensor, or one module's parameters "
                              "(weight and bias) together (default: %(default)s)")
     parser.add_argument("--include-buffers", action="store_true",
@@ -161,7 +168,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"with --ray-address and a cuda device: GPUs per tile task, "
                              f"{NUM_GPUS.range_text} (a fraction below 1 shares a GPU; "
                              "default: %(default)s)")
-    parser.add_argument("--precision", choices=["exact", "fast"], default=None,
+    parser.add_argument("--precision", choices=DISTANCE_PRECISIONS, default=None,
                         help="the distances' arithmetic: exact (float64, the same bits on "
                              "every machine) or fast (float32 GEMM for L2 and a SIMD L1 "
                              "kernel with float64 sums, within a stated bound: the "

@@ -23,6 +23,14 @@ from posteriorzoo.cli._types import (
     seed_option,
 )
 from posteriorzoo.text import MMD_DISPLAY_SCALE, scaled_label
+from posteriorzoo.vocabulary import (
+    KERNEL_STATISTICS,
+    MINMASS_SOLVERS,
+    PERMUTATION_KEYS,
+    SCALINGS,
+    SYMMETRIES,
+    SYMMETRY_CHOICES,
+)
 
 # The ranges of the numeric options (each is checked when the command line is parsed).
 #: Units per layer: one histogram each, and KS tests between every two of them (N^2).
@@ -76,9 +84,9 @@ def _add_common(parser: argparse.ArgumentParser, name: str, numbers: str) -> Non
 
 
 def _add_canonicalizer(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--permutation", choices=["first", "max", "none"], default="first",
+    parser.add_argument("--permutation", choices=PERMUTATION_KEYS, default="first",
                         help="canonical form: the units' sort key (default: %(default)s)")
-    parser.add_argument("--scaling", choices=["norm", "std", "minmass", "none"],
+    parser.add_argument("--scaling", choices=SCALINGS,
                         default="norm", help="canonical form: the scaling (default: "
                                              "%(default)s)")
 
@@ -113,7 +121,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"units drawn and compared per layer, {UNITS.range_text} (one "
                              "histogram each, KS tests between every two) "
                              "(default: %(default)s)")
-    parser.add_argument("--symmetries", choices=["keep", "remove", "both"], default="both",
+    parser.add_argument("--symmetries", choices=SYMMETRY_CHOICES, default="both",
                         help=f"{_SYMMETRY_HELP} (default: %(default)s)")
     _add_canonicalizer(parser)
     _add_common(parser, "marginals", "the KS p-values between units")
@@ -126,7 +134,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "draw the histograms of the mass before and after, and box plots of each "
                     "weight tensor's largest |w| before and after. Nothing is written to ZOO.")
     parser.add_argument("zoo", type=Path, metavar="ZOO", help="collection file (.h5)")
-    parser.add_argument("--solver", choices=["fast", "cvxpy"], default="fast",
+    parser.add_argument("--solver", choices=MINMASS_SOLVERS, default="fast",
                         help="batched Newton (fast) or the cvxpy reference "
                              "(default: %(default)s)")
     _add_common(parser, "mass", "the mass summary")
@@ -179,12 +187,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("methods", nargs="+", metavar="METHOD",
                         help="method collections (.h5); NAME=PATH names one (default name: "
                              "the file stem)")
-    parser.add_argument("--symmetries", choices=["keep", "remove"], default="keep",
+    parser.add_argument("--symmetries", choices=SYMMETRIES, default="keep",
                         help="MMD on the stored weights (keep) or NS-MMD on canonical forms "
                              "(remove) (default: %(default)s)")
     _add_canonicalizer(parser)
     _add_layers(parser)
-    parser.add_argument("--statistic", choices=["median", "mean", "max"], default="median",
+    parser.add_argument("--statistic", choices=KERNEL_STATISTICS, default="median",
                         help="statistic over the 20 kernels (default: %(default)s)")
     parser.add_argument("--noise-splits", type=NOISE_SPLITS, default=20, metavar="K",
                         help=f"random target splits for the noise band, "
@@ -205,7 +213,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("zoos", nargs="+", metavar="ZOO",
                         help="collection files (.h5); NAME=PATH names one")
     _add_layers(parser)
-    parser.add_argument("--symmetries", choices=["keep", "remove", "both"], default="keep",
+    parser.add_argument("--symmetries", choices=SYMMETRY_CHOICES, default="keep",
                         help=f"{_SYMMETRY_HELP} (default: %(default)s)")
     _add_canonicalizer(parser)
     _add_common(parser, "pca", "the curves")

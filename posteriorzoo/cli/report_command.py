@@ -13,6 +13,7 @@ from posteriorzoo.cli._types import (
     named_paths,
     seed_option,
 )
+from posteriorzoo.vocabulary import DISTANCE_PRECISIONS, OOD_SCORES
 
 # The ranges of the numeric options (each is checked when the command line is parsed;
 # bins, splits and pairs as analysis.report.build's MAX_BINS, MAX_SPLITS, MAX_PAIRS).
@@ -95,7 +96,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--bins", type=BINS, default=15,
                         help=f"ECE bins, {BINS.range_text} (with more bins than test images "
                              "most are empty) (default: %(default)s)")
-    parser.add_argument("--ood-score", choices=["max-probability", "mutual-information"],
+    parser.add_argument("--ood-score", choices=OOD_SCORES,
                         default="max-probability",
                         help="what ranks images as OOD for AUPR and FPR95 (default: "
                              "%(default)s)")
@@ -119,7 +120,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "and the weight figures, without the predictive metrics (reads "
                              "no data set, runs no network: for when the data set or a GPU "
                              "is missing)")
-    parser.add_argument("--precision", choices=["exact", "fast"], default=None,
+    parser.add_argument("--precision", choices=DISTANCE_PRECISIONS, default=None,
                         help="the distances' arithmetic (as mmd --precision; fast: the "
                              "ResNet-scale path) (default: exact on cpu, fast on cuda)")
     add_device_option(parser, "where the members' predictions, the canonical copies and "

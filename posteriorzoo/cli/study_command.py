@@ -14,6 +14,7 @@ from posteriorzoo.cli._types import (
     number_in,
     seed_option,
 )
+from posteriorzoo.vocabulary import ENGINES, SCALINGS, SORT_KEYS
 
 # The ranges of the numeric options, checked when the command line is parsed; the same
 # as the library's (analysis.studies.toy and .permutation_stability, which also check
@@ -30,6 +31,12 @@ BYOV_EPOCHS = integer_in(1, 1_000)           # byov.MAX_EPOCHS
 BATCH = integer_in(2, 4_096)                 # byov.MAX_BATCH
 SAMPLES = integer_in(1, 1_000)               # byov.MAX_SAMPLES
 NOISE = number_in(0, 1, open_low=True)       # byov: noise_std in (0, 1]
+# The permutation-stability study's named choices, from the vocabulary: the sort keys
+# (permutation_stability.SORT_KEYS), the scalings it is run with (minmass is not offered),
+# and the engines that run its per-step callback (run_permutation_stability refuses
+# "vectorised").
+STABILITY_SCALINGS = tuple(scaling for scaling in SCALINGS if scaling != "minmass")
+STABILITY_ENGINES = tuple(engine for engine in ENGINES if engine != "vectorised")
 # train_zoo.byov.PRIORS, analysis.studies.byov.DATASETS, DEFAULTS and QUICK (not imported:
 # --help loads no torch).
 BYOV_PRIORS = ("standard", "teacher", "teacher-variance")
@@ -205,9 +212,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                 "digits, ...) or auto (default: %(default)s)")
     stability.add_argument("--data-dir", metavar="DIR",
                            help="folder searched first for the dataset's files")
-    stability.add_argument("--key", choices=["max", "first"], default="max",
+    stability.add_argument("--key", choices=SORT_KEYS, default="max",
                            help="sort key of the units (default: %(default)s)")
-    stability.add_argument("--scaling", choices=["norm", "std", "none"], default="norm",
+    stability.add_argument("--scaling", choices=STABILITY_SCALINGS, default="norm",
                            help="scale normalisation before sorting (default: %(default)s)")
     stability.add_argument("--every", type=EVERY, default=1, metavar="K",
                            help=f"snapshot every K SGD steps, {EVERY.range_text} and at most "
@@ -216,7 +223,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                 "in memory until the run ends); both checked once the "
                                 "dataset is loaded, before training (default: %(default)s, "
                                 "every step as in the paper)")
-    stability.add_argument("--engine", choices=["auto", "fast", "torch"], default="auto",
+    stability.add_argument("--engine", choices=STABILITY_ENGINES, default="auto",
                            help="trainer engine: auto picks the numba fast path for "
                                 "OptuNet (default: %(default)s)")
     _common_options(stability, "permutation-stability")

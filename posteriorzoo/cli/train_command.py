@@ -25,6 +25,7 @@ from posteriorzoo.cli._types import (
     number_in,
 )
 from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.vocabulary import BACKENDS, ENGINES
 
 # The ranges of the numeric options (each is checked when the command line is parsed).
 #: Worker processes on this machine, each with its own copy of the training data.
@@ -83,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--list-options", nargs="?", const="all", metavar="METHOD",
                         help="list the options of METHOD (default: every method) with "
                              "their defaults and a line of help, and exit")
-    parser.add_argument("--backend", choices=["local", "serial", "ray"], default="local",
+    parser.add_argument("--backend", choices=BACKENDS, default="local",
                         help="local: one process per worker on this machine (default); "
                              "serial: this process; ray: Ray tasks (pip install "
                              "posteriorzoo[ray])")
@@ -91,7 +92,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"processes (local) or CPUs (ray, when starting a local "
                              f"instance), {WORKERS.range_text} (each holds its own copy of "
                              "the data); default: one per core")
-    parser.add_argument("--engine", choices=["auto", "torch", "fast", "vectorised"],
+    parser.add_argument("--engine", choices=ENGINES,
                         default="auto", help="auto: the numba fast path where it applies, "
                         "else torch; vectorised: Deep Ensembles only (default: %(default)s)")
     parser.add_argument("--group-size", type=GROUP_SIZE, default=1,

@@ -15,6 +15,7 @@ from posteriorzoo.cli._types import (
     integer_in,
 )
 from posteriorzoo.errors import ZooFormatError
+from posteriorzoo.vocabulary import STORAGE_DTYPES
 
 # The ranges of the numeric options (each is checked when the command line is parsed).
 #: Output classes, as a spec's num_classes (train_zoo.spec.MAX_CLASSES): the last layer
@@ -102,7 +103,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "renames foreign state keys to this project's model keys "
                           "(without one, a wrapper's prefix on every key, e.g. the "
                           "release's 'model.', is stripped when that alone makes them fit)")
-    importer.add_argument("--dtype", choices=["float16", "float32", "float64"],
+    importer.add_argument("--dtype", choices=STORAGE_DTYPES,
                           help="cast floating tensors (the release stores float16)")
     importer.add_argument("--checkpoints-per-batch", type=PER_COMMIT, default=64,
                           help=f"checkpoints committed together when appending, "

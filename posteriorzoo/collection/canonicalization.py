@@ -26,13 +26,14 @@ from posteriorzoo._pipeline import WriteBehind, read_ahead
 from posteriorzoo.collection._open import Source, model_of, opened, source_path
 from posteriorzoo.dtypes import numpy_dtype, torch_dtype
 from posteriorzoo.errors import CanonicalOverflowError, ChecksumError, InvalidOptionError
-from posteriorzoo.options import check_integer
+from posteriorzoo.options import check_choice, check_integer
 from posteriorzoo.outputs import check_output
 from posteriorzoo.provenance import describe_input, record
 from posteriorzoo.results import CollectionResult, csv_text
 from posteriorzoo.symmetry.canonical import canonicalize_batch, check_options
 from posteriorzoo.symmetry.minmass import MinMassBatch, mass_problem, solve_min_mass_batch
 from posteriorzoo.symmetry.structure import SymmetryStructure, trace_structure, warn_coverage
+from posteriorzoo.vocabulary import MINMASS_SOLVERS, STORAGE_DTYPES
 from posteriorzoo.zoo import Zoo, create_zoo
 from posteriorzoo.zoo.schema import decode
 
@@ -273,9 +274,9 @@ def canonicalize(source: Source, target: str | os.PathLike, *,
     where = check_device(device)
     check_integer("n_verify", n_verify, 0)
     check_integer("seed", seed, 0)
-    if dtype is not None and dtype not in (torch.float16, torch.float32, torch.float64):
-        raise InvalidOptionError(f"canonicalize dtype must be float16, float32 or float64, "
-                                 f"not {dtype}")
+    if dtype is not None and dtype not in [getattr(torch, name) for name in STORAGE_DTYPES]:
+        raise InvalidOptionError(f"canonicalize dtype must be one of torch."
+                                 f"{', torch.'.join(STORAGE_DTYPES)}, not {dtype}")
     path = source_path(source)
     target = check_output(target, inputs=[path], overwrite=overwrite, directory=False)
     with opened(source, verify=verify) as zoo:
@@ -448,10 +449,8 @@ def min_mass(source: Source, *, solver: str = "fast", checkpoints_per_batch: int
     checks each checkpoint's SHA-256 as it is read.
     """
     from posteriorzoo.progress import progress as progress_bar
-    from posteriorzoo.symmetry.minmass import SOLVERS
 
-    if solver not in SOLVERS:
-        raise InvalidOptionError(f"solver must be one of {', '.join(SOLVERS)}, not {solver!r}")
+    check_choice("solver", solver, MINMASS_SOLVERS)
     path = source_path(source)
     with opened(source, verify=verify) as zoo:
         seeds = np.asarray(zoo.metadata["seed"])

@@ -56,12 +56,18 @@ from posteriorzoo.mmd.statistics import check_number_bandwidths, kernel_names
 from posteriorzoo.options import check_bool, check_choice
 from posteriorzoo.outputs import check_folder
 from posteriorzoo.provenance import record
+from posteriorzoo.vocabulary import (
+    LAYER_GROUPS,
+    PERMUTATION_KEYS,
+    SCALINGS,
+    SYMMETRIES,
+    SYMMETRY_CHOICES,
+)
 from posteriorzoo.zoo import Zoo, open_zoo
 
 __all__ = ["CompatibilityWarning", "ZooSource", "canonical_copy_names", "compare",
            "display_name", "parameter_keys"]
 
-SYMMETRY_CHOICES = ("keep", "remove", "both")
 #: Recipe entries that name or distinguish a collection rather than how it was trained.
 _OWN_RECIPE_KEYS = {"name", "base_seed", "method", "samples_per_mode", "method_options",
                     "num_classes", "model_options"}
@@ -295,11 +301,11 @@ def compare(target: str | os.PathLike,
         canonical copies are computed.
     """
     from posteriorzoo.progress import progress as progress_bar
-    from posteriorzoo.symmetry.canonical import PERMUTATION_KEYS, SCALINGS
 
     check_choice("symmetries", symmetries, SYMMETRY_CHOICES)
     check_choice("permutation", permutation, PERMUTATION_KEYS)
     check_choice("scaling", scaling, SCALINGS)
+    check_choice("group", group, LAYER_GROUPS)
     check_bool("softmax", softmax)
     check_number_bandwidths(number_bandwidths)
     check_precision(precision, device)
@@ -323,7 +329,7 @@ def compare(target: str | os.PathLike,
             raise InvalidOptionError("the collections are canonical (symmetries removed): "
                                      "MMD with the symmetries kept needs the raw collections")
         labels = ("remove",) if already else \
-            {"keep": ("keep",), "remove": ("remove",), "both": ("keep", "remove")}[symmetries]
+            tuple(SYMMETRIES) if symmetries == "both" else (symmetries,)
         keys = parameter_keys(zoos[0], include_buffers)
         chosen = select_layers(group_layers(keys, zoos[0].shapes, group), layers)
         sources = [ZooSource(name, zoo, sha256_file(path))

@@ -11,12 +11,12 @@ from typing import Any
 from posteriorzoo.mmd.comparison import Comparison, LayerResult, MethodSummary
 from posteriorzoo.results import CollectionResult, csv_text
 from posteriorzoo.text import MMD_DISPLAY_SCALE, markdown_text, scaled_label
+from posteriorzoo.vocabulary import KERNEL_STATISTICS, SYMMETRIES
 
 __all__ = ["FILE_NAMES", "CompareResult"]
 
 #: The files :meth:`CompareResult.write` puts in its folder.
 FILE_NAMES = ("mmd_report.json", "mmd_layers.csv", "mmd_summary.csv", "mmd_report.md")
-_TABLE_NAMES = {"keep": "MMD", "remove": "NS-MMD"}
 
 
 @dataclass
@@ -144,8 +144,8 @@ class CompareResult(CollectionResult):
             ""]
         head = ["Method", "n"]
         for t in treatments:
-            head += [scaled_label(f"{_TABLE_NAMES[t]} {stat}", scale)
-                     for stat in ("median", "mean", "max")]
+            head += [scaled_label(f"{SYMMETRIES[t].statistic} {stat}", scale)
+                     for stat in KERNEL_STATISTICS]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|---" + "|---:" * (len(head) - 1) + "|")
         for method in self.methods:
@@ -154,16 +154,16 @@ class CompareResult(CollectionResult):
             for t in treatments:
                 s = summaries.get((method, t))
                 row += [cell(getattr(s, stat)) if s else "/" for stat in
-                        ("median", "mean", "max")]
+                        KERNEL_STATISTICS]
             lines.append("| " + " | ".join(row) + " |")
         lines += ["", "## Per layer", ""]
         tested = any(r.test is not None for r in self.results)
         head = ["Method", "Layer", "Parameters"]
         for t in treatments:
-            head += [scaled_label(f"{_TABLE_NAMES[t]} {stat}", scale)
-                     for stat in ("median", "mean", "max")]
+            head += [scaled_label(f"{SYMMETRIES[t].statistic} {stat}", scale)
+                     for stat in KERNEL_STATISTICS]
             if tested:
-                head.append(f"{_TABLE_NAMES[t]} MMDAgg")
+                head.append(f"{SYMMETRIES[t].statistic} MMDAgg")
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|---|---" + "|---:" * (len(head) - 2) + "|")
         index = {(r.method, r.symmetries, r.layer): r for r in self.results}
@@ -174,7 +174,7 @@ class CompareResult(CollectionResult):
                 for t in treatments:
                     r = index.get((method, t, layer))
                     row += [cell(getattr(r, stat)) if r else "/" for stat in
-                            ("median", "mean", "max")]
+                            KERNEL_STATISTICS]
                     if tested:
                         row.append("/" if r is None or r.test is None else
                                    f"{'reject' if r.test.reject else 'accept'} "

@@ -18,9 +18,7 @@ import numpy as np
 from posteriorzoo._api import public
 from posteriorzoo.metrics import _checks
 from posteriorzoo.metrics.information import ensemble_summary
-
-#: The per-sample OOD scores :func:`ood_scores` computes.
-OOD_SCORES = ("max-probability", "mutual-information")
+from posteriorzoo.vocabulary import OOD_SCORES  # the per-sample scores ood_scores computes
 
 
 @public

@@ -48,9 +48,11 @@ from posteriorzoo.mmd.statistics import (
     kernel_names,
 )
 from posteriorzoo.options import check_choice
+from posteriorzoo.vocabulary import KERNEL_STATISTICS, SYMMETRIES
 
-#: What a comparison's samples are: stored weights, or canonical forms.
-TREATMENTS = ("keep", "remove")
+#: What a comparison's samples are: stored weights, or canonical forms (the vocabulary's
+#: :data:`~posteriorzoo.vocabulary.SYMMETRIES` settings, in their order).
+TREATMENTS = tuple(SYMMETRIES)
 
 
 def check_treatment(symmetries: object) -> str:
@@ -151,7 +153,7 @@ class Comparison:
                 weights = np.array([r.parameters for r in rows], dtype=np.float64)
                 figures = {stat: float(np.average([getattr(r, stat) for r in rows],
                                                   weights=weights))
-                           for stat in ("median", "mean", "max")}
+                           for stat in KERNEL_STATISTICS}
                 tested = [r.test for r in rows if r.test is not None]
                 out.append(MethodSummary(
                     method, symmetries, len(rows), int(weights.sum()), rows[0].mmd.m,

@@ -45,6 +45,7 @@ from posteriorzoo.errors import (
     SampleSizeError,
     ShapeMismatchError,
 )
+from posteriorzoo.vocabulary import DISTANCE_PRECISIONS
 
 announce_compilation()
 
@@ -52,9 +53,6 @@ announce_compilation()
 DEFAULT_BLOCK_FEATURES = 16384
 #: Bytes of one task's transposed float64 tile (kept in the core's L2 cache).
 _TILE_BYTES = 1 << 19
-#: How the distances are computed: ``"fast"`` (float32 GEMM and SIMD kernels, within a
-#: stated bound of exact) or ``"exact"`` (float64 feature by feature, reproducible bits).
-PRECISIONS = ("fast", "exact")
 #: The precision of the existing entry points (pooled distances, ``kernel_mmds``,
 #: ``mmdagg``, ``compare_arrays``, the noise floor): "exact", because the report's noise
 #: floor and ``compare_arrays`` are tested to agree to float64 rounding. "fast" is asked
@@ -433,9 +431,13 @@ class SharedTargetDistances:
 
 
 def check_precision(precision: object, device: object) -> str:
-    """``precision`` if it is one of :data:`PRECISIONS` and ``device`` allows it."""
-    if precision not in PRECISIONS:
-        raise InvalidOptionError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}"
+    """``precision`` if it is one of :data:`~posteriorzoo.vocabulary.DISTANCE_PRECISIONS`
+    (how the distances are computed: ``"exact"``, float64 feature by feature with
+    reproducible bits, or ``"fast"``, float32 GEMM and SIMD kernels within a stated bound
+    of exact) and ``device`` allows it."""
+    if precision not in DISTANCE_PRECISIONS:
+        raise InvalidOptionError("precision must be one of "
+                                 f"{', '.join(map(repr, DISTANCE_PRECISIONS))}"
                                  f", not {precision!r}")
     if not isinstance(device, str) or not device:
         raise InvalidOptionError(f"device must be a string such as 'cpu' or 'cuda', not "

@@ -32,6 +32,8 @@ from posteriorzoo.errors import (
     ShapeMismatchError,
     UnknownNameError,
 )
+from posteriorzoo.options import check_choice
+from posteriorzoo.vocabulary import LAYER_GROUPS
 
 #: Default budget of one block, summed over all collections compared at once (bytes).
 DEFAULT_BLOCK_BYTES = 128 << 20
@@ -127,8 +129,7 @@ def layer_blocks(source, layer: Layer, features: int) -> Iterator[np.ndarray]:
 def group_layers(keys: Sequence[str], shapes: Mapping[str, tuple[int, ...]],
                  group: str = "tensor") -> list[Layer]:
     """Layers from keys: one per tensor, or one per module (keys sharing a prefix)."""
-    if group not in ("tensor", "module"):
-        raise InvalidOptionError(f"group must be 'tensor' or 'module', not {group!r}")
+    check_choice("group", group, LAYER_GROUPS)
     layers: dict[str, list[str]] = {}
     for key in keys:
         name = key if group == "tensor" else key.rsplit(".", 1)[0] if "." in key else key

@@ -37,9 +37,7 @@ from posteriorzoo._api import public
 from posteriorzoo.options import check_choice
 from posteriorzoo.symmetry.structure import ScaleVariable, SignVariable, SymmetryStructure
 from posteriorzoo.symmetry.transform import State, transformed_batch, unshared
-
-PERMUTATION_KEYS = ("first", "max", "none")
-SCALINGS = ("norm", "std", "minmass", "none")
+from posteriorzoo.vocabulary import MINMASS_SOLVERS, PERMUTATION_KEYS, SCALINGS
 
 
 @dataclass
@@ -173,12 +171,12 @@ def canonical_permutations(states: State, structure: SymmetryStructure, key: str
 
 
 def check_options(permutation: str, scaling: str, solver: str = "fast") -> None:
-    """Raise :class:`InvalidOptionError` for an unknown sort key, scaling or solver."""
-    from posteriorzoo.symmetry.minmass import SOLVERS
-
+    """Raise :class:`InvalidOptionError` for an unknown sort key, scaling or solver (the
+    vocabulary's :data:`~posteriorzoo.vocabulary.PERMUTATION_KEYS`, ``SCALINGS`` and
+    ``MINMASS_SOLVERS``, which the command line offers)."""
     check_choice("permutation", permutation, PERMUTATION_KEYS)
     check_choice("scaling", scaling, SCALINGS)
-    check_choice("solver", solver, SOLVERS)
+    check_choice("solver", solver, MINMASS_SOLVERS)
 
 
 @public

@@ -37,8 +37,7 @@ from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.options import check_choice
 from posteriorzoo.symmetry.structure import SymmetryStructure
 from posteriorzoo.symmetry.transform import State, apply_symmetry_batch
-
-SOLVERS = ("fast", "cvxpy")
+from posteriorzoo.vocabulary import MINMASS_SOLVERS
 
 
 @dataclass
@@ -352,7 +351,7 @@ def solve_min_mass_batch(states: Mapping[str, torch.Tensor], structure: Symmetry
 
     ``problem`` (from :func:`mass_problem`) may be passed to reuse it across batches.
     """
-    check_choice("solver", solver, SOLVERS)
+    check_choice("solver", solver, MINMASS_SOLVERS)
     if problem is None:
         problem = mass_problem(structure, {key: value[0] for key, value in states.items()})
     mass = problem.pair_mass(states)

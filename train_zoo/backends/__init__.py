@@ -16,10 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
+from posteriorzoo.vocabulary import BACKENDS
 from train_zoo.backends.local import LocalBackend, SerialBackend
 from train_zoo.backends.tasks import groups
-
-BACKENDS = ("local", "serial", "ray")
 
 __all__ = ["BACKENDS", "LocalBackend", "SerialBackend", "groups", "make_backend"]
 
