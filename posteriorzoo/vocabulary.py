@@ -166,7 +166,7 @@ PERMUTATION_KEYS = ("first", "max", "none")
 SORT_KEYS = tuple(key for key in PERMUTATION_KEYS if key != "none")
 #: Canonicalization's scaling rule (ReLU rescalings and the softmax shift).
 SCALINGS = ("norm", "std", "minmass", "none")
-#: The min-mass solver: the project's own exact solver or cvxpy (the oracle).
+#: The min-mass solver: the project's batched Newton solver, or cvxpy (the reference).
 MINMASS_SOLVERS = ("fast", "cvxpy")
 #: Distance engines: ``exact`` (float64, the shipped numbers' bits) or ``fast``.
 DISTANCE_PRECISIONS = ("exact", "fast")
