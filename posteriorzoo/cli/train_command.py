@@ -50,12 +50,21 @@ CURVATURE_EXAMPLES = 1_000
 EVALUATION_EXAMPLES = (1_000, 3_000)
 
 
+def _method_list() -> str:
+    """``de (independently trained networks), mc-dropout, ... and rank-1``: the
+    vocabulary's methods, read without importing the trainer."""
+    from posteriorzoo.vocabulary import METHODS
+
+    names = [f"{name} (independently trained networks)" if info.family == "ensemble"
+             else name for name, info in METHODS.items()]
+    return f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "train", help="train a collection from a zoo spec (resumable)",
         description="Produce the checkpoints of a TOML zoo spec into a collection file. "
-                    "Methods: de (independently trained networks), mc-dropout, swag, "
-                    "laplace, sghmc, bbb, emp, ecmp and rank-1 (samples of each mode's "
+                    f"Methods: {_method_list()} (samples of each mode's "
                     "posterior, stored as checkpoints of the base architecture); the spec "
                     "gives modes x samples_per_mode and [method_options] (--list-options "
                     "lists them with their defaults). Mode i depends only on "
