@@ -1,5 +1,5 @@
-"""Benchmark the posterior methods' hot loops: the Laplace GGN, the BBB training step and
-the EMP, ECMP and Rank-1 training steps.
+"""Benchmark the posterior methods' hot loops: the Laplace GGN, the BBB training step, the
+EMP, ECMP and Rank-1 training steps and the SGLD chain step.
 
 Side by side in one run:
 
@@ -30,7 +30,9 @@ Side by side in one run:
     (data preparation is not timed), same initial state and noise generator. Also: the
     largest difference of the means after ``min(steps, 50)`` steps of each path.
 
-(c) **Collection times** (:func:`collection_times`): a hook, empty for now.
+(c) **Collection times** (:func:`collection_times`): the 100-sample collection of each
+    method of ``--methods`` (default: every method of ``posteriorzoo.vocabulary`` but the
+    ensemble family's that has a single-mode spec in ``specs/``; none with ``--quick``).
 
 (d) **Variant training steps per second**, OptuNet, batch 64, ``--variant-steps`` steps
     (default 200) over 32 Fashion-MNIST batches prepared beforehand, for EMP, ECMP and
@@ -47,6 +49,50 @@ Side by side in one run:
     step, and each path's mean loss over its first and last 10 steps. The headline is ours
     / plain steps per second (goal >= 3x). The runs alternate, best of ``--repeats``.
 
+(e) **SG-MCMC steps per second**: SGLD (``train_zoo.methods.sgld``: SGHMC's chain at
+    friction 1), OptuNet at ``--weights`` (a chain starts from a trained network), batch
+    64 (the recipe's), ``--sgmcmc-steps`` steps (default 500) over 32 Fashion-MNIST
+    batches prepared beforehand, in each path's layout (not timed). Built as
+    ``Sghmc.fit`` builds a ``preconditioner = "none"`` chain (:func:`sgld_setup`): ``N =
+    60,000``, prior precision ``N x`` the optunet-mnist recipe's weight decay (12), step
+    ``eta = lr / N`` with ``SGHMC_LR`` (2e-4 / 60,000).
+
+    * ours: ``sghmc.SghmcStepper`` at friction ``sgld.METHOD.sampling_friction`` with the
+      gradient the fast engine gives (``ModeEngine(spec, 0, data, "fast").log_posterior``:
+      the numba kernels' ``-(N dL/dtheta + prior theta)``), recording the kinetic
+      temperature every step as a chain's kept part does; the noise correction off (the
+      headline), and on as the trainer's default runs it (a row of its own: posteriors'
+      SGLD has only a constant ``beta``, so that row has no plain counterpart);
+    * plain: the `posteriors` library's ``posteriors.sgmcmc.sgld`` (``build`` / ``init``
+      / ``update``, temperature 1, ``beta`` 0) at ``lr = eta``, its log posterior
+      (:func:`plain_log_posterior`) ``N`` times the batch's mean log-likelihood of OptuNet
+      as an ``nn.Module`` through ``torch.func.functional_call`` plus the Gaussian log
+      prior, differentiated by ``torch.func`` inside ``update``.
+
+    Both start from the same weights, see the same batches in the same order and draw the
+    same normals: posteriors draws ``torch.randn_like`` from torch's global generator
+    and ours ``torch.randn`` from a ``torch.Generator``, one tensor per parameter in
+    order, each seeded with ``seed + 1`` (the parameters go to posteriors as an
+    ``OrderedDict``: optree walks a plain dict in sorted key order, ``fc.bias`` before
+    ``fc.weight``, which draws the normals in another order). So the two chains walk the
+    same path up to rounding: the table prints the largest difference of a step's two
+    losses (minus the log posterior over ``N``) and of the parameters after
+    ``min(steps, 50)`` steps. Bound on the latter (``tests/test_bench_methods.py``,
+    ``_sgld_parameter_bound``): per step the two gradients' roundings (``2 gamma(k)`` of
+    the largest ``|grad log p|``, times ``eta``) and the updates' (``16 u`` of the largest
+    ``|theta|``), carried by at most ``1 + eta (N lambda + prior)`` a step (``lambda``
+    the batch Hessian's largest eigenvalue, below 100 here): 2.7e-4 after 50 steps from
+    checkpoint 0, measured 1.1e-6 (the chains moved 3.6e-3; a plain side with other
+    normals, or with them in another order, ends about as far from ours). The headline
+    is ours / plain steps per second (goal >= 3x); the runs alternate, best of
+    ``--repeats``.
+
+    Measured (``--parts e``, 1 thread, 2-core machine at load 6 from other jobs, so wall
+    time is about twice CPU time): ours 1,912 steps/s, with the noise correction 1,182,
+    posteriors 158: **12.1x** (7.5x with the correction; CPU seconds 0.13 / 0.21 / 1.41).
+    Two more runs: 8.2x and 9.3x (``--repeats 3``), 5.3x and 6.0x with the correction;
+    ours stays at 1,910-1,970 steps/s, posteriors' side varies (158-236).
+
 Every contestant runs with the same ``--threads`` torch threads (default 1: on a shared
 2-core machine two threads per process slow everyone down; ``full_ggn`` gives its BLAS
 calls the same budget). Times are wall-clock; CPU seconds are printed too, since a busy
@@ -55,9 +101,10 @@ BackPack (Curvlinops and the generic path run once).
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/bench_methods.py                 # ~6 minutes
+    .venv/bin/python benchmarks/bench_methods.py                 # ~6 minutes + (c)'s collections
     .venv/bin/python benchmarks/bench_methods.py --quick         # smoke run, seconds
     .venv/bin/python benchmarks/bench_methods.py --parts d       # part (d) alone, ~40 s
+    .venv/bin/python benchmarks/bench_methods.py --parts e       # part (e) alone, ~20 s
     .venv/bin/python benchmarks/bench_methods.py --json benchmarks/output/methods.json
 """
 
@@ -71,6 +118,7 @@ import shlex
 import sys
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,6 +126,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from posteriorzoo import vocabulary
 
 DATASET = "fashion-mnist"
 BBB_BATCH = 64
@@ -88,6 +138,7 @@ BBB_CHECK_STEPS = 50
 # 392 GGN-vector products, so a calibration on thousands of images would take minutes
 # (and its memory grows with 392 x the batch's activations).
 CURVLINOPS_CALIBRATION = 512
+PARTS = "abcde"
 
 
 def timed(function: Callable[[], Any], repeats: int = 1) -> tuple[float, float, Any]:
@@ -253,16 +304,27 @@ def bench_bbb(args: argparse.Namespace) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ (c) collections
 SPECS = Path(__file__).resolve().parent.parent / "specs"
-METHODS = ("mc-dropout", "swag", "laplace", "sghmc", "bbb")
+#: (c)'s methods: every method of the vocabulary but the ensemble family's (a DE
+#: collection is 100 base networks trained by the recipe, whose training throughput
+#: bench_training.py measures), so a method added there is timed here too once it has a
+#: spec (collection_spec).
+METHODS = tuple(name for name, info in vocabulary.METHODS.items() if info.family != "ensemble")
+
+
+def collection_spec(method: str) -> Path:
+    """The single-mode spec (c) trains for ``method``: 1 base network x 100 samples."""
+    return SPECS / f"optunet-fashion-mnist-{method}.toml"
+
 
 def collection_times(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Time each method's 100-sample collection, as the trainer produces it.
 
-    One ``train_zoo.run.train_collection`` per method (``--methods``, default every
-    single-mode spec of ``specs/``: 1 base network x 100 samples of OptuNet
-    on Fashion-MNIST with the 60-epoch recipe), into a temporary file, in this process
-    (serial backend, the auto engine). ``--collection-epochs E`` shortens the recipe (the
-    method phases scale with it: SWAG runs 2E epochs). Returns one row per method::
+    One ``train_zoo.run.train_collection`` per method (``--methods``, default every method
+    of :data:`METHODS` with a single-mode spec in ``specs/``, :func:`collection_spec`: 1
+    base network x 100 samples of OptuNet on Fashion-MNIST with the 60-epoch recipe), into
+    a temporary file, in this process (serial backend, the auto engine).
+    ``--collection-epochs E`` shortens the recipe (the method phases scale with it: SWAG
+    runs 2E epochs). Returns one row per method::
 
         {"method": str, "samples": int, "epochs": int, "engine": str, "wall_s": float,
          "cpu_s": float}
@@ -275,7 +337,7 @@ def collection_times(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     rows = []
     for method in args.methods:
-        spec = load_spec(SPECS / f"optunet-fashion-mnist-{method}.toml")
+        spec = load_spec(collection_spec(method))
         if args.collection_epochs is not None:
             spec = spec.replace(recipe=spec.recipe.with_epochs(args.collection_epochs))
             spec = _shortened_method_options(spec, method)
@@ -580,6 +642,189 @@ def bench_variants(args: argparse.Namespace) -> dict[str, Any]:
             "rank1_lr": RANK1_LR, "rows": rows}
 
 
+# ------------------------------------------------------------------ (e) SG-MCMC steps
+SGMCMC_BATCHES = 32       # prepared batches the chains cycle over
+SGMCMC_CHECK_STEPS = 50   # steps of the matched-noise check of the parameters
+
+
+class SgmcmcChain:
+    """One chain of part (e): ``step(batch) -> loss`` (the batch's mean cross-entropy plus
+    ``prior_precision / 2 ||theta||^2 / N``, i.e. minus the log posterior over ``N``, at the
+    parameters before the step) and :meth:`params`."""
+
+    def __init__(self, step: Callable[[tuple], float], params: Callable[[], dict]) -> None:
+        self.step, self.params = step, params
+
+
+def sgld_setup(weights: str, seed: int) -> dict[str, Any]:
+    """What the trainer's SGLD mode (``preconditioner = "none"``) derives for OptuNet on
+    Fashion-MNIST, built the way :meth:`train_zoo.methods.sghmc.Sghmc.fit` builds it: a
+    :class:`train_zoo.programs.ModeEngine` on the fast engine, ``N`` the training set's
+    size, the prior precision ``N x`` the optunet-mnist recipe's weight decay, ``eta =
+    lr / N`` with the method's default ``lr`` (``SGHMC_LR``), the friction of
+    ``sgld.METHOD`` and the gradient ``engine.log_posterior`` gives (the numba kernels')."""
+    from train_zoo import make_spec
+    from train_zoo.data import load_training_data
+    from train_zoo.fast.engine import layout_for
+    from train_zoo.methods import sghmc, sgld
+    from train_zoo.methods.common import parameters_of
+    from train_zoo.programs import ModeEngine
+
+    spec = make_spec("optunet-mnist", dataset=DATASET, method="sgld", modes=1,
+                     samples_per_mode=1, base_seed=seed,
+                     method_options={"preconditioner": "none"})
+    data = load_training_data(DATASET)
+    engine = ModeEngine(spec, 0, data, "fast")
+    model = optunet(weights, seed)
+    params, buffers = parameters_of(model)
+    num_data = len(data.train)
+    options = spec.method_options
+    prior = sghmc.prior_precision_from_weight_decay(num_data, spec.recipe.weight_decay)
+    if layout_for(model, data) is None:      # ModeEngine's test: the kernels take OptuNet
+        raise RuntimeError("the fast engine does not take OptuNet: part (e) times nothing")
+    return {"model": model, "params": params, "buffers": buffers, "num_data": num_data,
+            "prior_precision": prior, "eta": options["lr"] / num_data, "lr": options["lr"],
+            "friction": sgld.METHOD.sampling_friction, "batch": spec.recipe.batch_size,
+            "noise_decay": options["noise_decay"],
+            "gradient": engine.log_posterior(model, params, buffers, num_data, prior)}
+
+
+def plain_log_posterior(model: nn.Module, buffers: dict[str, torch.Tensor], num_data: int,
+                        prior_precision: float) -> Callable:
+    """The `posteriors` library's ``log_posterior(params, batch) -> (value, aux)`` for
+    OptuNet as an ``nn.Module``: ``N`` times the batch's mean log-likelihood plus the
+    Gaussian log prior ``-prior_precision / 2 ||theta||^2`` (the function the trainer's
+    gradient differentiates, up to a constant), by ``torch.func.functional_call``."""
+    def log_posterior(params: dict[str, torch.Tensor], batch: tuple[torch.Tensor, torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = batch
+        logits = torch.func.functional_call(model, (params, buffers), (images,))
+        log_likelihood = -num_data * F.cross_entropy(logits, labels)
+        log_prior = -0.5 * prior_precision * sum(value.square().sum()
+                                                 for value in params.values())
+        return log_likelihood + log_prior, logits
+    return log_posterior
+
+
+def _sgld_chains(setup: dict[str, Any], seed: int,
+                 watch: list[tuple[float, float]] | None = None
+                 ) -> dict[str, Callable[[], SgmcmcChain]]:
+    """A factory per path of part (e), each making a fresh chain from ``setup``'s weights
+    whose normals come from seed ``seed``: ours from a ``torch.Generator`` (one normal
+    tensor per parameter, in order), the plain side from torch's global generator (its
+    ``torch.randn_like``), seeded here: run it inside ``torch.random.fork_rng``. With
+    ``watch``, ours appends ``(max |grad log p|, max |theta|)`` of each step to it."""
+    from train_zoo.methods.sghmc import NOISE_WARM_UP, SghmcStepper
+
+    with warnings.catch_warnings():        # tensordict's FutureWarning on posteriors' states
+        warnings.simplefilter("ignore", FutureWarning)
+        from posteriors.sgmcmc import sgld as posteriors_sgld
+
+    params, eta, friction = setup["params"], setup["eta"], setup["friction"]
+    gradient = setup["gradient"]
+    if watch is not None:
+        def gradient(theta: dict, batch: tuple, inner: Callable = setup["gradient"]
+                     ) -> tuple[float, dict]:
+            loss, grads = inner(theta, batch)
+            watch.append((max(float(value.abs().max()) for value in grads.values()),
+                          max(float(value.abs().max()) for value in theta.values())))
+            return loss, grads
+
+    def ours(noise_decay: float | None = None) -> SgmcmcChain:
+        # record_from 0: the kinetic temperature of every step, as in a chain's kept part
+        stepper = SghmcStepper(params, gradient, eta, friction,
+                               torch.Generator().manual_seed(seed), 2**62,
+                               noise_decay=noise_decay, warm_up=NOISE_WARM_UP)
+        return SgmcmcChain(lambda batch: stepper.step(batch, eta),
+                           lambda: stepper.state.params)
+
+    def plain() -> SgmcmcChain:
+        num_data = setup["num_data"]
+        transform = posteriors_sgld.build(
+            plain_log_posterior(setup["model"], setup["buffers"], num_data,
+                                setup["prior_precision"]), lr=eta)
+        # an OrderedDict: optree walks a plain dict in sorted key order (fc.bias before
+        # fc.weight), which would draw the normals in another order than ours
+        state = transform.init(OrderedDict((name, value.clone())
+                                           for name, value in params.items()))
+        torch.manual_seed(seed)
+
+        def step(batch: tuple) -> float:
+            nonlocal state
+            state, _ = transform.update(state, batch)
+            return -float(state.log_posterior) / num_data
+        return SgmcmcChain(step, lambda: dict(state.params))
+
+    return {"ours": ours, "ours_corrected": lambda: ours(setup["noise_decay"]),
+            "plain": plain}
+
+
+def _run_chain(chain: SgmcmcChain, batches: list, steps: int
+               ) -> tuple[float, float, list[float]]:
+    """``(wall s, CPU s, losses)`` of ``steps`` steps of ``chain`` over ``batches``."""
+    losses = []
+    wall, cpu = time.perf_counter(), time.process_time()
+    for index in range(steps):
+        losses.append(chain.step(batches[index % len(batches)]))
+    return time.perf_counter() - wall, time.process_time() - cpu, losses
+
+
+def bench_sgmcmc(args: argparse.Namespace) -> dict[str, Any]:
+    """Part (e): SGLD steps per second, ours (three paths: see the module docstring)."""
+    setup = sgld_setup(args.weights, args.seed)
+    batch = setup["batch"]
+    x, y = training_images(batch * SGMCMC_BATCHES)
+    batches = [(x[i:i + batch], y[i:i + batch]) for i in range(0, len(y), batch)]
+    # the kernels' layout, (C, H, W, B) float32, as the fast engine's batches come
+    kernel_batches = [(xb.permute(1, 2, 3, 0).contiguous().numpy(), yb.numpy())
+                      for xb, yb in batches]
+    data = {"ours": kernel_batches, "ours_corrected": kernel_batches, "plain": batches}
+    steps, noise = args.sgmcmc_steps, args.seed + 1
+    window = min(LOSS_WINDOW, steps)
+    with torch.random.fork_rng(devices=[]):        # the plain side seeds torch's generator
+        factories = _sgld_chains(setup, noise)
+        for name, factory in factories.items():
+            _run_chain(factory(), data[name], 3)                        # warm-up
+        best: dict[str, tuple[float, float]] = {}
+        losses: dict[str, list[float]] = {}
+        for _ in range(args.repeats):                                   # interleaved
+            for name, factory in factories.items():
+                wall, cpu, losses[name] = _run_chain(factory(), data[name], steps)
+                best[name] = min(best.get(name, (float("inf"), 0.0)), (wall, cpu))
+        check = min(steps, SGMCMC_CHECK_STEPS)
+        watch: list[tuple[float, float]] = []
+        checked = _sgld_chains(setup, noise, watch)
+        ours, plain = checked["ours"](), checked["plain"]()
+        _run_chain(ours, kernel_batches, check)
+        _run_chain(plain, batches, check)
+    result: dict[str, Any] = {"batch": batch, "steps": steps, "lr": setup["lr"],
+                              "eta": setup["eta"], "num_data": setup["num_data"],
+                              "prior_precision": setup["prior_precision"],
+                              "friction": setup["friction"], "weights": args.weights,
+                              "loss_window": window}
+    for name in factories:
+        wall, cpu = best[name]
+        result[name] = {"wall_s": wall, "cpu_s": cpu, "steps_per_s": steps / wall,
+                        "loss_start": sum(losses[name][:window]) / window,
+                        "loss_end": sum(losses[name][-window:]) / window}
+    result["ratio"] = result["ours"]["steps_per_s"] / result["plain"]["steps_per_s"]
+    result["corrected_ratio"] = (result["ours_corrected"]["steps_per_s"]
+                                 / result["plain"]["steps_per_s"])
+    # same start, batches and normals: the two losses of each step
+    result["max_loss_diff"] = max(abs(a - b) for a, b in zip(losses["ours"], losses["plain"],
+                                                             strict=True))
+    a, b = ours.params(), plain.params()
+    result["check_steps"] = check
+    result["max_param_diff"] = max(float((a[k] - b[k]).abs().max()) for k in a)
+    result["max_param_moved"] = max(float((a[k] - setup["params"][k]).abs().max()) for k in a)
+    # the largest |theta| and |grad log p| along ours (the bound's scales)
+    result["max_param"] = max(max(theta for _, theta in watch),
+                              *(float(value.abs().max()) for value in (*a.values(),
+                                                                       *b.values())))
+    result["max_grad"] = max(grad for grad, _ in watch)
+    return result
+
+
 # ------------------------------------------------------------------ printing
 def print_ggn(result: dict[str, Any]) -> None:
     n = result["images"]
@@ -649,14 +894,37 @@ def print_variants(result: dict[str, Any]) -> None:
           f"(Adam lr 1e-3 for EMP/ECMP, SGD lr {result['rank1_lr']} for Rank-1)")
 
 
+def print_sgmcmc(result: dict[str, Any]) -> None:
+    print(f"(e) SG-MCMC (SGLD) steps/s, OptuNet, {DATASET}, batch {result['batch']}, "
+          f"{result['steps']} steps each, lr {result['lr']:g} / N = {result['eta']:.3g}, "
+          f"prior precision {result['prior_precision']:g}, friction {result['friction']:g}, "
+          f"weights: {result['weights']}")
+    print(f"    {'path':50} {'wall s':>8} {'cpu s':>8} {'steps/s':>9} {'loss start -> end':>19}")
+    labels = {"ours": "SghmcStepper, kernel gradient",
+              "ours_corrected": "SghmcStepper + noise correction (trainer default)",
+              "plain": "posteriors.sgmcmc.sgld, functional_call"}
+    for name, label in labels.items():
+        part = result[name]
+        losses = f"{part['loss_start']:.4f} -> {part['loss_end']:.4f}"
+        print(f"    {label:50} {part['wall_s']:8.2f} {part['cpu_s']:8.2f} "
+              f"{part['steps_per_s']:9.0f} {losses:>19}")
+    print(f"    => ours / plain {result['ratio']:.2f}x (goal >= 3x; with the noise correction, "
+          f"which posteriors' SGLD has no counterpart of, {result['corrected_ratio']:.2f}x)")
+    print(f"    same start, batches and normals: the losses of each step differ by at most "
+          f"{result['max_loss_diff']:.1e}; the parameters after {result['check_steps']} steps "
+          f"by {result['max_param_diff']:.1e} (they moved {result['max_param_moved']:.1e})")
+    print(f"    loss: minus the log posterior over N (mean cross-entropy + prior term), mean of "
+          f"the first / last {result['loss_window']} steps")
+
+
 # ------------------------------------------------------------------ main
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ggn-images", type=int, default=60_000,
                         help="training images for the GGN (default: %(default)s, all)")
     parser.add_argument("--weights", choices=("reference", "random"), default="reference",
-                        help="OptuNet weights for the GGN: the bundled target's checkpoint 0 "
-                             "or a seeded init (default: %(default)s)")
+                        help="OptuNet weights for the GGN and the SGLD chains: the bundled "
+                             "target's checkpoint 0 or a seeded init (default: %(default)s)")
     parser.add_argument("--batch-sizes", type=lambda s: [int(v) for v in s.split(",")],
                         default=None, help="laplace-torch batch sizes to calibrate "
                                            "(default: 64,128,256,512,1024)")
@@ -672,7 +940,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bbb-fast-steps", type=int, default=None,
                         help="timed BBB steps of the numba path (default: 5 x --bbb-steps)")
     parser.add_argument("--repeats", type=int, default=None,
-                        help="runs of ours, BackPack, the BBB and the variant loops; the "
+                        help="runs of ours, BackPack, the BBB, variant and SGLD loops; the "
                              "best is reported (default: 2)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for every contestant (default: %(default)s)")
@@ -680,27 +948,35 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: at most 512 images, batch sizes 64,128, "
                              "calibration on 256 and Curvlinops on 64 images, 5 / 10 BBB "
-                             "steps, 5 variant steps, 1 repeat (explicit options still "
-                             "apply)")
+                             "steps, 5 variant and 5 SGLD steps, 1 repeat (explicit "
+                             "options still apply)")
+    with_spec = [method for method in METHODS if collection_spec(method).is_file()]
+    without = "".join(f"; {method} has no spec yet" for method in METHODS
+                      if method not in with_spec)
     parser.add_argument("--methods", nargs="*", default=None, metavar="METHOD",
                         help="(c): methods whose 100-sample collection is timed (default: "
-                             f"{' '.join(METHODS)}; none with --quick)")
+                             f"{' '.join(with_spec)}; none with --quick{without})")
     parser.add_argument("--collection-epochs", type=int, default=None, metavar="E",
                         help="(c): train the base networks for E epochs instead of the "
                              "spec's 60")
     parser.add_argument("--variant-steps", type=int, default=200, metavar="STEPS",
                         help="(d): timed training steps of each EMP / ECMP / Rank-1 path "
                              "(default: %(default)s; 5 with --quick)")
-    parser.add_argument("--parts", default="abcd",
-                        help="the parts to run, letters of abcd (default: all; (c) also "
+    parser.add_argument("--sgmcmc-steps", type=int, default=500, metavar="STEPS",
+                        help="(e): timed SGLD steps of each path (default: %(default)s; 5 "
+                             "with --quick)")
+    parser.add_argument("--parts", default=PARTS,
+                        help=f"the parts to run, letters of {PARTS} (default: all; (c) also "
                              "needs --methods)")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT",
                         help="also write every number, the command and versions as JSON")
     args = parser.parse_args(argv)
-    if not args.parts or set(args.parts) - set("abcd"):
-        parser.error(f"--parts takes letters of abcd, not {args.parts!r}")
+    if not args.parts or set(args.parts) - set(PARTS):
+        parser.error(f"--parts takes letters of {PARTS}, not {args.parts!r}")
     if args.variant_steps < 1:
         parser.error(f"--variant-steps must be at least 1, not {args.variant_steps}")
+    if args.sgmcmc_steps < 1:
+        parser.error(f"--sgmcmc-steps must be at least 1, not {args.sgmcmc_steps}")
     if args.quick:
         args.ggn_images = min(args.ggn_images, 512)
         args.batch_sizes = args.batch_sizes or [64, 128]
@@ -709,9 +985,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.bbb_steps = min(args.bbb_steps, 5)
         args.bbb_fast_steps = min(args.bbb_fast_steps or 10, 10)
         args.variant_steps = min(args.variant_steps, 5)
+        args.sgmcmc_steps = min(args.sgmcmc_steps, 5)
         args.repeats = args.repeats or 1
     if args.methods is None:
-        args.methods = [] if args.quick else list(METHODS)
+        args.methods = [] if args.quick else with_spec
+    missing = [method for method in args.methods if not collection_spec(method).is_file()]
+    if missing:
+        parser.error(f"--methods: no spec {', '.join(str(collection_spec(m)) for m in missing)}")
     args.batch_sizes = args.batch_sizes or [64, 128, 256, 512, 1024]
     args.bbb_fast_steps = args.bbb_fast_steps or 5 * args.bbb_steps
     args.repeats = args.repeats or 2
@@ -722,7 +1002,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every part of ``--parts``, printed as it finishes; returns the numbers (None for a
     part not run)."""
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), seed {args.seed}")
-    ggn = bbb = variants = None
+    ggn = bbb = variants = sgmcmc = None
     collections: list[dict[str, Any]] = []
     if "a" in args.parts:
         ggn = bench_ggn(args)
@@ -742,7 +1022,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "d" in args.parts:
         variants = bench_variants(args)
         print_variants(variants)
-    return {"ggn": ggn, "bbb": bbb, "collections": collections, "variants": variants}
+        print()
+    if "e" in args.parts:
+        sgmcmc = bench_sgmcmc(args)
+        print_sgmcmc(sgmcmc)
+    return {"ggn": ggn, "bbb": bbb, "collections": collections, "variants": variants,
+            "sgmcmc": sgmcmc}
 
 
 def main(argv: list[str] | None = None) -> int:

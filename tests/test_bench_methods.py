@@ -1,6 +1,7 @@
 """A small in-process run of benchmarks/bench_methods.py: the table and the GGN check; and
 the plain ``nn.Module`` baselines of part (d) compute what they claim (OptuNet itself in
-their degenerate settings, and the methods' own losses step by step), so the benchmark
+their degenerate settings, and the methods' own losses step by step), and part (e)'s
+`posteriors` SGLD walks our SGLD chain's path from the same normals, so the benchmark
 cannot time a wrong baseline.
 
 The benchmark is a script, not a module of the package, so it is loaded from its file.
@@ -49,7 +50,9 @@ def test_quick_run_prints_every_row_and_our_ggn_matches_laplace_torch(tmp_path, 
                   "train_zoo.methods.bbb.step (torch)", "FastBBB.step (numba)",
                   "numba / torch", "(c) 100-sample collection", "not measured yet",
                   "(d) variant training steps/s", "EmpStepper (ecmp)", "PlainEMP + Adam",
-                  "Rank1Stepper", "PlainRank1 + SGD Nesterov", "rank-1: ours / plain"):
+                  "Rank1Stepper", "PlainRank1 + SGD Nesterov", "rank-1: ours / plain",
+                  "(e) SG-MCMC (SGLD) steps/s", "SghmcStepper, kernel gradient",
+                  "posteriors.sgmcmc.sgld, functional_call", "=> ours / plain"):
         assert label in text, label
     record = json.loads(out.read_text())
     rows = {row["method"]: row for row in record["ggn"]["rows"]}
@@ -89,6 +92,17 @@ def test_quick_run_prints_every_row_and_our_ggn_matches_laplace_torch(tmp_path, 
                    for when in ("loss_start", "loss_end"))
         assert row["max_loss_diff"] <= _steps_loss_tolerance(
             row["steps"], record["variants"]["batch"], loss), row["variant"]
+    sgmcmc = record["sgmcmc"]
+    assert sgmcmc["steps"] == 5 and sgmcmc["check_steps"] == 5 and sgmcmc["friction"] == 1
+    assert sgmcmc["ours"]["steps_per_s"] > 0 and sgmcmc["plain"]["steps_per_s"] > 0
+    # at the seeded init: measured 6.0e-8 apart (bound 1.7e-6); the chains moved 4.6e-4,
+    # and normals drawn in sorted key order left them 6.9e-4 apart at checkpoint 0
+    bound = _sgld_parameter_bound(sgmcmc, sgmcmc["check_steps"])
+    assert sgmcmc["max_param_diff"] <= bound < sgmcmc["max_param_moved"] / 10
+    # measured 1.1e-7 (bound 1.3e-3): a missing prior term is ~1e-2, N off O(1)
+    loss = max(sgmcmc[name][when] for name in ("ours", "plain")
+               for when in ("loss_start", "loss_end"))
+    assert sgmcmc["max_loss_diff"] <= _sgld_loss_bound(sgmcmc, sgmcmc["steps"], loss)
 
 
 def test_collection_rows_are_printed(capsys):
@@ -240,3 +254,99 @@ def test_plain_baselines_take_the_methods_steps(variant):
     other = [step(batches[index % 2], index) for index in range(4)]
     assert any(abs(a - b) > _steps_loss_tolerance(index + 1, 8, max(a, b))
                for index, (a, b) in enumerate(zip(other, losses["ours"], strict=True)))
+
+
+#: An upper bound of the largest eigenvalue of the Hessian of OptuNet's batch mean
+#: cross-entropy (power iteration on 8 Fashion-MNIST batches of 64: 82 at the bundled
+#: target's checkpoint 0, 0.47 at the seeded init).
+OPTUNET_CURVATURE = 100.0
+
+
+def _sgld_step_terms(batch: int) -> int:
+    """Roundings on the longest path to one entry of a step's gradient: the mean
+    cross-entropy's (optunet_gradient_terms at ``batch``) and 4 for ``-(N g + prior
+    theta)`` (ours: the product by N, the prior's product, the sum; theirs: autograd of
+    the prior's square and the sum)."""
+    return optunet_gradient_terms(_optunet_and_images()[0],
+                                  torch.zeros(batch, 1, 28, 28)) + 4
+
+
+def _sgld_parameter_bound(record: dict, steps: int) -> float:
+    """How far part (e)'s two chains may be apart after ``steps`` steps from the same
+    start, batches and normals. Per step: the two gradients differ by ``gamma(k)`` of
+    their scale ``G`` (the largest ``|grad log p|``, k from :func:`_sgld_step_terms`),
+    twice, times ``eta``; each path's update ``theta + lr g + s z`` rounds at most 4
+    values no larger than ``2 Theta`` (the largest ``|theta|``; ``lr g`` and ``s z`` are
+    below 1e-3 of it): ``16 u Theta``. A difference ``d`` already there moves the next
+    gradient by ``eta (N lambda + prior) d`` at most (:data:`OPTUNET_CURVATURE`), so the
+    sum grows by that factor a step."""
+    eta, grad, theta = record["eta"], record["max_grad"], record["max_param"]
+    per_step = 2 * gamma(_sgld_step_terms(record["batch"])) * eta * grad + 16 * U32 * theta
+    growth = 1 + eta * (record["num_data"] * OPTUNET_CURVATURE + record["prior_precision"])
+    return steps * per_step * growth ** steps
+
+
+def _sgld_loss_bound(record: dict, steps: int, loss: float) -> float:
+    """How far the two chains' losses of a step may be apart: two evaluations at one
+    point differ by ``2 gamma(k)`` of the loss (gradient_rtol's convention), and points
+    ``d`` apart (:func:`_sgld_parameter_bound`) by the loss's gradient ``G / N`` times
+    ``d`` over every coordinate."""
+    count = sum(value.numel() for value in _optunet_and_images()[0].parameters())
+    distance = _sgld_parameter_bound(record, steps)
+    return (2 * gamma(_sgld_step_terms(record["batch"])) * loss
+            + count * record["max_grad"] / record["num_data"] * distance)
+
+
+def test_sgld_paths_draw_the_same_normals():
+    """Part (e)'s chains, ours on the kernels and `posteriors`' SGLD on the module, from
+    one start and noise seed stay within :func:`_sgld_parameter_bound` of each other
+    (measured 2.5e-7 after 6 steps); another noise seed on the plain side puts them
+    farther apart (the normals matter, so the check can fail), and ours does not touch
+    torch's global generator."""
+    need_fashion_mnist()
+    bench = _bench()
+    setup = bench.sgld_setup("random", 0)
+    images, labels = bench.training_images(2 * setup["batch"])
+    batches = [(images[:setup["batch"]], labels[:setup["batch"]]),
+               (images[setup["batch"]:], labels[setup["batch"]:])]
+    kernel = [(x.permute(1, 2, 3, 0).contiguous().numpy(), y.numpy()) for x, y in batches]
+    steps = 6
+    ends = {}
+    with torch.random.fork_rng(devices=[]):
+        for seed in (1, 2):
+            watch: list[tuple[float, float]] = []
+            chains = bench._sgld_chains(setup, seed, watch)
+            ours = chains["ours"]()
+            torch.manual_seed(99)
+            before = torch.random.get_rng_state()
+            bench._run_chain(ours, kernel, steps)
+            assert torch.equal(torch.random.get_rng_state(), before)
+            plain = chains["plain"]()
+            bench._run_chain(plain, batches, steps)
+            ends[seed] = (ours.params(), plain.params(), watch)
+    ours, plain, watch = ends[1]
+    record = {"eta": setup["eta"], "batch": setup["batch"], "num_data": setup["num_data"],
+              "prior_precision": setup["prior_precision"],
+              "max_grad": max(grad for grad, _ in watch),
+              "max_param": max(theta for _, theta in watch)}
+    bound = _sgld_parameter_bound(record, steps)
+    assert max(float((ours[k] - plain[k]).abs().max()) for k in ours) <= bound
+    other = ends[2][1]
+    assert max(float((ours[k] - other[k]).abs().max()) for k in ours) > 10 * bound
+
+
+def test_collection_methods_are_the_vocabularys_with_a_spec(capsys):
+    """(c)'s default methods: every vocabulary method outside the ensemble family whose
+    single-mode spec exists (the patch and Rank-1 methods the old hand-written list
+    missed included); a method named without a spec is refused before any training."""
+    from posteriorzoo import vocabulary
+
+    bench = _bench()
+    methods = bench.parse([]).methods
+    assert "de" not in methods and {"swag", "sghmc", "emp", "rank-1"} <= set(methods)
+    assert set(methods) == {name for name, info in vocabulary.METHODS.items()
+                            if info.family != "ensemble" and bench.collection_spec(name).is_file()}
+    assert bench.parse(["--quick"]).methods == []
+    with pytest.raises(SystemExit):
+        bench.parse(["--methods", "swag", "no-such-method"])
+    assert "no spec" in capsys.readouterr().err
