@@ -33,6 +33,7 @@ from posteriorzoo.mmd.noise import NoiseFloor, held_out_size, noise_floor
 from posteriorzoo.options import check_choice, check_integer
 from posteriorzoo.results import CollectionResult, csv_text
 from posteriorzoo.text import MMD_DISPLAY_SCALE
+from posteriorzoo.vocabulary import SYMMETRIES
 
 #: The ranges of the numeric options (``posteriorzoo report`` parses the same): ECE bins
 #: (with more bins than test images most are empty), noise-floor splits (each is one more
@@ -504,7 +505,8 @@ def diagnosis_row(name: str, diagnosis: Any) -> dict[str, Any]:
 def _row(entry: Mapping[str, Any], comparison: Any, evaluation: Any | None
          ) -> dict[str, Any]:
     row = {key: entry[key] for key in ("name", "path", "method", "group", "n")}
-    for treatment, prefix in (("keep", "mmd"), ("remove", "ns_mmd")):
+    for treatment, prefix in ((word, setting.statistic.lower().replace("-", "_"))
+                              for word, setting in SYMMETRIES.items()):
         try:
             summary = comparison.summary(entry["name"], treatment)
         except (KeyError, InvalidOptionError):

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from posteriorzoo.mmd.noise import NoiseFloor
+from posteriorzoo.vocabulary import SYMMETRIES
 
 
 def report_figures(target: Path, targets: Mapping[str, Any],
@@ -75,7 +76,8 @@ def report_figures(target: Path, targets: Mapping[str, Any],
             styles[entry["name"]] = collection_style(zoo, entry["name"])
             curves[entry["name"]] = _explained_variance(
                 ZooSource(entry["name"], zoo, keys=list(raw.shapes)), **distances)
-    for treatment, name in (("keep", "mmd"), ("remove", "ns-mmd")):
+    for treatment, name in ((word, setting.statistic.lower())
+                            for word, setting in SYMMETRIES.items()):
         if treatment in per_layer and treatment in noise:
             floor = noise[treatment]
             figures[name] = mmd_figure(per_layer[treatment],

@@ -45,6 +45,7 @@ from posteriorzoo.options import check_choice, check_integer
 from posteriorzoo.provenance import record
 from posteriorzoo.results import CollectionResult, csv_text
 from posteriorzoo.symmetry.structure import FX_TRACING
+from posteriorzoo.vocabulary import ENGINES
 
 __all__ = ["PREDICTION_ENGINES", "EvaluateResult", "evaluate", "member_probabilities",
            "normalized_images", "reusing_images"]
@@ -61,7 +62,7 @@ def normalized_images(dataset: ArrayDataset) -> torch.Tensor:
 #: (all checkpoints of a collection at once, the networks as the SIMD axis; 49x batched
 #: torch on two cores, ``benchmarks/bench_report.py``), else one torch module per
 #: checkpoint; ``"torch"`` always the latter.
-PREDICTION_ENGINES = ("auto", "torch")
+PREDICTION_ENGINES = tuple(e for e in ENGINES if e in ("auto", "torch"))
 
 
 @torch.no_grad()

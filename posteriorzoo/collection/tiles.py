@@ -63,11 +63,14 @@ from posteriorzoo.mmd.statistics import (
 from posteriorzoo.mmd.tiles import DEFAULT_BLOCK_ROWS, TilePlan, TileStore, plan_tiles, run_serial
 from posteriorzoo.options import check_choice, check_num_gpus
 from posteriorzoo.provenance import record
+from posteriorzoo.vocabulary import BACKENDS
 from posteriorzoo.zoo import open_zoo
 
 __all__ = ["TILE_BACKENDS", "ZooRows", "compare_tiles"]
 
-TILE_BACKENDS = ("serial", "ray")
+#: Tiles run in this process or as Ray tasks: the vocabulary's backends less the trainer's
+#: local process pool.
+TILE_BACKENDS = tuple(b for b in BACKENDS if b != "local")
 
 
 def _digest_of(digests: Sequence[str]) -> str:
