@@ -65,7 +65,7 @@ def test_records_round_trip(tmp_path):
         assert zoo.training_records() == {
             0: SGHMC_RECORD, 2: {"rank": 3, "scale": 0.5, "ok": True, "iterates": [1, 2]}}
     with h5py.File(path, "r") as handle:
-        assert handle.attrs["schema_version"] == 3
+        assert handle.attrs["schema_version"] == 4  # records (schema 3) and chains (4)
         table = handle["mode_records"]
         assert table.dtype == RECORD_DTYPE and table.shape == (2,)
         assert table[0]["record"] == canonical_json(SGHMC_RECORD).encode()

@@ -212,8 +212,13 @@ def produce_mode(spec: ZooSpec, index: int, data: TrainingData, engine: str,
     posterior = method.fit(run)
     samples = method.sample(posterior.state, generator_for(run.seeds.sample),
                             spec.samples_per_mode)
-    return _evaluate(spec, index, samples, run.seeds, posterior.steps, started,
-                     posterior.engine, data, posterior.record, device)
+    results = _evaluate(spec, index, samples, run.seeds, posterior.steps, started,
+                        posterior.engine, data, posterior.record, device)
+    chains = method.sample_chains(posterior.state, len(samples))
+    if chains is not None:  # a method with chains: each sample's (metadata ``chain``)
+        for result, chain in zip(results, chains, strict=True):
+            result.chain = int(chain)
+    return results
 
 
 def _evaluate(spec: ZooSpec, index: int, samples: Sequence[StateDict], seeds: CheckpointSeeds,

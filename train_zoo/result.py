@@ -40,6 +40,9 @@ class CheckpointResult:
         What the mode's method phase recorded (JSON-able; the same for every sample of a
         mode): SGHMC's kinetic temperature per chain, BBB's sigma and ELBO terms, SWAG's
         rank and iterates, Laplace's prior precision and evidence. None for DE.
+    chain : int
+        The Markov chain the sample was drawn from (0 .. chains-1 within its mode; -1
+        for a method without chains); stored as ``chain``.
     """
 
     index: int
@@ -52,11 +55,13 @@ class CheckpointResult:
     engine: str
     sample: int = 0
     record: dict[str, Any] | None = None
+    chain: int = -1
 
     def metadata(self, epochs: int, recipe_hash: str, source: str) -> dict[str, Any]:
         """The checkpoint's metadata row for :meth:`posteriorzoo.zoo.Zoo.append`."""
         return {"seed": self.seeds.init, "data_seed": self.seeds.data, "mode_id": self.index,
-                "sample_id": self.sample, "epoch": epochs, "recipe_hash": recipe_hash,
+                "sample_id": self.sample, "chain": self.chain, "epoch": epochs,
+                "recipe_hash": recipe_hash,
                 "wall_time": self.wall_time, "diverged": self.diverged,
                 "source": f"{source} mode {self.index} sample {self.sample} "
                           f"engine {self.engine}", **self.metrics}

@@ -9,9 +9,12 @@ what it records), so a new method gets them by being described there:
   with predictions the ensemble's in-distribution mutual information, IDMI) and what the
   method recorded at build time (SWAG's rank and iterates, Laplace's prior precision and
   evidence, ...);
-- **chains** (the ``chain`` family: SGHMC): per mode, the samples split into the method's
-  ``chains`` in sample order, then :func:`posteriorzoo.diagnostics.chain_statistics` on
-  every weight, and the kinetic temperature each chain recorded;
+- **chains** (the ``chain`` family: SGHMC): per mode, the samples grouped by the chain
+  each was drawn from (the metadata column ``chain``), each chain's draws in sample order
+  (where the rows do not record chains, as in files of schema 1 to 3, the samples are
+  split into the method's ``chains`` in sample order, and ``unknown`` says so), then
+  :func:`posteriorzoo.diagnostics.chain_statistics` on every weight, and the kinetic
+  temperature each chain recorded;
 - **variational** (samples ``mu + sigma * eps``: BBB): per layer, the standard deviation
   of the samples around their mode (the learned sigma) against the initial sigma of the
   method's options, and the recorded sigma and ELBO terms at the start and the end of
@@ -186,7 +189,23 @@ def _mode_blocks(zoo, rows: np.ndarray, keys: list[str]) -> Iterator[tuple[str, 
         source.close()
 
 
-def _chain_part(zoo, modes, options, records, lags, flags, unknown, finite):
+def _chains_of(mode: int, rows: np.ndarray, chain_ids: np.ndarray, chains_per_mode: int,
+                unknown: list[str]) -> list[np.ndarray]:
+    """The row indices of each chain of a mode whose ``rows`` are in sample order: grouped
+    by their recorded ``chain`` (ascending) when every row records one, else the rows
+    split into ``chains_per_mode`` consecutive runs (what the trainer's chain-major
+    sample order was), saying so in ``unknown``. Each chain keeps sample order."""
+    recorded = chain_ids[rows]
+    if rows.size and (recorded >= 0).all():
+        return [rows[recorded == chain] for chain in np.unique(recorded)]
+    unknown.append(f"mode {mode}: chains not recorded; split by the chains option in "
+                   "sample order")
+    per_chain = len(rows) // chains_per_mode
+    return [rows[chain * per_chain:(chain + 1) * per_chain]
+            for chain in range(chains_per_mode)]
+
+
+def _chain_part(zoo, modes, options, records, lags, flags, unknown, finite, chain_ids):
     keys = _weight_keys(zoo)
     chains_per_mode = int(options.get("chains", 1))
     parts = []
@@ -197,14 +216,21 @@ def _chain_part(zoo, modes, options, records, lags, flags, unknown, finite):
                            "(NaN or infinite weights), so its chains are broken: no chain "
                            "statistics")
             continue
-        per_chain = len(rows) // chains_per_mode
+        chains = _chains_of(mode, rows, chain_ids, chains_per_mode, unknown)
+        lengths = [len(chain) for chain in chains]
+        per_chain = min(lengths)
         if per_chain < 4:
-            unknown.append(f"mode {mode}: {len(rows)} samples in {chains_per_mode} chain(s) "
+            unknown.append(f"mode {mode}: {len(rows)} samples in {len(chains)} chain(s) "
                            "are too few for chain statistics (4 per chain)")
             continue
+        if len(set(lengths)) > 1:
+            unknown.append(f"mode {mode}: its chains hold {', '.join(map(str, lengths))} "
+                           f"draws; the statistics use the first {per_chain} of each")
         chain_lags = tuple(lag for lag in lags if lag < per_chain)
-        blocks = [chain_coordinates(block.reshape(chains_per_mode, per_chain, -1), chain_lags)
-                  for _, block in _mode_blocks(zoo, rows[:per_chain * chains_per_mode], keys)]
+        # chain-major, each chain in sample order: the streaming reader takes any row order
+        ordered = np.concatenate([chain[:per_chain] for chain in chains])
+        blocks = [chain_coordinates(block.reshape(len(chains), per_chain, -1), chain_lags)
+                  for _, block in _mode_blocks(zoo, ordered, keys)]
         stats = ChainCoordinates.join(blocks).summary()
         entry = {"mode": mode, **stats.to_dict(), "kinetic_temperature": None,
                  "exact_temperature": None}
@@ -363,7 +389,8 @@ def diagnose(source: Source, *, predictions: bool = True, data_dir: str | None =
         info = method_info(zoo.method)
         family, records_kinds = (info.family, info.records) if info else (None, ())
         if family == "chain":
-            chains = _chain_part(zoo, modes, options, records, lags, flags, unknown, finite)
+            chains = _chain_part(zoo, modes, options, records, lags, flags, unknown, finite,
+                                 np.asarray(metadata["chain"]))
         if info is not None and info.sample_sigma:
             finite_modes = {mode: rows[finite[rows]] for mode, rows in modes.items()}
             variational = _variational_part(zoo, finite_modes, options, records, flags,

@@ -8,7 +8,9 @@ its parsed attributes. It refuses, with one :class:`ZooFormatError` line each:
   through filters (compression: a small file could expand without bound; the store
   never compresses);
 - members that are not part of the format, a state entry that is a group, a metadata
-  table of another dtype, a committed count that is negative, not an integer or larger
+  table of another dtype than its schema version's
+  (:func:`~posteriorzoo.zoo.schema.metadata_dtype`: schema 4 added the column
+  ``chain``), a committed count that is negative, not an integer or larger
   than the rows behind it;
 - a training-record table (``/mode_records``, schema 3) of another dtype or shape, not
   chunked and resizable, or with more rows than the metadata table (each record row is
@@ -34,7 +36,7 @@ import h5py
 import numpy as np
 
 from posteriorzoo.errors import ZooFormatError
-from posteriorzoo.zoo.schema import FORMAT_NAME, METADATA_DTYPE, RECORD_DTYPE, SCHEMA_VERSION
+from posteriorzoo.zoo.schema import FORMAT_NAME, RECORD_DTYPE, SCHEMA_VERSION, metadata_dtype
 
 STATE_GROUP = "state"
 METADATA = "metadata"
@@ -44,10 +46,12 @@ ROW_DIGESTS = "metadata_sha256"
 ROW_DIGEST_DTYPE = np.dtype("S64")
 #: One row per recorded mode: what its method phase recorded while training (schema 3).
 MODE_RECORDS = "mode_records"
-#: The members of each schema version's files.
+#: The members of each schema version's files (schema 4 has schema 3's; its metadata
+#: table has the column ``chain`` too: :func:`posteriorzoo.zoo.schema.metadata_dtype`).
 _MEMBERS_OF = {1: {STATE_GROUP, METADATA, COMMITTED},
                2: {STATE_GROUP, METADATA, COMMITTED, ROW_DIGESTS},
-               3: {STATE_GROUP, METADATA, COMMITTED, ROW_DIGESTS, MODE_RECORDS}}
+               3: {STATE_GROUP, METADATA, COMMITTED, ROW_DIGESTS, MODE_RECORDS},
+               4: {STATE_GROUP, METADATA, COMMITTED, ROW_DIGESTS, MODE_RECORDS}}
 _JSON_ATTRIBUTES = {"model_options": dict, "recipe": dict, "created_by": dict,
                     "state_keys": list, "annotations": dict}
 _STRING_ATTRIBUTES = ("architecture", "dataset", "method")
@@ -232,8 +236,10 @@ def _check_datasets(handle: h5py.File, path: Path, layout: Layout) -> int:
     records = _dataset(handle, MODE_RECORDS, path) if layout.schema_version >= 3 else None
     record_rows = records.shape[0] if records is not None and records.ndim == 1 else 0
     metadata = _dataset(handle, METADATA, path)
-    if metadata.dtype != METADATA_DTYPE or metadata.ndim != 1:
-        raise _fail(path, "/metadata has another layout than this schema's metadata table")
+    table = metadata_dtype(layout.schema_version)
+    if metadata.dtype != table or metadata.ndim != 1:
+        raise _fail(path, f"/metadata has another layout than schema "
+                          f"{layout.schema_version}'s metadata table")
     rows = [metadata.shape[0]]
     if layout.schema_version >= 2:
         digests = _dataset(handle, ROW_DIGESTS, path)
@@ -252,7 +258,7 @@ def _check_datasets(handle: h5py.File, path: Path, layout: Layout) -> int:
     extra = sorted(names - set(layout.state_keys))
     if extra:
         raise _fail(path, f"state datasets not listed in state_keys: {extra[:3]}")
-    checkpoint_bytes = METADATA_DTYPE.itemsize
+    checkpoint_bytes = table.itemsize
     for key in layout.state_keys:
         dataset = group[key]
         if not isinstance(dataset, h5py.Dataset):

@@ -64,6 +64,7 @@ from posteriorzoo.zoo.schema import (
     RECORD_DTYPE,
     SCHEMA_VERSION,
     canonical_json,
+    newest_schema,
     row_digest,
 )
 from posteriorzoo.zoo.store import (
@@ -289,8 +290,13 @@ def open_zoo(path: str | os.PathLike, mode: str = "r", *, verify: bool = False) 
 
 @public
 def upgrade_zoo(path: str | os.PathLike) -> str | None:
-    """Rewrite a collection in place in the current schema and within the HDF5 format
-    bounds (:data:`~posteriorzoo.zoo.schema.HDF5_FORMAT`), if it is not so already.
+    """Rewrite a collection in place in the newest schema its metadata table allows and
+    within the HDF5 format bounds (:data:`~posteriorzoo.zoo.schema.HDF5_FORMAT`), if it
+    is not so already.
+
+    A schema 1 or 2 file becomes schema 3 (training records); the metadata table and its
+    row digests are copied as they are, so a file of schema 1 to 3 stays without the
+    column ``chain`` of schema 4 (:mod:`posteriorzoo.zoo.schema`).
 
     Every committed checkpoint, metadata row, digest and training record is copied into a
     temporary file renamed over the original, under the writer's lock: a kill leaves the
@@ -373,9 +379,11 @@ def _rebuild_reason(path: Path) -> str | None:
     return None
 
 
-def _upgraded_attributes(attrs: dict[str, Any]) -> dict[str, Any]:
-    """The root attributes of a rebuilt file: the current schema and format bound."""
-    return {**attrs, "schema_version": SCHEMA_VERSION, HDF5_FORMAT_ATTRIBUTE: HDF5_FORMAT[1]}
+def _upgraded_attributes(attrs: dict[str, Any], table: np.dtype) -> dict[str, Any]:
+    """The root attributes of a rebuilt file: the newest schema whose metadata table is
+    ``table`` (the file's, kept with its digests) and the format bound."""
+    return {**attrs, "schema_version": newest_schema(table),
+            HDF5_FORMAT_ATTRIBUTE: HDF5_FORMAT[1]}
 
 
 def _open_for_append(path: Path) -> Zoo:
@@ -422,7 +430,8 @@ def _start_writing(path: Path, fd: int) -> tuple[h5py.File, int]:
 
 def _rebuild_from_committed(path: Path) -> int:
     """Copy the committed checkpoints of a collection, and the training records of their
-    modes, into a clean file (of the current schema and format bounds) that replaces it.
+    modes, into a clean file (of the newest schema of its metadata table, and the format
+    bounds) that replaces it.
 
     Returns a locked descriptor of the new file, which has replaced ``path``.
     """
@@ -439,7 +448,7 @@ def _rebuild_from_committed(path: Path) -> int:
         keep = sorted(old.record_rows().values())
         records = (old._file[MODE_RECORDS][keep] if keep
                    else np.zeros(0, dtype=RECORD_DTYPE))
-        attrs = _upgraded_attributes(attrs)
+        attrs = _upgraded_attributes(attrs, rows.dtype)
         growing = [*old._datasets.values(), old._file["metadata"]]
         needed = (METADATA_MARGIN + new_bytes(growing, 0, count) + len(digests) * 64
                   + len(records) * RECORD_DTYPE.itemsize)
@@ -459,7 +468,7 @@ def _rebuild_from_committed(path: Path) -> int:
                     for start, block in old.layer_blocks(key):
                         target[start:start + block.shape[0]] = block
                 new.create_dataset("metadata", data=rows, maxshape=(None,),
-                                   chunks=(_METADATA_CHUNK_ROWS,), dtype=METADATA_DTYPE)
+                                   chunks=(_METADATA_CHUNK_ROWS,), dtype=rows.dtype)
                 new.create_dataset(ROW_DIGESTS, data=digests, maxshape=(None,),
                                    chunks=(_METADATA_CHUNK_ROWS,), dtype=ROW_DIGEST_DTYPE)
                 _create_records(new, records)

@@ -7,7 +7,8 @@ A collection is one HDF5 file::
                             hdf5_format (:data:`HDF5_FORMAT`)
     /state/<key>     one dataset per parameter or buffer, shape (N, *tensor_shape),
                      chunked along the checkpoint axis so a layer read is contiguous
-    /metadata        one row per checkpoint (compound dtype, columns below)
+    /metadata        one row per checkpoint (compound dtype, columns below; the
+                     columns of a file's schema version, :func:`metadata_dtype`)
     /metadata_sha256 one SHA-256 per metadata row (schema 2), so a changed value in
                      the table (an accuracy, a seed) is detected like a changed weight
     /mode_records    one row per recorded mode (schema 3; :data:`RECORD_DTYPE`):
@@ -20,7 +21,16 @@ A collection is one HDF5 file::
 Nothing else: no links, no external or virtual storage, no compression
 (:mod:`posteriorzoo.zoo.layout` refuses files that have them). Schema 1 files (without
 row digests) and schema 2 files (without training records) are read; a writer upgrades
-them to schema 3 before it appends.
+them to schema 3 before it appends. Schema 4 added the metadata column ``chain``
+(:data:`COLUMN_SINCE`); files of schemas 1 to 3 are read as they are, their ``chain``
+reading -1 (not recorded). Rows are stored in their file's own table: an append to a
+schema 1 to 3 file stores no ``chain`` (a chain given for it is dropped, with a warning,
+rather than refused, so that a training run begun before schema 4 can still be resumed;
+its rows then all say "not recorded", which is the truth), and a rebuild keeps a file's
+table (no row is re-hashed). New files are schema 4.
+
+Each row's SHA-256 (:func:`row_digest`) covers the row's bytes in the table it is stored
+in, so the digests of an earlier schema's rows stay valid as written.
 
 A training record belongs to the collection once its mode has committed checkpoints: a
 record row is written in the same block as its mode's checkpoints, before the committed
@@ -53,7 +63,7 @@ from posteriorzoo._api import public
 from posteriorzoo.errors import ZooSchemaError
 
 FORMAT_NAME = "posteriorzoo-collection"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: h5py ``libver`` bounds of every write: the oldest and the newest object formats used.
 #: HDF5 1.10's, the oldest that single-writer / multiple-reader appends need (superblock
 #: version 3) and the newest that HDF5 1.10 (Debian 12's python3-h5py) can read.
@@ -85,9 +95,13 @@ METADATA_COLUMNS: tuple[Column, ...] = (
     Column("data_seed", "<i8", -1, "seed of the data order and augmentation"),
     Column("method", "S32", b"", "posterior approximation that produced the checkpoint"),
     Column("mode_id", "<i8", -1, "the base network (mode) the sample belongs to: a DE "
-           "member's own index, the network a method's samples surround, an SGHMC chain"),
+           "member's own index, the network a method's samples surround (SGHMC's chains "
+           "start from it)"),
     Column("sample_id", "<i8", -1, "the draw around its mode, 0 .. samples_per_mode-1 "
            "(0 for DE members)"),
+    Column("chain", "<i8", -1, "the Markov chain the sample was drawn from, 0 .. chains-1 "
+           "within its mode; -1 for methods without chains (and in files of schema 1 to 3, "
+           "which do not record it)"),
     Column("epoch", "<i8", -1, "epochs of the recipe the (base) network was trained for"),
     Column("train_loss", "<f8", np.nan, "final training loss (mean cross-entropy, nats)"),
     Column("train_accuracy", "<f8", np.nan, "final training accuracy, in [0, 1]"),
@@ -104,7 +118,60 @@ METADATA_COLUMNS: tuple[Column, ...] = (
     Column("sha256", "S64", b"", "SHA-256 of the checkpoint's tensors (see checkpoint_digest)"),
 )
 COLUMN_NAMES = tuple(column.name for column in METADATA_COLUMNS)
-METADATA_DTYPE = np.dtype([(column.name, column.dtype) for column in METADATA_COLUMNS])
+#: The schema version that added a column; the others are in every version's table.
+COLUMN_SINCE: dict[str, int] = {"chain": 4}
+
+
+def metadata_dtype(version: int) -> np.dtype:
+    """The metadata table of a schema ``version``'s files: the columns it had, in order.
+
+    The layout check requires exactly this dtype, and row digests hash rows in it.
+    """
+    return np.dtype([(column.name, column.dtype) for column in METADATA_COLUMNS
+                     if COLUMN_SINCE.get(column.name, 1) <= version])
+
+
+#: The metadata table of new files (the current schema's).
+METADATA_DTYPE = metadata_dtype(SCHEMA_VERSION)
+#: Every schema version's metadata table.
+METADATA_DTYPES: dict[int, np.dtype] = {version: metadata_dtype(version)
+                                        for version in range(1, SCHEMA_VERSION + 1)}
+
+
+def newest_schema(dtype: np.dtype) -> int:
+    """The newest schema version whose files store metadata rows of ``dtype``: what a
+    rebuilt file becomes, since a rebuild keeps the table (and its digests) as it is."""
+    versions = [version for version, table in METADATA_DTYPES.items() if table == dtype]
+    if not versions:
+        raise ZooSchemaError(f"{dtype} is not the metadata table of any schema version")
+    return max(versions)
+
+
+def as_table(rows: np.ndarray, dtype: np.dtype = METADATA_DTYPE) -> np.ndarray:
+    """``rows`` (a metadata table of any schema version) as a table of ``dtype``.
+
+    Shared columns are copied, columns ``rows`` lack get their missing value (a schema 3
+    row's ``chain`` reads -1), and columns ``dtype`` lacks are left out. Rows already of
+    ``dtype`` are returned as they are.
+    """
+    if rows.dtype == dtype:
+        return rows
+    table = np.zeros(rows.shape, dtype=dtype)
+    present = set(rows.dtype.names or ())
+    for column in METADATA_COLUMNS:
+        if column.name in (dtype.names or ()):
+            table[column.name] = rows[column.name] if column.name in present \
+                else column.missing
+    return table
+
+
+def dropped_columns(rows: np.ndarray, dtype: np.dtype) -> list[str]:
+    """Columns of ``rows`` that a table of ``dtype`` lacks and in which some row holds a
+    value other than the column's missing one (what storing them there would lose)."""
+    kept = set(dtype.names or ())
+    return [column.name for column in METADATA_COLUMNS
+            if column.name in (rows.dtype.names or ()) and column.name not in kept
+            and bool(np.any(rows[column.name] != column.missing))]
 # Columns the store fills itself; users may not set them.
 _AUTOMATIC = {"sha256", "written_at"}
 
@@ -195,8 +262,17 @@ def record_digest(data: bytes) -> str:
 
 
 def row_digest(row: np.void | np.ndarray) -> str:
-    """SHA-256 hex digest of one metadata row's bytes in the table's (little-endian) layout."""
-    return hashlib.sha256(np.asarray(row, dtype=METADATA_DTYPE).tobytes()).hexdigest()
+    """SHA-256 hex digest of one metadata row's bytes in the table it is stored in.
+
+    A row of one of the schema versions' tables (:data:`METADATA_DTYPES`, as read from a
+    file, whose table the layout check requires to be its version's) is hashed in that
+    table's little-endian layout, so the digests written for schema 1 to 3 rows stay
+    valid; anything else is hashed as a row of :data:`METADATA_DTYPE`.
+    """
+    array = np.asarray(row)
+    if not any(array.dtype == table for table in METADATA_DTYPES.values()):
+        array = np.asarray(row, dtype=METADATA_DTYPE)
+    return hashlib.sha256(array.tobytes()).hexdigest()
 
 
 def metadata_row(values: Mapping[str, object]) -> np.ndarray:

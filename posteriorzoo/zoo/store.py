@@ -23,6 +23,7 @@ import math
 import os
 import re
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -530,6 +531,12 @@ class Zoo:
         """Whether the file can hold training records (schema 3; older files have none)."""
         return MODE_RECORDS in self._file
 
+    @property
+    def metadata_dtype(self) -> np.dtype:
+        """The table the file stores its metadata rows in: its schema version's
+        (:func:`~posteriorzoo.zoo.schema.metadata_dtype`; a rebuild keeps it)."""
+        return schema.metadata_dtype(self.layout.schema_version)
+
     def __len__(self) -> int:
         """Number of complete checkpoints."""
         return self._committed()
@@ -819,12 +826,15 @@ class Zoo:
     @property
     def metadata(self) -> np.ndarray:
         """Metadata table: a structured array of shape (N,), columns in
-        ``schema.COLUMN_NAMES``; string columns are numpy ``str`` (decoded UTF-8)."""
-        return decode_table(self.stored_metadata())
+        ``schema.COLUMN_NAMES``; string columns are numpy ``str`` (decoded UTF-8).
+
+        Every column is there whatever the file's schema version: one an older file does
+        not store holds its missing value (``chain`` -1 in a schema 1 to 3 file)."""
+        return decode_table(schema.as_table(self.stored_metadata()))
 
     def stored_metadata(self) -> np.ndarray:
-        """The metadata table as stored (string columns as UTF-8 bytes): what the row
-        digests cover."""
+        """The metadata table as stored (string columns as UTF-8 bytes, the columns of
+        the file's schema version, :attr:`metadata_dtype`): what the row digests cover."""
         self._verify_rows()
         with self._reading("the metadata table"):
             dataset = self._file[METADATA]
@@ -917,7 +927,9 @@ class Zoo:
                     self._file[ROW_DIGESTS][index]).decode(errors="replace"):
                 self._raise_problems(
                     [(index, "its metadata row differs from its stored SHA-256")])
-        return {name: schema.decode(row[name]) for name in METADATA_DTYPE.names}
+        # a column the file's schema does not store reads as missing (see metadata)
+        table = schema.as_table(np.asarray(row))
+        return {name: schema.decode(table[name][()]) for name in METADATA_DTYPE.names}
 
     # ------------------------------------------------------------------ writing
     def append(self, state_dict: Mapping[str, ArrayLike], **metadata: Any) -> int:
@@ -937,6 +949,8 @@ class Zoo:
         anything is written, so a bad one leaves the file untouched. Metadata keys are
         column names of :data:`posteriorzoo.zoo.schema.METADATA_COLUMNS`; ``versions``
         defaults to the running library versions, ``method`` to the collection's method.
+        A file of schema 1 to 3 has no ``chain`` column: a chain given for it is dropped
+        with a warning (:meth:`prepare`).
 
         ``records`` maps a ``mode_id`` of these checkpoints to what its method phase
         recorded while training (a JSON object, see
@@ -991,7 +1005,11 @@ class Zoo:
                 ) -> tuple[np.ndarray, dict[str, list[np.ndarray]]]:
         """Validate checkpoints and build their metadata rows without writing anything.
 
-        Returns ``(rows, {key: [array, ...]})``; raises on the first bad checkpoint.
+        Returns ``(rows, {key: [array, ...]})``; raises on the first bad checkpoint. The
+        rows are of the current table (:data:`~posteriorzoo.zoo.schema.METADATA_DTYPE`);
+        a file of an older schema stores them in its own, without the columns it lacks:
+        a value given for one of those (a ``chain`` for a schema 1 to 3 file) is dropped
+        with a warning, not refused (:mod:`posteriorzoo.zoo.schema`).
         """
         versions = canonical_json(library_versions())
         stacks: dict[str, list[np.ndarray]] = {key: [] for key in self._keys}
@@ -1010,6 +1028,15 @@ class Zoo:
             rows[position] = row
             for key in self._keys:
                 stacks[key].append(arrays[key])
+        dropped = schema.dropped_columns(rows, self.metadata_dtype)
+        if dropped:
+            # Rows are stored in the file's own table (their digests hash them there), so
+            # an older file keeps no such column: dropped rather than refused, so that a
+            # run begun before the column existed can be resumed (module docstring).
+            warnings.warn(f"{self.path}: a schema {self.layout.schema_version} collection "
+                          f"has no metadata column {', '.join(map(repr, dropped))}; the "
+                          "values given are not stored (they read as not recorded); a new "
+                          "collection stores them", stacklevel=3)
         return rows, stacks
 
     def _validated(self, state: Mapping[str, ArrayLike], diverged: bool, position: int
@@ -1077,6 +1104,8 @@ class Zoo:
         tensors are written, then advance the committed count past them."""
         stop = start + rows.shape[0]
         table = self._file[METADATA]
+        # in the file's own table, and hashed there (prepare warned of what is dropped)
+        rows = schema.as_table(rows, table.dtype)
         table.resize(stop, axis=0)
         table[start:stop] = rows
         fault_point("zoo-rows-written")

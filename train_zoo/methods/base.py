@@ -274,6 +274,12 @@ class Method:
         """``count`` state_dicts of the base architecture from the posterior ``state``."""
         raise NotImplementedError
 
+    def sample_chains(self, state: Any, count: int) -> list[int] | None:
+        """The Markov chain each of the first ``count`` samples of :meth:`sample` was
+        drawn from (0 .. chains-1, stored as the metadata column ``chain``, which
+        diagnostics group draws by), or None for a method without chains (the default)."""
+        return None
+
 
 def generator_for(seed: int) -> Any:
     """A ``torch.Generator`` seeded with ``seed``."""

@@ -1129,9 +1129,11 @@ def adaptation_seed(seed: int, chain: int) -> int:
 
 @dataclass(frozen=True)
 class SghmcChains:
-    """The kept samples of a mode's chains (state_dicts, chain-major)."""
+    """The kept samples of a mode's chains (state_dicts, chain-major) and the chain each
+    was drawn from (stored as the metadata column ``chain``)."""
 
     samples: list[dict[str, torch.Tensor]]
+    chains: list[int]
 
 
 class Sghmc(Method):
@@ -1233,7 +1235,7 @@ class Sghmc(Method):
                 steps += (sum(sum(r["steps"]) for r in record["rounds"])
                           + record["settling"]["steps"])
                 running = True
-        samples, records = [], []
+        samples, records, chain_ids = [], [], []
         for chain in range(chains):
             generator = generators[chain]
             if starts[chain] is not None:  # from where its adaptation ended
@@ -1263,6 +1265,7 @@ class Sghmc(Method):
                 last = stepper.arrays()
                 kept.append({name: torch.tensor(last[name]) for name in params})
             samples += [{**sample, **buffers} for sample in kept]
+            chain_ids += [chain] * len(kept)
             records.append({"chain": chain, **stepper.record()})
             steps += result.steps
         record = {"method": "sghmc", "chains": records,
@@ -1270,7 +1273,7 @@ class Sghmc(Method):
                   "batch_size": batch_size}
         if adaptation is not None:
             record["adaptation"] = adaptation
-        return Posterior(SghmcChains(samples), steps, engine.name, record)
+        return Posterior(SghmcChains(samples, chain_ids), steps, engine.name, record)
 
     def _adapt(self, run: ModeRun, model: nn.Module, params: Params,
                gradient: LogPosteriorGradient, whitening: Whitening,
@@ -1448,6 +1451,11 @@ class Sghmc(Method):
         (from the mode's ``sample`` seed), so ``generator`` is not used."""
         count = check_integer("sghmc option 'count'", count, 1, len(state.samples))
         return state.samples[:count]
+
+    def sample_chains(self, state: SghmcChains, count: int) -> list[int]:
+        """The chain each of the first ``count`` samples was drawn from (what
+        :meth:`sample` returns, in its order)."""
+        return state.chains[:count]
 
 
 METHOD = Sghmc()
