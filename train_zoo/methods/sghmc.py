@@ -934,8 +934,8 @@ def _preconditioner_auto(context: Context) -> Resolved:
         return Resolved("adapted", f"derived from the model ({count:,} parameters <= "
                                    f"{bound:,})")
     return Resolved("none", f"derived from the model ({count:,} parameters > {bound:,})",
-                    note=f"sghmc: preconditioner none (the model's {count:,} parameters are "
-                         f"too many for a dense mass matrix; a plain chain at lr "
+                    note=f"{context.method}: preconditioner none (the model's {count:,} "
+                         f"parameters are too many for a dense mass matrix; a plain chain at lr "
                          f"{SGHMC_LR:g} mixes slowly: check it with posteriorzoo diagnose)")
 
 
@@ -959,8 +959,9 @@ def _chains_default(context: Context) -> Resolved:
     if chains == ADAPTED_CHAINS:
         return Resolved(chains, "default of an adapted chain")
     return Resolved(chains, f"derived from samples_per_mode={per_mode}",
-                    note=f"sghmc: chains {chains} (derived from samples_per_mode={per_mode}, "
-                         f"not a multiple of {ADAPTED_CHAINS}; default {ADAPTED_CHAINS})")
+                    note=f"{context.method}: chains {chains} (derived from "
+                         f"samples_per_mode={per_mode}, not a multiple of "
+                         f"{ADAPTED_CHAINS}; default {ADAPTED_CHAINS})")
 
 
 def _batch_size(what: str, value: object, context: Context) -> object:
@@ -1162,6 +1163,14 @@ class Sghmc(Method):
 
     name = "sghmc"
     summary = "stochastic-gradient HMC chains from each trained base network"
+    #: The friction of the kept steps; None: the ``alpha`` option (an adapted chain's cold
+    #: rounds derive their own). SGLD (:mod:`train_zoo.methods.sgld`) is this chain at 1.
+    sampling_friction: float | None = None
+
+    def _friction(self, opts: Mapping[str, object], derived: float | None = None) -> float:
+        if self.sampling_friction is not None:
+            return self.sampling_friction
+        return derived if derived is not None else opts["alpha"]
 
     def build_options(self) -> tuple[MethodOption, ...]:
         return _options()
@@ -1218,7 +1227,7 @@ class Sghmc(Method):
         independent = opts.get("minibatches", "epochs") == "independent"
         generators = [generator_for(chain_seed(seeds.sample, chain)) for chain in range(chains)]
         starts: list[Params | None] = [None] * chains
-        adaptation, alpha, running = None, opts["alpha"], False
+        adaptation, alpha, running = None, self._friction(opts), False
         if preconditioner == "adapted":
             whitening, starts, adaptation, adapt_steps = self._adapt(
                 run, model, params, gradient, whitening, generators,
@@ -1231,6 +1240,7 @@ class Sghmc(Method):
                                          generators, opts, batch_size, independent,
                                          noise_decay)
                 whitening, starts, eta, alpha, record = cold
+                alpha = self._friction(opts, alpha)
                 adaptation["cold"] = record
                 steps += (sum(sum(r["steps"]) for r in record["rounds"])
                           + record["settling"]["steps"])
@@ -1247,18 +1257,18 @@ class Sghmc(Method):
                 size = whitening.cholesky.shape[0]
                 start = torch.randn(size, generator=generator, dtype=torch.float64)
                 stepper = WhitenedSghmcStepper(
-                    params, gradient, whitening, eta, opts["alpha"], generator, keep[-1],
+                    params, gradient, whitening, eta, alpha, generator, keep[-1],
                     start_offset=start, noise_decay=noise_decay, warm_up=NOISE_WARM_UP,
                     record_from=opts["burn_in"])
             else:
-                stepper = SghmcStepper(params, gradient, eta, opts["alpha"], generator,
+                stepper = SghmcStepper(params, gradient, eta, alpha, generator,
                                        keep[-1], noise_decay=noise_decay,
                                        warm_up=NOISE_WARM_UP, record_from=opts["burn_in"])
             collector = Collector(list(params), steps=set(keep))
             result = fit(stepper, engine.batches(model, chain_seed(seeds.method, chain),
                                                  batch_size, replacement=independent),
                          lambda epoch: eta, math.ceil(keep[-1] / steps_per_epoch),
-                         index=run.index, phase="sghmc",
+                         index=run.index, phase=self.name,
                          callbacks=[*run.callbacks, collector])
             kept = collector.kept
             while len(kept) < len(keep):  # a chain that diverged: its last state
@@ -1268,7 +1278,7 @@ class Sghmc(Method):
             chain_ids += [chain] * len(kept)
             records.append({"chain": chain, **stepper.record()})
             steps += result.steps
-        record = {"method": "sghmc", "chains": records,
+        record = {"method": self.name, "chains": records,
                   "preconditioner": preconditioner if whitened else "none",
                   "batch_size": batch_size}
         if adaptation is not None:
@@ -1300,7 +1310,7 @@ class Sghmc(Method):
                                          ADAPT_BATCH, replacement=independent)
             result = fit(stepper, batches, lambda epoch: ADAPT_LR,
                          math.ceil(adapt_steps / steps_per_epoch), index=run.index,
-                         phase="sghmc-adapt", callbacks=[*run.callbacks, collector])
+                         phase=f"{self.name}-adapt", callbacks=[*run.callbacks, collector])
             steps += result.steps
             temperature = stepper.record()["kinetic_temperature"]
             if temperature is None or len(collector.kept) < 2:
@@ -1389,7 +1399,7 @@ class Sghmc(Method):
                 stepper, kept, taken = self._cold_chain(
                     run, model, gradient, metric, lr, alpha, ends[chain], generator,
                     round_steps, batch_size, round_seed(seed, number, chain), independent,
-                    noise_decay, f"sghmc-round-{number + 1}", keep)
+                    noise_decay, f"{self.name}-round-{number + 1}", keep)
                 trajectories.append(torch.stack([flatten(state).double() for state in kept]))
                 temperatures.append(stepper.record()["kinetic_temperature"])
                 losses.append(stepper.loss_sum / stepper.record()["recorded_steps"])
@@ -1436,7 +1446,7 @@ class Sghmc(Method):
             stepper, _, taken = self._cold_chain(
                 run, model, gradient, metric, lr, alpha, start, generator, segment,
                 batch_size, settle_seed(run.seeds.method, number, True), independent,
-                noise_decay, f"sghmc-settle-{number + 1}", set())
+                noise_decay, f"{self.name}-settle-{number + 1}", set())
             mean = stepper.loss_sum / stepper.record()["recorded_steps"]
             settled = loss - mean < tolerance
             loss, start, steps = mean, _copy(stepper.params), steps + taken
