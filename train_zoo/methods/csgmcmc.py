@@ -259,6 +259,12 @@ class CyclicalSgmcmc(Method):
                ) -> list[dict[str, torch.Tensor]]:
         return state.samples[:count]
 
+    def sample_chains(self, state: CyclicalState, count: int) -> list[int]:
+        """One trajectory: every sample is of chain 0 (its cycle is in the record's
+        ``kept_steps``); a chain that visits several modes on purpose disagrees with
+        itself, which ``diagnose``'s split R-hat shows."""
+        return [0] * min(count, len(state.samples))
+
 
 CSGLD = CyclicalSgmcmc("csgld", "cyclical SGLD: one run through several modes by a cosine "
                        "step size", None)
