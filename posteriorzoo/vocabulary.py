@@ -126,6 +126,9 @@ METHODS: dict[str, MethodInfo] = {info.name: info for info in (
     MethodInfo("rank-1", "Rank-1", "variational", ("scales",), "#393b79",
                "train_zoo.methods.rank1:METHOD",
                "Rank-1 BNN: rank-1 multiplicative factors of a shared network"),
+    MethodInfo("svgd", "SVGD", "ensemble", (), "#aec7e8", "train_zoo.methods.svgd:METHOD",
+               "SVGD: samples_per_mode particles that repel (Stein variational gradient "
+               "descent)"),
 )}
 
 
