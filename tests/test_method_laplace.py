@@ -562,7 +562,7 @@ def _tiny():
 
 
 @pytest.mark.parametrize(("options", "option"), [
-    ({"structure": "diag"}, "structure"),
+    ({"structure": "kron"}, "structure"),
     ({"structure": None}, "structure"),
     ({"prior_precision": -1.0}, "prior_precision"),
     ({"prior_precision": 0}, "prior_precision"),

@@ -1,4 +1,5 @@
-"""The Laplace approximation as ``init`` / ``sample`` pieces: full GGN or last-layer KFAC.
+"""The Laplace approximation as ``init`` / ``sample`` pieces: full GGN, KFAC over every
+layer, diagonal GGN or last-layer KFAC.
 
 Around a trained network (the MAP ``theta*``) the posterior is approximated by the Gaussian
 ``N(theta*, P^-1)`` with posterior precision ``P = G + delta I``: ``G`` is the generalised
@@ -7,7 +8,8 @@ the precision of the isotropic prior ``N(0, delta^-1 I)``. The true Hessian of a
 trained with SGD is indefinite (a third of OptuNet's eigenvalues are negative), so "full
 Laplace" means the GGN, which is positive semi-definite by construction.
 
-Two structures (option ``structure``):
+Four structures (option ``structure``), a ladder from the most to the least faithful:
+``full`` -> ``kfac`` -> ``diag`` -> ``last-layer-kfac``.
 
 ``"full"``
     All ``D`` parameters vary; ``G = sum_n J_n^T H_n J_n`` with ``J_n`` ``(K, D)`` the
@@ -16,6 +18,21 @@ Two structures (option ``structure``):
     :func:`~train_zoo.methods.laplace_curvature.full_ggn` as ``sum_n M_n^T M_n`` with
     ``M_n = V_n J_n`` ``(K - 1, D)`` and ``H_n = V_n^T V_n`` (``J_n`` is never formed).
     Samples are ``theta* + L^-T z`` with ``P = L L^T`` and ``z ~ N(0, I)``.
+
+``"kfac"``
+    All parameters vary (every one must belong to an ``nn.Linear`` or ``nn.Conv2d``);
+    ``G`` is block-diagonal, one Kronecker-factored block ``kron(B, A)`` per weight and a
+    dense ``B`` per bias, the factors as laplace-torch 0.3 builds them with its BackPACK
+    backend (:mod:`train_zoo.methods.laplace_kron`, which also covers grouped
+    convolutions). The precision of a block is ``kron(B, A) + delta I``, eigenvalues
+    ``beta_o alpha_i + delta``; draws are exact, through the factors' eigendecompositions,
+    as for ``"last-layer-kfac"`` below.
+
+``"diag"``
+    All ``D`` parameters vary; ``G`` is replaced by its diagonal (the same rows ``M_n`` as
+    ``"full"``, squared and summed: :func:`~train_zoo.methods.laplace_curvature.diag_ggn`),
+    so it scales past the dense matrix's :data:`MAX_FULL_PARAMETERS`. The precision is
+    ``diag(G) + delta``; a draw is ``theta* + z / sqrt(diag(G) + delta)``.
 
 ``"last-layer-kfac"``
     Only the network's final ``Linear`` layer (weight ``W`` ``(K, F)``, bias ``b`` ``(K,)``)
@@ -39,7 +56,7 @@ Two structures (option ``structure``):
     Gaussian without forming any ``KF x KF`` matrix.
 
 Data that do not cover the data set: ``init`` sees ``n`` examples from ``batches`` while
-the data set has ``N = num_data``. The summed loss, ``G`` (full) and ``B``, ``C`` (KFAC) are
+the data set has ``N = num_data``. The summed loss, ``G`` (full, diag) and ``B``, ``C`` (KFAC) are
 multiplied by ``N / n`` and ``A`` is averaged over the ``n`` examples seen, so they estimate
 the full-data values; with ``n = N`` nothing is rescaled and everything equals
 laplace-torch's.
@@ -53,7 +70,8 @@ Prior precision (option ``prior_precision``):
         log Z(delta) = -L - 1/2 (logdet(G + delta I) - D log delta + delta ||theta*||^2)
 
     with ``L`` the summed cross-entropy. With ``lambda_i`` the eigenvalues of the GGN
-    (of ``kron(B, A)`` and ``C``: ``beta_k alpha_f`` and ``gamma_k``) this is a closed-form
+    (of ``kron(B, A)`` and ``C``: ``beta_k alpha_f`` and ``gamma_k``; for ``"diag"`` its
+    entries; for ``"kfac"`` every block's) this is a closed-form
     function of ``delta``, and ``d log Z / d log delta = 0`` is
     ``h(delta) = delta ||theta*||^2 - sum_i lambda_i / (lambda_i + delta) = 0``. ``h`` is
     strictly increasing (from ``-rank G`` at ``0`` to ``+inf``), so the evidence has exactly
@@ -108,12 +126,20 @@ from train_zoo.methods.base import (
 from train_zoo.methods.common import Params, flatten, parameters_of, state_dict_of, unflatten
 from train_zoo.methods.laplace_curvature import (
     Batch,
+    DiagCurvature,
     FullCurvature,
     KronCurvature,
     clipped_eigh,
+    diag_ggn,
     full_ggn,
     kron_last_layer,
     positive_int,
+)
+from train_zoo.methods.laplace_kron import (
+    LayerKronCurvature,
+    kron_layers,
+    layer_kron_curvature,
+    uncovered_parameters,
 )
 
 __all__ = [
@@ -129,7 +155,9 @@ __all__ = [
 ]
 
 #: The values of the ``structure`` option.
-STRUCTURES = ("full", "last-layer-kfac")
+STRUCTURES = ("full", "kfac", "diag", "last-layer-kfac")
+#: Every structure's curvature.
+Curvature = FullCurvature | LayerKronCurvature | DiagCurvature | KronCurvature
 #: Largest parameter count for ``structure="full"`` (a dense ``D x D`` float64 matrix: 3.2 GB).
 MAX_FULL_PARAMETERS = 20_000
 # Brent's method stops when log(delta) is known to this absolute accuracy.
@@ -145,13 +173,14 @@ class LaplaceState:
     structure : str
         One of :data:`STRUCTURES`.
     names : tuple of str
-        The varying parameters, in the order of ``mean`` (all of them for ``"full"``; the
-        last layer's ``weight`` and ``bias`` for ``"last-layer-kfac"``).
+        The varying parameters, in the order of ``mean`` (all of them for ``"full"``,
+        ``"kfac"`` and ``"diag"``; the last layer's ``weight`` and ``bias`` for
+        ``"last-layer-kfac"``).
     mean : torch.Tensor
         ``(D,)`` float64, the MAP values of ``names`` flattened (row-major, concatenated).
     params, buffers : dict of str to torch.Tensor
         All MAP parameters and buffers; those not in ``names`` are copied into every sample.
-    curvature : FullCurvature or KronCurvature
+    curvature : FullCurvature, LayerKronCurvature, DiagCurvature or KronCurvature
         The GGN (approximation) and the factorisation of ``P`` used for sampling.
     prior_precision : float
         ``delta`` of the prior ``N(0, delta^-1 I)`` on the varying parameters.
@@ -174,7 +203,7 @@ class LaplaceState:
     mean: torch.Tensor
     params: Params
     buffers: Params
-    curvature: FullCurvature | KronCurvature
+    curvature: Curvature
     prior_precision: float
     prior_source: str
     weight_decay: float | None
@@ -372,14 +401,17 @@ def init(model: nn.Module, params: Mapping[str, torch.Tensor],
         iterated once.
     num_data : int
         ``N``, the size of the training set (``n`` examples seen are rescaled to ``N``).
-    structure : {"full", "last-layer-kfac"}, default "full"
-        Dense GGN over all parameters, or Kronecker-factored GGN of the final ``Linear``.
+    structure : {"full", "kfac", "diag", "last-layer-kfac"}, default "full"
+        Dense GGN over all parameters, Kronecker-factored GGN of every ``Linear`` and
+        ``Conv2d`` layer, the GGN's diagonal, or Kronecker-factored GGN of the final
+        ``Linear``.
     prior_precision : "marglik", "training" or float, default "marglik"
         How ``delta`` is set (module docstring).
     weight_decay : float, optional
         The training weight decay; needed for and only allowed with ``"training"``.
     chunk_size : int, default 256
-        Examples per Jacobian call (``"full"`` only).
+        Examples per Jacobian call (not ``"last-layer-kfac"``; ``"diag"`` takes fewer for
+        a large network).
 
     Returns
     -------
@@ -390,6 +422,7 @@ def init(model: nn.Module, params: Mapping[str, torch.Tensor],
     InvalidOptionError
         A bad option value, no batch, a ``"full"`` model with more than
         :data:`MAX_FULL_PARAMETERS` parameters, a last layer that is not ``Linear``, a
+        ``"kfac"`` network with parameters outside ``Linear`` and ``Conv2d`` layers, a
         ``"marglik"`` evidence without a finite maximiser, or a prior precision too small
         for ``G + delta I`` to be positive definite in float64 (the message suggests one).
     NonFiniteWeightsError
@@ -410,12 +443,31 @@ def init(model: nn.Module, params: Mapping[str, torch.Tensor],
         if dim > MAX_FULL_PARAMETERS:
             raise InvalidOptionError(
                 f"laplace option 'structure'='full' needs a dense {dim} x {dim} matrix (limit "
-                f"{MAX_FULL_PARAMETERS} parameters): use 'last-layer-kfac'")
+                f"{MAX_FULL_PARAMETERS} parameters): use 'kfac', 'diag' or 'last-layer-kfac'")
         ggn, nll, count = full_ggn(model, params, buffers, batches, chunk_size=chunk_size)
         scale = num_data / count
         ggn, nll = ggn * scale, nll * scale
         _check_finite_curvature(ggn)
         eigenvalues = _eigen(torch.linalg.eigvalsh, ggn).clamp_min(0.0)
+        names = tuple(params)
+    elif structure == "diag":
+        diagonal, nll, count = diag_ggn(model, params, buffers, batches,
+                                        chunk_size=chunk_size)
+        scale = num_data / count
+        diagonal, nll = diagonal * scale, nll * scale
+        _check_finite_curvature(diagonal)
+        curvature: Curvature = DiagCurvature(diagonal)
+        eigenvalues = curvature.eigenvalues()
+        names = tuple(params)
+    elif structure == "kfac":
+        factors, nll, count = kron_layers(model, params, buffers, batches,
+                                          chunk_size=chunk_size)
+        nll *= num_data / count
+        _check_finite_curvature(*(f.out_sum for f in factors),
+                                *(a for f in factors for a in f.in_sums))
+        curvature = layer_kron_curvature(factors, params, num_data / count, count,
+                                         lambda matrix: _eigen(clipped_eigh, matrix))
+        eigenvalues = curvature.eigenvalues()
         names = tuple(params)
     else:
         layer, lambda_sum, activation_sum, nll, count = kron_last_layer(
@@ -429,16 +481,14 @@ def init(model: nn.Module, params: Mapping[str, torch.Tensor],
         kron = KronCurvature(layer, out_factor, in_factor, out_eigen,
                              _eigen(clipped_eigh, in_factor), out_eigen if has_bias else None)
         eigenvalues = kron.eigenvalues()
+        curvature = kron
 
     mean = flatten({name: params[name] for name in names}).double()
     squared_norm = float(mean @ mean)
     if source == "marglik":
         delta = optimal_prior_precision(eigenvalues, squared_norm)
     if structure == "full":
-        curvature: FullCurvature | KronCurvature = FullCurvature(
-            ggn, eigenvalues, _cholesky(ggn, delta, source))
-    else:
-        curvature = kron
+        curvature = FullCurvature(ggn, eigenvalues, _cholesky(ggn, delta, source))
     return LaplaceState(structure, names, mean, params, buffers, curvature, float(delta),
                         source, decay, log_evidence(eigenvalues, nll, squared_norm, delta),
                         float(nll), num_data, count)
@@ -447,13 +497,19 @@ def init(model: nn.Module, params: Mapping[str, torch.Tensor],
 def posterior_precision(state: LaplaceState) -> torch.Tensor:
     """The dense posterior precision ``P`` ``(D, D)`` float64, in the order of ``state.mean``.
 
-    For ``"last-layer-kfac"`` this is ``block_diag(kron(B, A) + delta I, C + delta I)``;
-    it allocates ``D^2`` floats, so it is meant for checks on small layers.
+    For ``"last-layer-kfac"`` this is ``block_diag(kron(B, A) + delta I, C + delta I)``,
+    for ``"kfac"`` the same over every layer's blocks, for ``"diag"`` ``diag(G) + delta
+    I``; it allocates ``D^2`` floats, so it is meant for checks on small networks.
     """
     delta = state.prior_precision
     curvature = state.curvature
+    eye = torch.eye(state.dimension, dtype=torch.float64)
     if isinstance(curvature, FullCurvature):
-        return curvature.ggn + delta * torch.eye(state.dimension, dtype=torch.float64)
+        return curvature.ggn + delta * eye
+    if isinstance(curvature, DiagCurvature):
+        return torch.diag(curvature.diagonal + delta)
+    if isinstance(curvature, LayerKronCurvature):
+        return curvature.matrix() + delta * eye
     blocks = [torch.kron(curvature.out_factor, curvature.in_factor)]
     if curvature.bias_eigen is not None:
         blocks.append(curvature.out_factor)
@@ -469,9 +525,10 @@ def draw(state: LaplaceState, generator: torch.Generator, count: int) -> torch.T
     state : LaplaceState
         From :func:`init`.
     generator : torch.Generator
-        The only source of randomness. Draws are taken one after another (``"full"``: ``D``
-        normals each; ``"last-layer-kfac"``: ``K * F`` for the weight, then ``K`` for the
-        bias), so draw ``s`` does not depend on ``count``.
+        The only source of randomness. Draws are taken one after another (``"full"``,
+        ``"diag"``: ``D`` normals each; ``"last-layer-kfac"``: ``K * F`` for the weight,
+        then ``K`` for the bias; ``"kfac"``: each block's in turn), so draw ``s`` does not
+        depend on ``count``.
     count : int
         Number of draws (>= 1).
 
@@ -479,7 +536,9 @@ def draw(state: LaplaceState, generator: torch.Generator, count: int) -> torch.T
     -------
     torch.Tensor
         ``(count, D)`` float64, in the order of ``state.names`` (as :func:`flatten`).
-        ``"full"``: ``mean + L^-T z`` with ``P = L L^T``; ``"last-layer-kfac"``: weight
+        ``"full"``: ``mean + L^-T z`` with ``P = L L^T``; ``"diag"``: ``mean + z /
+        sqrt(diag(G) + delta)``; ``"kfac"``: per block as for the last layer's;
+        ``"last-layer-kfac"``: weight
         ``W* + U (Z / sqrt(beta alpha^T + delta)) V^T``, bias ``b* + U_C z / sqrt(gamma +
         delta)`` (module docstring).
     """
@@ -488,9 +547,13 @@ def draw(state: LaplaceState, generator: torch.Generator, count: int) -> torch.T
         raise InvalidOptionError(f"laplace option 'generator' must be a torch.Generator, "
                                  f"not {type(generator).__name__}")
     curvature, delta = state.curvature, state.prior_precision
-    if isinstance(curvature, FullCurvature):
+    if isinstance(curvature, LayerKronCurvature):
+        return state.mean + curvature.draw(generator, count, delta)
+    if isinstance(curvature, FullCurvature | DiagCurvature):
         z = torch.stack([torch.randn(state.dimension, generator=generator, dtype=torch.float64)
                          for _ in range(count)])                                 # (S, D)
+        if isinstance(curvature, DiagCurvature):
+            return state.mean + z * (curvature.diagonal + delta).rsqrt()
         steps = torch.linalg.solve_triangular(curvature.cholesky.T, z.T, upper=True).T
         return state.mean + steps
     (beta, u), (alpha, v) = curvature.out_eigen, curvature.in_eigen
@@ -591,12 +654,32 @@ def check_dense(what: str, value: str, context: Context, matrix: str, instead: s
             f"{matrix} is limited to {MAX_FULL_PARAMETERS:,} (use {instead})")
 
 
+def check_kfac(what: str, value: str, context: Context) -> None:
+    """Refuse ``"kfac"`` for an architecture with parameters outside ``Linear`` and
+    ``Conv2d`` layers (BatchNorm's, ...), from the model built on the ``meta`` device:
+    when the spec is read, not after training."""
+    from posteriorzoo.models import build
+
+    with torch.device("meta"):
+        model = build(context.architecture, context.num_classes, **context.model_options)
+    uncovered = uncovered_parameters(model)
+    if uncovered:
+        name, kind = uncovered[0]
+        raise InvalidOptionError(
+            f"{what} is {value!r}, but {context.architecture} has parameters outside Linear "
+            f"and Conv2d layers ({len(uncovered)}, the first {name!r} of a {kind}), which "
+            "kfac does not cover (use 'diag' or 'last-layer-kfac')")
+
+
 def _structure(what: str, value: object, context: Context) -> object:
     check_name(what, value, LAPLACE_STRUCTURES)
     if value == "auto":
         return _structure_auto(context)
     if value == "full":
-        check_dense(what, value, context, "a dense GGN", "'last-layer-kfac' or 'auto'")
+        check_dense(what, value, context, "a dense GGN",
+                    "'kfac', 'diag', 'last-layer-kfac' or 'auto'")
+    if value == "kfac":
+        check_kfac(what, value, context)
     return value
 
 
@@ -619,7 +702,9 @@ class Laplace(Method):
         MethodOption("structure", _structure, _structure_auto, "auto",
                      "auto (full up to "
                      f"{AUTO_FULL_LAPLACE_PARAMETERS:,} parameters, else last-layer-kfac), "
-                     "full (the GGN of every weight) or last-layer-kfac"),
+                     "full (the GGN of every weight), kfac (Kronecker-factored GGN of every "
+                     "Linear and Conv2d layer), diag (the GGN's diagonal) or "
+                     "last-layer-kfac"),
         MethodOption("prior_precision", prior_check(("marglik", "training")),
                      constant("marglik"), "marglik",
                      "marglik (maximises the evidence), training (N x weight decay) or a "

@@ -1,4 +1,5 @@
-"""The curvature behind :mod:`train_zoo.methods.laplace`: the full GGN and last-layer KFAC.
+"""The curvature behind :mod:`train_zoo.methods.laplace`: the full GGN, its diagonal and
+last-layer KFAC (KFAC over every layer: :mod:`train_zoo.methods.laplace_kron`).
 
 Full GGN (:func:`full_ggn`)
     ``G = sum_n J_n^T H_n J_n`` over all ``D`` parameters, with ``J_n`` ``(K, D)`` the
@@ -19,6 +20,10 @@ Full GGN (:func:`full_ggn`)
     - any other network: ``vmap`` over examples of ``vmap`` over cotangents of
       ``torch.func.vjp``.
 
+Diagonal GGN (:func:`diag_ggn`)
+    ``diag(G)``: the same rows as the full GGN, squared and summed in float64 (memory
+    ``O(chunk * K * D)``, no ``D x D`` matrix).
+
 Last-layer KFAC (:func:`kron_last_layer`)
     The unscaled Kronecker factors ``sum_n Lambda_n`` ``(K, K)`` and ``sum_n a_n a_n^T``
     ``(F, F)`` of the final ``Linear`` layer (inputs ``a_n`` found with forward hooks).
@@ -30,7 +35,7 @@ dropout) and gives each submodule back its own mode afterwards.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,11 +52,15 @@ if TYPE_CHECKING:
     from train_zoo.fast.layout import NetLayout
 
 __all__ = [
+    "DIAG_ROW_BUDGET",
     "GRAM_BLOCK_ROWS",
+    "DiagCurvature",
     "FullCurvature",
     "KronCurvature",
     "clipped_eigh",
+    "diag_ggn",
     "full_ggn",
+    "ggn_rows",
     "kron_last_layer",
     "last_layer_features",
     "positive_int",
@@ -83,6 +92,24 @@ class FullCurvature:
     ggn: torch.Tensor
     eigenvalues: torch.Tensor
     cholesky: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DiagCurvature:
+    """The diagonal of the GGN over all parameters.
+
+    Attributes
+    ----------
+    diagonal : torch.Tensor
+        ``diag(G)`` ``(D,)`` float64, non-negative (scaled to ``num_data``); the posterior
+        precision is ``diag(G) + delta``, so these are also its eigenvalues less ``delta``.
+    """
+
+    diagonal: torch.Tensor
+
+    def eigenvalues(self) -> torch.Tensor:
+        """The eigenvalues of the diagonal GGN: its entries, ``(D,)`` float64."""
+        return self.diagonal
 
 
 @dataclass(frozen=True)
@@ -336,15 +363,37 @@ def full_ggn(model: nn.Module, params: Mapping[str, torch.Tensor],
     count : int
         Number of examples ``n``.
     """
-    chunk_size = positive_int(chunk_size, "chunk_size")
     params = {name: value.detach() for name, value in params.items()}
-    buffers = dict(buffers)
     gram = _Gram(sum(value.numel() for value in params.values()))
-    rows_of: RowsFunction | None = None
     nll, count = 0.0, 0
     # BLAS gets torch's thread budget: OpenBLAS's own default (all cores) contends with
     # torch's threads and, on a busy machine, made the update ten times slower.
-    with _EvalMode(model), threadpool_limits(torch.get_num_threads(), user_api="blas"):
+    with threadpool_limits(torch.get_num_threads(), user_api="blas"):
+        for rows, out, y in ggn_rows(model, params, buffers, batches, chunk_size=chunk_size,
+                                     generic=generic):
+            gram.add(rows.reshape(-1, rows.shape[-1]))
+            nll += _nll(out, y)
+            count += len(y)
+        ggn = gram.total()
+    return ggn, nll, count
+
+
+def ggn_rows(model: nn.Module, params: Mapping[str, torch.Tensor],
+             buffers: Mapping[str, torch.Tensor], batches: Iterable[Batch], *,
+             chunk_size: int = 256, generic: bool = False
+             ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The GGN's factor rows ``M_n = V_n J_n``, chunk by chunk (in eval mode).
+
+    Yields ``(rows, out, labels)``: rows ``(B, K - 1, D)`` in the network's dtype (columns
+    in ``params``' order), the logits ``(B, K)`` and the labels ``(B,)`` of ``B <=
+    chunk_size`` examples. :func:`full_ggn` sums ``m m^T`` over the rows,
+    :func:`diag_ggn` ``m * m``; both see the very same rows.
+    """
+    chunk_size = positive_int(chunk_size, "chunk_size")
+    params = {name: value.detach() for name, value in params.items()}
+    buffers = dict(buffers)
+    rows_of: RowsFunction | None = None
+    with _EvalMode(model):
         for x, y in _chunks(batches, chunk_size):
             if rows_of is None:
                 from train_zoo.fast import laplace_optunet
@@ -354,11 +403,44 @@ def full_ggn(model: nn.Module, params: Mapping[str, torch.Tensor],
                 rows_of = (_vmap_rows(model, params, buffers) if layout is None
                            else _optunet_rows(layout, params))
             rows, out = rows_of(x)                              # (B, K - 1, D), (B, K)
-            gram.add(rows.reshape(-1, rows.shape[-1]))
-            nll += _nll(out, y)
-            count += len(y)
-        ggn = gram.total()
-    return ggn, nll, count
+            yield rows, out, y
+
+
+#: Factor-row entries held at once by :func:`diag_ggn` (``chunk * (K - 1) * D``, sized for
+#: K <= 11 classes; more classes hold proportionally more): 2^26 float32 numbers, 256 MiB,
+#: so that the diagonal scales to networks whose full GGN would not fit.
+DIAG_ROW_BUDGET = 1 << 26
+
+
+def diag_ggn(model: nn.Module, params: Mapping[str, torch.Tensor],
+             buffers: Mapping[str, torch.Tensor], batches: Iterable[Batch], *,
+             chunk_size: int = 256, generic: bool = False) -> tuple[torch.Tensor, float, int]:
+    """The diagonal of :func:`full_ggn`'s GGN, without forming the ``D x D`` matrix.
+
+    ``diag(G)_i = sum_n sum_k (M_n)_{ki}^2`` over the same factor rows as the full GGN
+    (:func:`ggn_rows`), each squared and summed in float64. The chunk is shrunk so that a
+    chunk's rows hold at most :data:`DIAG_ROW_BUDGET` entries.
+
+    Returns
+    -------
+    diagonal : torch.Tensor
+        ``(D,)`` float64, non-negative, in ``params``' order.
+    nll : float
+        Summed cross-entropy of the examples, in nats.
+    count : int
+        Number of examples ``n``.
+    """
+    chunk_size = positive_int(chunk_size, "chunk_size")
+    dim = sum(value.numel() for value in params.values())
+    chunk = max(1, min(chunk_size, DIAG_ROW_BUDGET // (10 * max(dim, 1))))
+    total = torch.zeros(dim, dtype=torch.float64)
+    nll, count = 0.0, 0
+    for rows, out, y in ggn_rows(model, params, buffers, batches, chunk_size=chunk,
+                                 generic=generic):
+        total += rows.double().square().sum(dim=(0, 1))
+        nll += _nll(out, y)
+        count += len(y)
+    return total, nll, count
 
 
 # ----------------------------------------------------------------------------- last layer
