@@ -44,7 +44,7 @@ pass (shared weights) or a ``Linear`` with inputs of more than two dimensions.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +68,8 @@ __all__ = ["KronBlock", "LayerFactors", "LayerKronCurvature", "kron_layers",
            "layer_kron_curvature", "uncovered_parameters"]
 
 _LAYERS = (nn.Linear, nn.Conv2d)
+#: ``(values, vectors)`` of a symmetric factor.
+Eigen = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -313,7 +315,8 @@ def _input_sum(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
 
 
 def layer_kron_curvature(factors: list[LayerFactors], params: Mapping[str, torch.Tensor],
-                         out_scale: float, count: int, eigen=clipped_eigh  # noqa: ANN001
+                         out_scale: float, count: int,
+                         eigen: Callable[[torch.Tensor], Eigen] = clipped_eigh
                          ) -> LayerKronCurvature:
     """The blocks in ``params``' order: ``B`` times ``out_scale`` (``N / n``), ``A`` divided
     by ``count`` (``n``), each eigendecomposed with ``eigen``."""
