@@ -173,7 +173,7 @@ class ByolNetwork(nn.Module):
         super().__init__()
         from posteriorzoo.models import build
 
-        self.encoder_options = {"widths": tuple(int(w) for w in widths),
+        self.encoder_options: dict[str, Any] = {"widths": tuple(int(w) for w in widths),
                                 "in_channels": int(in_channels)}
         self.encoder = build(ENCODER, **self.encoder_options)
         features = self.encoder_options["widths"][-1]
@@ -348,11 +348,14 @@ def prior_moments(prior: str, shapes: Mapping[str, Tensor], teacher: Teacher | N
     if prior != "standard" and teacher is None:
         raise InvalidOptionError(f"prior {prior!r} needs the teacher")
     means, variances = {}, {}
-    covariance = teacher_variance(teacher) if prior == "teacher-variance" else {}
+    # teacher is not None whenever the prior is not "standard" (refused above otherwise)
+    taught = teacher.means if prior != "standard" and teacher is not None else {}
+    covariance = (teacher_variance(teacher)
+                  if prior == "teacher-variance" and teacher is not None else {})
     for key, value in shapes.items():
         zero, one = torch.zeros_like(value), torch.ones_like(value)
-        has_teacher = prior != "standard" and key in teacher.means
-        means[key] = teacher.means[key].detach() if has_teacher else zero
+        has_teacher = key in taught
+        means[key] = taught[key].detach() if has_teacher else zero
         variances[key] = covariance[key].detach() if key in covariance else one
     return means, variances
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from posteriorzoo.data import (
     ArrayDataset,
@@ -13,6 +15,7 @@ from posteriorzoo.data import (
     RandomHorizontalFlip,
     load_dataset,
 )
+from posteriorzoo.data.transforms import Transform
 from train_zoo.recipes import Recipe
 
 
@@ -31,7 +34,8 @@ def load_training_data(dataset: str, data_dir: str | None = None) -> TrainingDat
                         load_dataset(dataset, "test", data_dir=data_dir))
 
 
-def check_channels(architecture: str, model_options: dict, data: TrainingData) -> None:
+def check_channels(architecture: str, model_options: Mapping[str, Any],
+                   data: TrainingData) -> None:
     """Refuse, in one line, a model whose input channels are not the data set's (a
     ResNet of 3 channels on Fashion-MNIST's 1): before any training, not as a
     convolution's traceback in every worker. Models whose input is not an image (an MLP)
@@ -52,7 +56,7 @@ def check_channels(architecture: str, model_options: dict, data: TrainingData) -
 def train_transform(recipe: Recipe, dataset: ArrayDataset) -> Compose:
     """Random crop (if ``crop_padding``), horizontal flip (if asked), then normalisation."""
     _, height, width = dataset.image_shape
-    steps = []
+    steps: list[Transform] = []
     if recipe.crop_padding:
         steps.append(RandomCrop((height, width), padding=recipe.crop_padding))
     if recipe.horizontal_flip:

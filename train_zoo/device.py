@@ -55,7 +55,8 @@ class TrainingDevice:
 
     def place(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` on the device, in its memory format (in place, as ``Module.to``)."""
-        return model.to(self.device, memory_format=self.memory_format)
+        # Module.to accepts memory_format (as Tensor.to); torch's stubs omit it.
+        return model.to(self.device, memory_format=self.memory_format)  # type: ignore[call-overload]
 
     def inputs(self, images: torch.Tensor) -> torch.Tensor:
         """A batch of images in the model's memory format (on the device already)."""

@@ -44,7 +44,7 @@ from train_zoo.fast.gradients import LossGradient, fast_log_posterior, fast_loss
 from train_zoo.fast.rank1 import Rank1Network, rank1_network
 from train_zoo.methods.base import ModeRun, generator_for
 from train_zoo.methods.bbb import METHOD as BBB
-from train_zoo.methods.bbb import BBBRun, BBBStepper, BBBTrainingRun
+from train_zoo.methods.bbb import BBBRun, BBBState, BBBStepper, BBBTrainingRun
 from train_zoo.methods.registry import get_method
 from train_zoo.methods.sghmc import LogPosteriorGradient
 from train_zoo.result import CheckpointResult
@@ -160,7 +160,7 @@ class ModeEngine:
             return fast_log_posterior(layout, params, num_data, prior_precision)
         return torch_log_posterior(model, buffers, num_data, prior_precision)
 
-    def bbb_stepper(self, model: nn.Module, start: object, run: BBBRun) -> object:
+    def bbb_stepper(self, model: nn.Module, start: BBBState, run: BBBRun) -> object:
         """BBB's ELBO steps from ``start``."""
         layout = self._layout(model)
         self.name = "fast" if layout is not None else "torch"
@@ -211,7 +211,7 @@ def produce_mode(spec: ZooSpec, index: int, data: TrainingData, engine: str,
     run = _mode_run(spec, index, data, engine, callbacks, device)
     posterior = method.fit(run)
     samples = method.sample(posterior.state, generator_for(run.seeds.sample),
-                            spec.samples_per_mode)
+                            spec.counts()[1])
     results = _evaluate(spec, index, samples, run.seeds, posterior.steps, started,
                         posterior.engine, data, posterior.record, device)
     chains = method.sample_chains(posterior.state, len(samples))

@@ -30,8 +30,10 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -48,7 +50,7 @@ from train_zoo.backends import LocalBackend
 from train_zoo.data import check_channels, load_training_data
 from train_zoo.job import resolve_engine
 from train_zoo.methods.registry import get_method
-from train_zoo.result import near_chance
+from train_zoo.result import CheckpointResult, near_chance
 from train_zoo.spec import ZooSpec
 from train_zoo.torch_engine import initial_model
 
@@ -79,7 +81,7 @@ def completed_indices(zoo: Zoo) -> set[int]:
 def missing_indices(spec: ZooSpec, zoo: Zoo) -> list[int]:
     """Modes 0..modes-1 of ``spec`` that ``zoo`` does not hold yet, ascending."""
     done = completed_indices(zoo)
-    return [index for index in range(spec.modes) if index not in done]
+    return [index for index in range(spec.counts()[0]) if index not in done]
 
 
 def _warn_if_out_of_order(zoo: Zoo, missing: list[int]) -> None:
@@ -103,7 +105,7 @@ def _annotations(spec: ZooSpec) -> dict[str, object]:
     """What a method collection says about its modes (file attribute ``annotations``)."""
     if get_method(spec.method).one_sample_per_mode:
         return {}
-    return {"posterior": "multi-mode" if spec.modes > 1 else "single-mode",
+    return {"posterior": "multi-mode" if spec.counts()[0] > 1 else "single-mode",
             "modes": spec.modes, "samples_per_mode": spec.samples_per_mode}
 
 
@@ -193,7 +195,14 @@ def _template(spec: ZooSpec) -> dict:
             f"{message}") from None
 
 
-def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: object | None = None,
+class Backend(Protocol):
+    """What :func:`train_collection` asks of a backend (:mod:`train_zoo.backends`)."""
+
+    def run(self, spec: ZooSpec, indices: Sequence[int], engine: str = "auto"
+            ) -> Iterator[CheckpointResult]: ...
+
+
+def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: Backend | None = None,
                      engine: str = "auto", progress: bool = True, command: str | None = None,
                      verify: bool = True) -> TrainSummary:
     """Produce the modes of ``spec`` that ``out`` lacks and append each as it finishes.
@@ -229,8 +238,9 @@ def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: object |
         trained = diverged = chance = steps = 0
         num_classes = zoo.num_classes
         source = f"train_zoo spec {spec.name}"
+        modes, per_mode = spec.counts()
         with progress_bar(total=spec.checkpoints,
-                          initial=(spec.modes - len(missing)) * spec.samples_per_mode,
+                          initial=(modes - len(missing)) * per_mode,
                           unit="ckpt", desc=f"train {Path(out).name}",
                           enabled=progress) as bar:
 
@@ -247,6 +257,8 @@ def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: object |
                     zoo.publish()  # from now on an ordinary, resumable collection
                 trained += len(mode)
                 diverged += sum(r.diverged for r in mode)
+                if num_classes is None:  # a collection train_zoo writes records its classes
+                    raise AssertionError(f"{out}: the collection records no num_classes")
                 chance += sum(near_chance(r.metrics["test_accuracy"], num_classes)
                               for r in mode)
                 steps += mode[0].steps
@@ -262,7 +274,7 @@ def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: object |
                 for result in results:
                     mode = assembling.setdefault(result.index, [])
                     mode.append(result)
-                    if len(mode) < spec.samples_per_mode:
+                    if len(mode) < per_mode:
                         continue
                     finished[result.index] = assembling.pop(result.index)
                     # Mode order: commit every finished mode whose predecessors are in.

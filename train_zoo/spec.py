@@ -190,13 +190,15 @@ class ZooSpec:
         if modes is None and per_mode is None:
             total = 1 if total is None else total
             modes, per_mode = (total, 1) if one_each else (1, total)
-        elif per_mode is None:
+        elif per_mode is None and modes is not None:
             if total is None and not one_each:
                 raise InvalidOptionError(f"spec field 'samples_per_mode' is needed with "
                                          f"'modes' for the method {self.method}")
             per_mode = 1 if total is None else total // modes
-        elif modes is None:
+        elif modes is None and per_mode is not None:
             modes = 1 if total is None else total // per_mode
+        if modes is None or per_mode is None:  # each branch above set both
+            raise AssertionError("spec counts left unresolved")
         if one_each and per_mode != 1:
             raise InvalidOptionError("spec field 'samples_per_mode' must be 1 for the method "
                                      f"{self.method} (each member is its own mode)")
@@ -211,6 +213,13 @@ class ZooSpec:
         for name, value in (("checkpoints", modes * per_mode), ("modes", modes),
                             ("samples_per_mode", per_mode)):
             object.__setattr__(self, name, value)
+
+    def counts(self) -> tuple[int, int]:
+        """``(modes, samples_per_mode)`` as ints. Construction resolves both (the fields
+        accept ``None`` only as "derive me"), so callers need not check for ``None``."""
+        if self.modes is None or self.samples_per_mode is None:
+            raise AssertionError("a ZooSpec resolves modes and samples_per_mode on creation")
+        return self.modes, self.samples_per_mode
 
     @property
     def training_model_options(self) -> dict[str, Any]:

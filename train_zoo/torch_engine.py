@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.func import grad_and_value
 
-from posteriorzoo.data import iterate_batches
+from posteriorzoo.data import ArrayDataset, iterate_batches
 from posteriorzoo.models import build
 from train_zoo.data import TrainingData, eval_transform, train_transform
 from train_zoo.device import CPU, TrainingDevice
@@ -144,7 +144,8 @@ def train_base(spec: ZooSpec, index: int, data: TrainingData, callbacks: Sequenc
     result = fit(stepper, torch_batches(data, spec.recipe, seeds.data, device=device),
                  spec.recipe.learning_rate, spec.recipe.epochs, index=index,
                  callbacks=callbacks)
-    return model.to("cpu", memory_format=torch.contiguous_format), result.steps
+    # Module.to accepts memory_format (as Tensor.to); torch's stubs omit it.
+    return model.to("cpu", memory_format=torch.contiguous_format), result.steps  # type: ignore[call-overload]
 
 
 def train_torch(spec: ZooSpec, index: int, data: TrainingData,
@@ -158,7 +159,7 @@ def train_torch(spec: ZooSpec, index: int, data: TrainingData,
 
 def finish(spec: ZooSpec, index: int, model: nn.Module, seeds: CheckpointSeeds, steps: int,
            started: float, engine: str, data: TrainingData, sample: int = 0,
-           measure: Callable[[nn.Module, object], tuple[float, float]] = evaluate
+           measure: Callable[[nn.Module, ArrayDataset], tuple[float, float]] = evaluate
            ) -> CheckpointResult:
     """Evaluate the final model on both splits and package the result (``measure``: the
     evaluation, :func:`evaluate` or the fast engine's :func:`train_zoo.fast.evaluate`)."""

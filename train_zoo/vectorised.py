@@ -37,7 +37,9 @@ import copy
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
@@ -135,7 +137,8 @@ def _replay_skeleton(model: nn.Module, tape: _MaskTape) -> nn.Module:
     for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = skeleton.get_submodule(parent_name)
-        setattr(parent, child, _ReplayDropout(parent.get_submodule(child).p, tape))
+        dropout = cast(nn.Dropout, parent.get_submodule(child))  # targets are nn.Dropout
+        setattr(parent, child, _ReplayDropout(dropout.p, tape))
     return skeleton.train()
 
 
@@ -232,7 +235,7 @@ class _StackedStepper:
         self.stopped = not bool(self.active.any())
         return float(losses.detach().mean())
 
-    def arrays(self) -> dict[str, object]:
+    def arrays(self) -> dict[str, np.ndarray]:
         return {name: value.detach().cpu().numpy() for name, value in self.params.items()}
 
 
@@ -290,6 +293,7 @@ def train_vectorised(spec: ZooSpec, indices: Sequence[int], data: TrainingData,
         logits = functional_call(skeleton, model_params, (images,))
         return nn.functional.cross_entropy(logits, labels)
 
+    stepper: _StackedStepper  # its probe below reads stepper.params
     stepper = _StackedStepper(vmap(grad_and_value(loss), in_dims=(0, 0, 0, 0)), params,
                               _StackedSGD(recipe.momentum, recipe.nesterov,
                                           recipe.weight_decay),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from typing import cast
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from posteriorzoo.data import (
     epoch_order,
     iterate_batches,
 )
+from posteriorzoo.data.transforms import Transform
 from posteriorzoo.errors import InvalidOptionError
 from train_zoo.fast.kernels import prepare_rows
 
@@ -69,7 +71,7 @@ class FastTransform:
     ``fused`` tells whether the numba path is used (else the torch transforms run).
     """
 
-    def __init__(self, transform: object, image_shape: tuple[int, int, int]) -> None:
+    def __init__(self, transform: Transform, image_shape: tuple[int, int, int]) -> None:
         self.transform = transform
         steps = list(transform.transforms) if type(transform) is Compose else [transform]
         self.crop: RandomCrop | None = None
@@ -78,12 +80,12 @@ class FastTransform:
         channels, height, width = image_shape
         self.out_size = (int(height), int(width))
         if steps and type(steps[0]) is RandomCrop:
-            self.crop = steps.pop(0)
+            self.crop = cast(RandomCrop, steps.pop(0))
             self.out_size = self.crop.size
         if steps and type(steps[0]) is RandomHorizontalFlip:
-            self.flip = steps.pop(0)
+            self.flip = cast(RandomHorizontalFlip, steps.pop(0))
         if len(steps) == 1 and type(steps[0]) is Normalize:
-            self.table = normalize_table(steps[0], int(channels))
+            self.table = normalize_table(cast(Normalize, steps[0]), int(channels))
         self.fused = self.table is not None
 
     def __call__(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -93,8 +95,8 @@ class FastTransform:
             inner = np.ascontiguousarray(out.numpy().transpose(1, 2, 3, 0))
             return torch.from_numpy(inner).permute(3, 0, 1, 2)
         array = np.ascontiguousarray(images.numpy())
-        out = self.prepare(array, np.arange(len(array)), generator)
-        return torch.from_numpy(out).permute(3, 0, 1, 2)
+        prepared = self.prepare(array, np.arange(len(array)), generator)
+        return torch.from_numpy(prepared).permute(3, 0, 1, 2)
 
     def prepare(self, images: np.ndarray, rows: np.ndarray, generator: torch.Generator,
                 offsets: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
@@ -108,8 +110,9 @@ class FastTransform:
             tops, lefts = offsets
             padding = self.crop.padding if self.crop is not None else 0
         elif self.crop is not None:
-            tops, lefts = self.crop.sample(shape, generator)
-            tops, lefts, padding = tops.numpy(), lefts.numpy(), self.crop.padding
+            drawn_tops, drawn_lefts = self.crop.sample(shape, generator)
+            tops, lefts = drawn_tops.numpy(), drawn_lefts.numpy()
+            padding = self.crop.padding
         else:
             tops = lefts = np.zeros(count, dtype=np.int64)
             padding = 0
@@ -117,6 +120,8 @@ class FastTransform:
             flips = self.flip.sample(count, generator).numpy()
         else:
             flips = np.zeros(count, dtype=np.bool_)
+        if self.table is None:
+            raise RuntimeError("FastTransform.prepare needs the fused pipeline (fused is False)")
         out = np.empty((images.shape[1], *self.out_size, count), dtype=np.float32)
         prepare_rows(images, rows, tops, lefts, flips, padding, self.table, out)
         return out
@@ -173,17 +178,17 @@ def fast_batches(dataset: ArrayDataset, batch_size: int, seed: int, epoch: int,
     if batch_size < 1:
         raise InvalidOptionError(f"batch_size must be positive, not {batch_size}")
     order, augment = epoch_order(len(dataset), seed, epoch, replacement=replacement)
-    images = np.ascontiguousarray(dataset.images)
-    labels = dataset.labels
+    arrays = np.ascontiguousarray(dataset.images)
+    targets = dataset.labels
     offsets = transform.epoch_offsets(len(order), dataset.image_shape, augment)
     if offsets is None:
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]
-            yield transform.prepare(images, rows, augment), labels[rows]
+            yield transform.prepare(arrays, rows, augment), targets[rows]
         return
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
         count = len(rows)
         drawn = (offsets[2 * start:2 * start + count],
                  offsets[2 * start + count:2 * start + 2 * count])
-        yield transform.prepare(images, rows, augment, drawn), labels[rows]
+        yield transform.prepare(arrays, rows, augment, drawn), targets[rows]

@@ -111,6 +111,8 @@ class FastBBB:
             if old.kind == "sgd":
                 self.momentum_buffer[part] = _flat(old.first, keys)
             else:
+                if old.second is None:
+                    raise ValueError(f"BBB's {group} Adam state has no second moments")
                 self.adam_first[part] = _flat(old.first, keys)
                 self.adam_second[part] = _flat(old.second, keys)
         self._like = {key: torch.empty(value.shape, dtype=torch.float32)
@@ -246,7 +248,7 @@ class FastBBB:
             return {key: torch.from_numpy(value.copy())
                     for key, value in self.layout.views(flat).items()}
 
-        buffers = {}
+        buffers: dict[str, OptimizerState | None] = {}
         for group, part in self._parts.items():
             held = self.buffers[group]
             if held is None:

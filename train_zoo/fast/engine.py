@@ -135,7 +135,9 @@ def unsupported_reason(spec: ZooSpec) -> str | None:
         return f"recipe fields {sorted(unknown)} are not implemented"
     try:
         shape = input_shape(spec.architecture, **spec.model_options)
-        describe_model(initial_model(spec, 0), shape)
+        if len(shape) != 3:
+            return f"inputs of shape {shape} are not images (C, H, W)"
+        describe_model(initial_model(spec, 0), (shape[0], shape[1], shape[2]))
     except UnsupportedModelError as error:
         return str(error)
     except Exception as error:  # a spec the registry refuses: the torch engine reports it

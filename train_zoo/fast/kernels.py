@@ -732,15 +732,16 @@ def sgd_update(theta: np.ndarray, grad: np.ndarray, buf: np.ndarray, lr: float,
     wd = np.float32(weight_decay)
     mom = np.float32(momentum)
     one = np.float32(1.0)
+    # fma32 is a numba @intrinsic: called without the typingctx its stub still lists.
     for i in range(theta.size):
         g = grad[i]
         if weight_decay != 0:
-            g = fma32(theta[i], wd, g)
+            g = fma32(theta[i], wd, g)  # type: ignore[call-arg]
         if momentum != 0:
-            b = fma32(g, one, buf[i] * mom) if has_buf else g
+            b = fma32(g, one, buf[i] * mom) if has_buf else g  # type: ignore[call-arg]
             buf[i] = b
-            g = fma32(b, mom, g) if nesterov else b
-        theta[i] = fma32(g, alpha, theta[i])
+            g = fma32(b, mom, g) if nesterov else b  # type: ignore[call-arg]
+        theta[i] = fma32(g, alpha, theta[i])  # type: ignore[call-arg]
 
 
 @njit(cache=True, fastmath=False)

@@ -185,7 +185,7 @@ def describe_model(model: nn.Module, input_shape: tuple[int, int, int]) -> NetLa
         num_classes, hidden_in = _check_linear("fc2", model.fc2)
         if hidden_in != hidden:
             raise UnsupportedModelError("fc1 and fc2 do not chain")
-        keys = ("conv1.weight", "conv2.weight", "fc1.weight", "fc1.bias",
+        keys: tuple[str, ...] = ("conv1.weight", "conv2.weight", "fc1.weight", "fc1.bias",
                 "fc2.weight", "fc2.bias")
     else:
         num_classes, features = _check_linear("fc", model.fc)

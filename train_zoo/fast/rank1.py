@@ -81,7 +81,9 @@ def rank1_network(layout: NetLayout, layers: Sequence[str]) -> Rank1Network | No
         grad_bias = np.empty_like(bias_t)
         grad = np.empty(layout.num_params, dtype=np.float32)
         logits = np.empty((layout.num_classes, count), dtype=np.float32)
-        loss = rank1_loss_and_grad(
+        # inputs and grads are six arrays each (r, s of the three layers): mypy cannot
+        # count a list's items against the kernel's parameters.
+        loss = rank1_loss_and_grad(  # type: ignore[call-arg]
             np.ascontiguousarray(x, dtype=np.float32),
             np.ascontiguousarray(labels, dtype=np.int64),
             np.ascontiguousarray(theta, dtype=np.float32), dims, *inputs, bias_t, grad,

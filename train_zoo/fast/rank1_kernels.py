@@ -145,6 +145,7 @@ def rank1_loss_and_grad(x: np.ndarray, labels: np.ndarray, theta: np.ndarray,
                     kept[b] = 0.0
                 for i in range(pkh):
                     for j in range(pkw):
+                        # numba types k int32 here and int64 in the loops below (the ignores there).
                         k = np.int32((i * w + j) * nb)
                         col = i * rl1 + (px * psw + j) * nb
                         vals = band[col:col + nb]
@@ -179,13 +180,13 @@ def rank1_loss_and_grad(x: np.ndarray, labels: np.ndarray, theta: np.ndarray,
 
     # ---- head: logits = r3 * (W (s3 * feat)) + ba + bias
     fs = np.empty((c2, nb), np.float32)
-    for k in range(c2):
+    for k in range(c2):  # type: ignore[assignment]
         for b in range(nb):
             fs[k, b] = feat[k, b] * s3[k, b]
     hu = np.empty((ncls, nb), np.float32)
     for j in range(ncls):
         _zero(hu[j])
-        for k in range(c2):
+        for k in range(c2):  # type: ignore[assignment]
             row = hu[j]
             weight = wa[j, k]
             for b in range(nb):
@@ -205,12 +206,12 @@ def rank1_loss_and_grad(x: np.ndarray, labels: np.ndarray, theta: np.ndarray,
             gbias[j, b] = dl[j, b]
             gr3[j, b] = dl[j, b] * hu[j, b]
             dhu[j, b] = dl[j, b] * r3[j, b]
-        for k in range(c2):
+        for k in range(c2):  # type: ignore[assignment]
             for b in range(nb):
                 acc[b] = dhu[j, b] * fs[k, b]
             gwa[j, k] += _lane_sum(acc)
     dfeat = np.empty((c2, nb), np.float32)
-    for k in range(c2):
+    for k in range(c2):  # type: ignore[assignment]
         _zero(acc)
         for j in range(ncls):
             weight = wa[j, k]

@@ -20,6 +20,7 @@ batches or a gradient, and the engine falls back to torch where it has no kernel
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -299,8 +300,8 @@ class Collector:
     """Keeps copies of the weights at chosen epochs (SWAG) or steps (SGHMC): a callback of
     :func:`train_zoo.loop.fit`."""
 
-    def __init__(self, names: Sequence[str], epochs: set[int] = frozenset(),
-                 steps: set[int] = frozenset()) -> None:
+    def __init__(self, names: Sequence[str], epochs: AbstractSet[int] = frozenset(),
+                 steps: AbstractSet[int] = frozenset()) -> None:
         self.names, self.epochs, self.steps = list(names), epochs, steps
         self.kept: list[dict[str, Any]] = []
 
