@@ -44,11 +44,13 @@ def test_unknown_reference_name():
 
 
 def test_every_method_and_its_multi_mode_version_is_shipped():
-    single = {"mc-dropout", "bbb", "bbb-trained-variance", "swag", "laplace", "sghmc"}
+    single = {"mc-dropout", "bbb", "bbb-trained-variance", "swag", "laplace", "sghmc", "ivon"}
     # the seeds' variants: single-mode, as the papers train them
     variants = {"emp", "ecmp", "rank-1"}
-    assert set(METHOD_COLLECTIONS) == single | variants | {f"{method}-multi-mode"
-                                                for method in single - {"sghmc"}}
+    # one run through several modes (its cycles): no multi-mode version
+    cyclical = {"csgld", "csghmc"}
+    assert set(METHOD_COLLECTIONS) == single | variants | cyclical | {
+        f"{method}-multi-mode" for method in single - {"sghmc"}}
     assert set(COLLECTIONS) == {"target", "de", *METHOD_COLLECTIONS}
     for name in COLLECTIONS:
         assert (ROOT / SPECS[name]).is_file(), SPECS[name]
