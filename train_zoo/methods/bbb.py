@@ -321,7 +321,7 @@ class BayesByBackprop(Method):
             values = resolve_options(dict(options), context.recipe.lr)
         except InvalidOptionError as error:
             raise InvalidOptionError(f"bbb option {error}") from None
-        preset = options.get("preset", "paper")
+        preset = str(options.get("preset", "paper"))  # resolve_options checked it
         sources = {}
         for name, value in values.items():
             if name in options:

@@ -47,7 +47,7 @@ _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 def _gaussian_kl(mu: Mapping[str, Tensor], sigma: Mapping[str, Tensor],
                  prior_sigma: float) -> Tensor:
-    total = 0.0
+    total: Tensor | float = 0.0
     for name, s in sigma.items():
         m = mu[name]
         total = total + (math.log(prior_sigma) - torch.log(s)
@@ -56,7 +56,7 @@ def _gaussian_kl(mu: Mapping[str, Tensor], sigma: Mapping[str, Tensor],
 
 
 def _log_prior(weights: Mapping[str, Tensor], names: Sequence[str], opts: BBBOptions) -> Tensor:
-    total = 0.0
+    total: Tensor | float = 0.0
     s1, s2, pi = float(opts.prior_sigma), float(opts.prior_sigma2), float(opts.prior_pi)
     for name in names:
         w2 = weights[name] * weights[name]
@@ -114,12 +114,15 @@ def _negative_elbo(mu: Params, rho: Params, noise: Sequence[Mapping[str, Tensor]
     """``(loss, (mean nll, kl))`` at ``mu, rho`` for the given noise (see
     :mod:`train_zoo.methods.bbb`'s docstring)."""
     sigma = {name: nn.functional.softplus(value) for name, value in rho.items()}
-    data, mc_kl = 0.0, 0.0
+    data: Tensor | float = 0.0
+    mc_kl: Tensor | float = 0.0
     for eps in noise:
         weights = _weights(mu, sigma, eps)
         data = data + nll(model, weights, buffers, batch)
         if not opts.closed_form_kl:
             mc_kl = mc_kl + _mc_kl_term(sigma, eps, weights, opts)
+    if not isinstance(data, Tensor):
+        raise ValueError("the ELBO needs at least one noise draw")
     data = data / len(noise)
     if opts.closed_form_kl:
         kl = _gaussian_kl(mu, sigma, float(opts.prior_sigma))

@@ -18,6 +18,7 @@ import math
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
+from typing import Any, cast
 
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 from posteriorzoo.options import (
@@ -104,7 +105,7 @@ def _check_finite(what: str, value: object) -> float:
     if (not isinstance(value, numbers.Real) or isinstance(value, bool)
             or not math.isfinite(value)):
         raise InvalidOptionError(f"{what} must be a finite number, not {show(value)}")
-    return value
+    return cast(float, value)  # any real passes as given (an int stays an int in the record)
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,7 @@ class BBBTraining:
         return lambda epoch: scale * recipe_schedule(epoch)
 
 
-def _training(options: Mapping[str, object], recipe_lr: float) -> BBBTraining:
+def _training(options: Mapping[str, Any], recipe_lr: float) -> BBBTraining:
     """The :class:`BBBTraining` of ``options`` (missing ones: the paper's)."""
     def default_lr(optimizer: str) -> float:
         return recipe_lr if optimizer == "sgd" else ADAM_LR
@@ -248,7 +249,7 @@ def _training(options: Mapping[str, object], recipe_lr: float) -> BBBTraining:
     return BBBTraining(optimizer, lr, rho_optimizer, rho_lr)
 
 
-def resolve_options(options: Mapping[str, object], recipe_lr: float) -> dict[str, object]:
+def resolve_options(options: Mapping[str, Any], recipe_lr: float) -> dict[str, object]:
     """A spec's ``[method_options]`` for BBB, checked and completed: what a collection
     records.
 
@@ -280,8 +281,8 @@ def resolve_options(options: Mapping[str, object], recipe_lr: float) -> dict[str
     return record
 
 
-def split_options(options: Mapping[str, object], recipe_lr: float
-                  ) -> tuple[dict[str, object], BBBTraining]:
+def split_options(options: Mapping[str, Any], recipe_lr: float
+                  ) -> tuple[dict[str, Any], BBBTraining]:
     """Resolved options (:func:`resolve_options`) as the keyword arguments of :func:`init`
     and the :class:`BBBTraining`; training options that are absent are the paper's."""
     names = {field.name for field in fields(BBBOptions)}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -134,7 +135,7 @@ def layer_kinds(model: nn.Module) -> dict[str, str]:
     return {name: owners[name] for name, _ in model.named_parameters()}
 
 
-def init(model: nn.Module, generator: torch.Generator, **options: object) -> BBBState:
+def init(model: nn.Module, generator: torch.Generator, **options: Any) -> BBBState:
     """The initial variational state of ``model``.
 
     Parameters
@@ -156,8 +157,8 @@ def init(model: nn.Module, generator: torch.Generator, **options: object) -> BBB
     opts = BBBOptions(**options)
     kinds = layer_kinds(model)
     mu, rho = {}, {}
-    for name, value in model.named_parameters():
-        value = value.detach()
+    for name, parameter in model.named_parameters():
+        value = parameter.detach()
         if kinds[name] == "point":
             mu[name] = value.clone()
             continue

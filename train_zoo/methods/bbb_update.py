@@ -60,12 +60,15 @@ def _group_step(option: str, values: Params, grads: Params, buffers: OptimizerSt
         raise InvalidOptionError(f"{option} is {kind}, but the state holds the buffers of "
                                  f"{buffers.kind}")
     steps = (buffers.steps if buffers else 0) + 1
+    seconds = buffers.second if buffers else None
+    if kind == "adam" and buffers and seconds is None:
+        raise InvalidOptionError(f"{option}: the state's Adam buffers have no second moments")
     new, first, second = {}, {}, {}
     for name, value in values.items():
         old_first = buffers.first[name] if buffers else None
         if kind == "adam":
             new[name], first[name], second[name] = _adam(
-                value, grads[name], old_first, buffers.second[name] if buffers else None,
+                value, grads[name], old_first, seconds[name] if seconds is not None else None,
                 steps, lr)
         else:
             new[name], buf = _sgd(value, grads[name], old_first, lr, momentum, nesterov)

@@ -59,7 +59,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -190,7 +190,7 @@ class EmpOptions:
         check_number(_what("init_noise"), self.init_noise, 0, maximum=10)
 
 
-def resolve_options(options: Mapping[str, object]) -> dict[str, object]:
+def resolve_options(options: Mapping[str, Any]) -> dict[str, object]:
     """A spec's ``[method_options]`` for EMP, checked and completed with the defaults:
     what a collection records.
 
@@ -534,6 +534,8 @@ class EmpStepper:
         draw: each element's gradient goes to the component it was drawn from (as
         autograd through :func:`fold` sends it), and the L2 term's ``2 lambda p`` to every
         shared parameter and component. Returns the loss."""
+        if self.gradient is None:  # step() takes this path only with the engine's gradient
+            raise RuntimeError("EMP's engine path needs the engine's loss gradient")
         cross_entropy, grads = self.gradient(fold(self._state, indices), batch)
         factor = self.weight_decay / len(batch[1])
         for name, value in self._state.shared.items():
@@ -593,13 +595,15 @@ def predict(model: nn.Module, state: EmpState, inputs: Tensor, samples: int,
     model.eval()
     try:
         with torch.no_grad():
-            total = None
+            total: Tensor | None = None
             for _ in range(samples):
                 indices = draw(state, state.variant, generator)
                 probabilities = logits(model, state, indices, inputs).softmax(-1)
                 total = probabilities if total is None else total + probabilities
     finally:
         model.train(was_training)
+    if total is None:  # samples >= 1, checked above
+        raise AssertionError("no samples drawn")
     return total / samples
 
 
@@ -613,7 +617,8 @@ def _option(name: str) -> MethodOption:
     help_text = re.sub(r"; default[^()]*\)$", ")", re.sub(r"\s*\(default[^()]*\)$", "", text))
 
     def check(what: str, value: object, context: Context) -> object:
-        return getattr(EmpOptions(**{name: value}), name)
+        given: dict[str, Any] = {name: value}  # any value: EmpOptions checks it
+        return getattr(EmpOptions(**given), name)
 
     shown = f"{default:g}" if isinstance(default, float) else str(default)
     return MethodOption(name, check, constant(default), shown, help_text)

@@ -94,7 +94,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -327,8 +327,9 @@ def _option(name: str) -> MethodOption:
     help_text = re.sub(r"\s*\(default[^()]*\)$", "", OPTION_HELP[name])
 
     def check(what: str, value: object, context: Context) -> object:
+        given: dict[str, Any] = {name: value}  # any value: Rank1Options checks it
         try:
-            checked = getattr(Rank1Options(**{name: value}), name)
+            checked = getattr(Rank1Options(**given), name)
         except InvalidOptionError as error:  # the message names the option alone
             raise InvalidOptionError(f"{what}: {error}") from None
         return list(checked) if isinstance(checked, tuple) else checked

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -64,7 +65,8 @@ def _sizes(module: nn.Module) -> tuple[int, int]:
     """``(outputs, inputs)`` of a rank-1 layer: the lengths of ``r`` and ``s``."""
     if isinstance(module, nn.Linear):
         return module.out_features, module.in_features
-    return module.out_channels, module.in_channels
+    conv = cast(nn.Conv2d, module)  # the other of RANK1_TYPES
+    return conv.out_channels, conv.in_channels
 
 
 def rank1_layers(model: nn.Module, names: Sequence[str] | None = None) -> dict[str, nn.Module]:
@@ -169,7 +171,7 @@ def _initial_rho(shape: tuple[int, ...], opts: Rank1Options, like: Tensor,
 
 
 def init(model: nn.Module, params: Mapping[str, Tensor], components: int,
-         generator: torch.Generator, **options: object) -> Rank1State:
+         generator: torch.Generator, **options: Any) -> Rank1State:
     """The initial rank-1 state of ``model`` around the point estimates ``params``.
 
     Parameters
@@ -248,7 +250,8 @@ def draw_noise(state: Rank1State, count: int, generator: torch.Generator
     """Standard ``eps`` for ``count`` examples: ``(eps_r, eps_s)`` per rank-1 layer, normal
     or standard Cauchy (``tan(pi (u - 1/2))``), drawn layer by layer, ``r``'s then ``s``'s."""
     check_integer("count", count, 0)
-    eps_r, eps_s = {}, {}
+    eps_r: Params = {}
+    eps_s: Params = {}
     for name in state.layers:
         for target, loc in ((eps_r, state.r_loc[name]), (eps_s, state.s_loc[name])):
             shape = (count, loc.shape[1])

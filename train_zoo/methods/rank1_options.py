@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 from posteriorzoo.options import (
@@ -134,7 +135,7 @@ class Rank1Options:
         return values
 
 
-def resolve_options(options: Mapping[str, object]) -> dict[str, object]:
+def resolve_options(options: Mapping[str, Any]) -> dict[str, object]:
     """A spec's ``[method_options]`` for Rank-1, checked and completed with the defaults:
     what a collection records (:meth:`Rank1Options.record`).
 

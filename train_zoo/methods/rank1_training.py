@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -250,7 +250,7 @@ def update(state: Rank1State, grads: Mapping[str, Params], lr: float, *,
     check_number("momentum", momentum, 0, maximum=1, strict_maximum=True)
     if check_bool("nesterov", nesterov) and momentum == 0:
         raise InvalidOptionError("nesterov needs momentum > 0")
-    new: dict[str, Params] = {}
+    new: dict[str, Any] = {}  # Params by trainable field of Rank1State, for replace()
     buffers: dict[str, Params] = {}
     for part, values in state.trainable().items():
         new[part], buffers[part] = {}, {}
