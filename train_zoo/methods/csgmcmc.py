@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -135,9 +136,9 @@ def _fraction(what: str, value: object, context: Context) -> object:
 
 
 def _cycles(what: str, value: object, context: Context) -> object:
-    check_integer(what, value, 1, 10_000)
+    cycles = check_integer(what, value, 1, 10_000)
     per_mode = context.samples_per_mode
-    if per_mode is not None and per_mode % value:
+    if per_mode is not None and per_mode % cycles:
         raise InvalidOptionError(f"{what} must divide samples_per_mode ({per_mode}), not "
                                  f"{show(value)}")
     return value
@@ -210,12 +211,12 @@ class CyclicalSgmcmc(Method):
                          f"training (N x weight decay) or a number in [{low:g}, {high:g}]"),
         )
 
-    def phase_steps(self, spec: object, steps_per_epoch: int) -> int:
+    def phase_steps(self, spec: Any, steps_per_epoch: int) -> int:
         return spec.method_options["epochs"] * steps_per_epoch
 
     def fit(self, run: ModeRun) -> Posterior:
         spec, seeds, engine = run.spec, run.seeds, run.engine
-        opts: Mapping[str, object] = spec.method_options
+        opts: Mapping[str, Any] = spec.method_options  # checked by the options above
         model = engine.initial_model()
         params, buffers = parameters_of(model)
         if buffers:

@@ -203,8 +203,7 @@ def sample(model: nn.Module, state_dict: Mapping[str, torch.Tensor], p: float,
 
 # ---------------------------------------------------------------- the method
 def _p_check(what: str, value: object, context: Context) -> object:
-    check_number(what, value, 0)
-    if value >= 1:
+    if check_number(what, value, 0) >= 1:
         raise InvalidOptionError(f"{what} must be below 1, not {show(value)}")
     return value
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -157,7 +158,7 @@ class Ivon(Method):
                          "momentum of the Hessian estimate, in (0, 1]"),
         )
 
-    def phase_steps(self, spec: object, steps_per_epoch: int) -> int:
+    def phase_steps(self, spec: Any, steps_per_epoch: int) -> int:
         return spec.method_options["epochs"] * steps_per_epoch
 
     def fit(self, run: ModeRun) -> Posterior:

@@ -44,6 +44,7 @@ import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -673,7 +674,7 @@ LogPosteriorGradient = Callable[[Params, tuple], tuple[float, Params]]
 
 
 def _chain_record(temperature_sum: float, capped_sum: float, count: int, alpha: float,
-                  steps: int) -> dict[str, float | int | bool | None]:
+                  steps: int) -> dict[str, Any]:
     """An SGHMC chain's record: mean kinetic temperature and capped fraction over the
     ``count`` recorded steps (None when there were none, or when the chain diverged and
     its momentum is no longer finite: ``diverged`` says so)."""
@@ -736,7 +737,7 @@ class SghmcStepper:
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: value.numpy() for name, value in self.state.params.items()}
 
-    def record(self) -> dict[str, float | int | None]:
+    def record(self) -> dict[str, Any]:
         """What the chain did after ``record_from``: the mean kinetic temperature
         ``mean(v^2) / eta`` (its exact-chain value ``1 / (1 - alpha / 2)`` beside it), the
         mean fraction of coordinates whose ``beta_hat`` was capped, and the steps."""
@@ -833,7 +834,7 @@ class WhitenedSghmcStepper:
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: value.numpy() for name, value in self.params.items()}
 
-    def record(self) -> dict[str, float | int | None]:
+    def record(self) -> dict[str, Any]:
         """:meth:`SghmcStepper.record`, in whitened coordinates."""
         return {**_chain_record(self._temperature, self._capped, self._recorded, self.alpha,
                                 self.steps), "whitened": True}
@@ -910,8 +911,7 @@ READ_BATCH = 500
 
 
 def _alpha(what: str, value: object, context: Context) -> object:
-    check_number(what, value, 0, strict=True)
-    if value > 1:
+    if check_number(what, value, 0, strict=True) > 1:
         raise InvalidOptionError(f"{what} must be at most 1, not {show(value)}")
     return value
 
@@ -1167,7 +1167,7 @@ class Sghmc(Method):
     #: rounds derive their own). SGLD (:mod:`train_zoo.methods.sgld`) is this chain at 1.
     sampling_friction: float | None = None
 
-    def _friction(self, opts: Mapping[str, object], derived: float | None = None) -> float:
+    def _friction(self, opts: Mapping[str, Any], derived: float | None = None) -> float:
         if self.sampling_friction is not None:
             return self.sampling_friction
         return derived if derived is not None else opts["alpha"]
@@ -1186,9 +1186,13 @@ class Sghmc(Method):
                                  run.num_data, structure="full", prior_precision=prior)
         except PosteriorZooError as error:
             raise type(error)(f"sghmc preconditioner: {error}") from None
-        return Whitening(state.curvature.cholesky.double())
+        curvature = state.curvature
+        if not isinstance(curvature, laplace.FullCurvature):  # structure="full" above
+            raise TypeError(f"sghmc preconditioner: a full curvature was asked for, not "
+                            f"{type(curvature).__name__}")
+        return Whitening(curvature.cholesky.double())
 
-    def phase_steps(self, spec: object, steps_per_epoch: int) -> int:
+    def phase_steps(self, spec: Any, steps_per_epoch: int) -> int:
         """Every chain's steps up to its last kept sample; an adapted chain's settling
         (one chain's) counted at ``settle_steps``, its limit."""
         options = spec.method_options
@@ -1226,17 +1230,20 @@ class Sghmc(Method):
         noise_decay = opts["noise_decay"] if opts["noise_correction"] else None
         independent = opts.get("minibatches", "epochs") == "independent"
         generators = [generator_for(chain_seed(seeds.sample, chain)) for chain in range(chains)]
-        starts: list[Params | None] = [None] * chains
+        starts: Sequence[Params | None] = [None] * chains
         adaptation, alpha, running = None, self._friction(opts), False
         if preconditioner == "adapted":
-            whitening, starts, adaptation, adapt_steps = self._adapt(
+            if whitening is None:  # whitened: _whitening set it above
+                raise AssertionError("an adapted sghmc chain starts from the Laplace metric")
+            whitening, adapted, adaptation, adapt_steps = self._adapt(
                 run, model, params, gradient, whitening, generators,
                 opts.get("adapt_steps", ADAPT_STEPS), noise_decay, independent)
+            starts = adapted
             steps += adapt_steps
             if opts.get("adapt_rounds", 0):
                 # a cold chain's running estimate spans about 1,000 steps
                 noise_decay = ADAPTED_NOISE_DECAY if noise_decay is not None else None
-                cold = self._cold_rounds(run, model, gradient, whitening, starts,
+                cold = self._cold_rounds(run, model, gradient, whitening, adapted,
                                          generators, opts, batch_size, independent,
                                          noise_decay)
                 whitening, starts, eta, alpha, record = cold
@@ -1248,9 +1255,13 @@ class Sghmc(Method):
         samples, records, chain_ids = [], [], []
         for chain in range(chains):
             generator = generators[chain]
-            if starts[chain] is not None:  # from where its adaptation ended
+            stepper: SghmcStepper | WhitenedSghmcStepper
+            begin = starts[chain]
+            if begin is not None:  # from where its adaptation ended
+                if whitening is None:  # only an adapted chain has a start
+                    raise AssertionError("an adapted sghmc chain has its metric")
                 stepper = WhitenedSghmcStepper(
-                    starts[chain], gradient, whitening, eta, alpha, generator,
+                    begin, gradient, whitening, eta, alpha, generator,
                     keep[-1], noise_decay=noise_decay, warm_up=NOISE_WARM_UP,
                     record_from=opts["burn_in"], running=running)
             elif whitening is not None:
@@ -1289,7 +1300,7 @@ class Sghmc(Method):
                gradient: LogPosteriorGradient, whitening: Whitening,
                generators: Sequence[torch.Generator], adapt_steps: int,
                noise_decay: float | None, independent: bool
-               ) -> tuple[Whitening, list[Params], dict[str, object], int]:
+               ) -> tuple[Whitening, list[Params], dict[str, Any], int]:
         """Each chain's warm-up in the Laplace metric (from its own draw of the Laplace
         approximation), then the adapted metric from all of them
         (:func:`adapted_whitening`). Returns the metric, each chain's end state, the
@@ -1380,9 +1391,9 @@ class Sghmc(Method):
     def _cold_rounds(self, run: ModeRun, model: nn.Module,
                      gradient: LogPosteriorGradient, base: Whitening,
                      starts: list[Params], generators: Sequence[torch.Generator],
-                     opts: Mapping[str, object], batch_size: int, independent: bool,
+                     opts: Mapping[str, Any], batch_size: int, independent: bool,
                      noise_decay: float | None
-                     ) -> tuple[Whitening, list[Params], float, float, dict[str, object]]:
+                     ) -> tuple[Whitening, list[Params], float, float, dict[str, Any]]:
         """The cold rounds after the warm-up, then the settling of their lowest-loss chain
         (:meth:`_settle`). Returns the sampling metric, every chain's start (the settled
         chain's end), the sampling ``lr`` and ``alpha``, and the record."""
@@ -1390,7 +1401,9 @@ class Sghmc(Method):
         thin = max(1, round_steps // ROUND_DRAWS)
         keep = set(range(thin, round_steps + 1, thin))
         seed = run.seeds.method
-        records, losses, ends = [], [], list(starts)
+        records: list[dict[str, Any]] = []
+        losses: list[float] = []
+        ends = list(starts)
         for number in range(rounds):
             metric, lr, alpha, reference = self._equalized(run, model, gradient, base, ends,
                                                            batch_size, round_seed(seed, number))
@@ -1425,8 +1438,8 @@ class Sghmc(Method):
 
     def _settle(self, run: ModeRun, model: nn.Module, gradient: LogPosteriorGradient,
                 base: Whitening, start: Params, loss: float, generator: torch.Generator,
-                opts: Mapping[str, object], batch_size: int, independent: bool,
-                noise_decay: float | None) -> tuple[Params, dict[str, object]]:
+                opts: Mapping[str, Any], batch_size: int, independent: bool,
+                noise_decay: float | None) -> tuple[Params, dict[str, Any]]:
         """The rounds' lowest-loss chain (at ``start``, mean loss ``loss`` in its last
         round) continues alone, ``adapt_round_steps`` at a time, in ``base``
         re-equalized at each segment's start, until its mean loss falls by less than
@@ -1437,7 +1450,9 @@ class Sghmc(Method):
         limit, segment = opts.get("settle_steps", 0), opts["adapt_round_steps"]
         size = sum(value.numel() for value in start.values())
         tolerance = settled_loss_drop(size, run.num_data)
-        losses, temperatures, steps, settled = [], [], 0, False
+        losses: list[float] = []
+        temperatures: list[float | None] = []
+        steps, settled = 0, False
         while not settled and steps + segment <= limit:
             number = len(losses)
             metric, lr, alpha, _ = self._equalized(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -118,7 +119,7 @@ class Svgd(Method):
                             "the RBF kernel's bandwidth rule: median-blackjax "
                             "(median squared distance / log n, every step)"),)
 
-    def phase_steps(self, spec: object, steps_per_epoch: int) -> int:
+    def phase_steps(self, spec: Any, steps_per_epoch: int) -> int:
         return spec.recipe.epochs * steps_per_epoch
 
     def fit(self, run: ModeRun) -> Posterior:

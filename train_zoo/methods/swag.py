@@ -35,6 +35,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -493,13 +494,13 @@ def _collect_from(what: str, value: object, context: Context) -> object:
 def _iterates(what: str, value: object, context: Context) -> object:
     from train_zoo.recipes import MAX_EPOCHS
 
-    check_integer(what, value, 2, MAX_EPOCHS)
+    count = check_integer(what, value, 2, MAX_EPOCHS)
     window = context.resolved["epochs"] - context.resolved["collect_from"]
-    if value > window:
+    if count > window:
         raise InvalidOptionError(
-            f"swag option 'iterates' ({value}) exceeds the {window} epochs from "
+            f"swag option 'iterates' ({count}) exceeds the {window} epochs from "
             "'collect_from' to 'epochs'")
-    return int(value)
+    return count
 
 
 def _options() -> tuple[MethodOption, ...]:
@@ -555,7 +556,7 @@ class Swag(Method):
     def build_options(self) -> tuple[MethodOption, ...]:
         return _options()
 
-    def phase_steps(self, spec: object, steps_per_epoch: int) -> int:
+    def phase_steps(self, spec: Any, steps_per_epoch: int) -> int:
         return spec.method_options["epochs"] * steps_per_epoch
 
     def fit(self, run: ModeRun) -> Posterior:
