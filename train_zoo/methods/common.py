@@ -18,6 +18,22 @@ def parameters_of(model: nn.Module) -> tuple[Params, Params]:
     return params, buffers
 
 
+def untrained_parameters(model: nn.Module, method: str, architecture: str
+                         ) -> tuple[Params, Params]:
+    """:func:`parameters_of` an untrained network, for a method that trains from the
+    initialisation (cyclical SG-MCMC, IVON, SVGD). A network with buffers (BatchNorm's
+    running statistics) is refused: its samples would carry the initialisation's
+    statistics, and re-estimating them at every sample is not done yet."""
+    from posteriorzoo.errors import InvalidOptionError
+
+    params, buffers = parameters_of(model)
+    if buffers:
+        raise InvalidOptionError(f"{method}: {architecture} has BatchNorm buffers, which "
+                                 "its samples would carry from the initialisation; not "
+                                 "supported yet")
+    return params, buffers
+
+
 def logits(model: nn.Module, params: Mapping[str, torch.Tensor],
            buffers: Mapping[str, torch.Tensor], images: torch.Tensor) -> torch.Tensor:
     """The network's logits ``(B, K)`` at ``params`` (the module's own weights unused)."""

@@ -58,7 +58,7 @@ from train_zoo.methods.base import (
     generator_for,
     with_context,
 )
-from train_zoo.methods.common import Params, parameters_of
+from train_zoo.methods.common import Params, untrained_parameters
 from train_zoo.methods.sghmc import LogPosteriorGradient, prior_precision_from_weight_decay
 
 #: Cycles of a run by default: 100 samples are 10 of each of 10 modes visited.
@@ -218,11 +218,7 @@ class CyclicalSgmcmc(Method):
         spec, seeds, engine = run.spec, run.seeds, run.engine
         opts: Mapping[str, Any] = spec.method_options  # checked by the options above
         model = engine.initial_model()
-        params, buffers = parameters_of(model)
-        if buffers:
-            raise InvalidOptionError(
-                f"{self.name}: {spec.architecture} has BatchNorm buffers, which a sample "
-                "would carry from the initialisation; not supported yet")
+        params, buffers = untrained_parameters(model, self.name, spec.architecture)
         num_data = run.num_data
         prior = opts["prior_precision"]
         if prior == "training":

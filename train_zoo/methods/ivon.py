@@ -34,7 +34,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.options import check_integer, check_number
 from train_zoo.loop import fit
 from train_zoo.methods.base import (
@@ -47,7 +46,7 @@ from train_zoo.methods.base import (
     constant,
     with_context,
 )
-from train_zoo.methods.common import parameters_of
+from train_zoo.methods.common import untrained_parameters
 
 #: The package's defaults where the paper gives no other: hess_init, beta1, beta2.
 HESS_INIT, BETA1, BETA2 = 1.0, 0.9, 0.99999
@@ -165,11 +164,7 @@ class Ivon(Method):
         spec, seeds, engine = run.spec, run.seeds, run.engine
         opts = spec.method_options
         model = engine.initial_model()
-        params, buffers = parameters_of(model)
-        if buffers:
-            raise InvalidOptionError(f"ivon: {spec.architecture} has BatchNorm buffers, "
-                                     "which a draw would carry from the initialisation; "
-                                     "not supported yet")
+        params, buffers = untrained_parameters(model, self.name, spec.architecture)
         num_data = run.num_data
         gradient = engine.log_posterior(model, params, buffers, num_data, 0.0)
         recipe = spec.recipe

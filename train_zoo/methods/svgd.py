@@ -31,7 +31,7 @@ import torch
 from posteriorzoo.errors import InvalidOptionError
 from train_zoo.loop import fit
 from train_zoo.methods.base import Method, MethodOption, ModeRun, Posterior, constant
-from train_zoo.methods.common import flatten, parameters_of, unflatten
+from train_zoo.methods.common import flatten, parameters_of, unflatten, untrained_parameters
 from train_zoo.methods.sghmc import prior_precision_from_weight_decay
 
 #: The bandwidth rule (the only one: named so a collection records which it used).
@@ -127,11 +127,7 @@ class Svgd(Method):
 
         spec, seeds, engine = run.spec, run.seeds, run.engine
         model = engine.initial_model()
-        params, buffers = parameters_of(model)
-        if buffers:
-            raise InvalidOptionError(f"svgd: {spec.architecture} has BatchNorm buffers, "
-                                     "which the particles would share from the "
-                                     "initialisation; not supported yet")
+        params, buffers = untrained_parameters(model, self.name, spec.architecture)
         particles = [params] + [parameters_of(initial_model(spec, particle_seed(
             seeds.init, j)))[0] for j in range(1, spec.samples_per_mode)]
         num_data = run.num_data
