@@ -1,5 +1,6 @@
 """Benchmark the posterior methods' hot loops: the Laplace GGN, the BBB training step, the
-EMP, ECMP and Rank-1 training steps and the SGLD chain step.
+EMP, ECMP and Rank-1 training steps, the SGLD chain step and the cSGLD, IVON and SVGD
+steps.
 
 Side by side in one run:
 
@@ -93,6 +94,51 @@ Side by side in one run:
     Two more runs: 8.2x and 9.3x (``--repeats 3``), 5.3x and 6.0x with the correction;
     ours stays at 1,910-1,970 steps/s, posteriors' side varies (158-236).
 
+(f) **New methods' steps per second**: cSGLD, IVON and SVGD on OptuNet from its seeded
+    initialisation (each method starts there in the trainer; SVGD's other particles are
+    the inits of ``svgd.particle_seed``), batch 64, ``--new-steps`` steps (default 200)
+    over the 32 batches of (e), N = 60,000, each method's options its spec's defaults
+    (:func:`new_method_setup`):
+
+    * **cSGLD**: ours ``csgmcmc.CyclicalStepper`` at alpha 1 with the fast engine's
+      gradient (``ModeEngine(..., "fast").log_posterior``, prior precision 12), lr 0.04
+      (the recipe's, momentum 0), one cosine cycle over the timed steps with the
+      method's sampling stage (its last 10%, as in a run); plain: OptuNet as an
+      ``nn.Module``, ``loss.backward()`` of ``N`` x the mean cross-entropy + the prior,
+      the cosine step size and the noise by hand (:func:`_csgld_chains`), normals from a
+      ``torch.Generator`` of the same seed, one tensor per parameter in order.
+    * **IVON**: ours ``ivon.IvonStepper`` (the ivon-opt package's ``IVON`` fed the
+      kernels' gradient), lr 0.1, ``hess_init`` 1, beta 0.9 / 0.99999, delta 2e-4;
+      plain: the package on the ``nn.Module`` as its README trains
+      (``sampled_params(train=True)``: ``loss.backward()``; ``step()``), torch's
+      global generator seeded alike before each (IVON draws its noise there).
+    * **SVGD**: ours ``svgd.SvgdStepper``, ``--svgd-particles`` particles (default 20,
+      the method's ``samples_per_mode``), one kernel gradient per particle, lr 0.04;
+      plain: the particles stacked ``(n, d)``, their gradients in one
+      ``torch.func.vmap(torch.func.grad_and_value(...))`` through ``functional_call``
+      (the fastest plain way), the median bandwidth and ``stein_direction``'s formula
+      written out in torch.
+
+    Agreement: each pair is run again for ``min(steps, 10)`` steps from the same start,
+    batches and noise (cSGLD's check cycle samples over its second half, so that the
+    normals are compared), and the table prints the largest parameter difference (SVGD:
+    over every particle) beside how far ours moved and the batch curvature the bound
+    uses (the largest Hessian eigenvalue of the mean loss at the check's start and end,
+    first and last batch: :func:`batch_curvature`). ``tests/test_bench_methods.py``
+    (``_new_method_bound``: the gradients' float32 roundings and the updates', carried
+    by twice that curvature) bounds it: after 10 steps 3.5e-5 (cSGLD), 2.7e-4 (IVON),
+    9.6e-5 (SVGD); measured 6.0e-8, 3.0e-8 and 2.1e-7 (they moved 7.1e-3, 3.0e-2,
+    1.6e-3). IVON agrees to rounding in float32 too (bit for bit in float64 with N a
+    power of two: ``tests/test_method_ivon.py``); here ``-(-N g) / N`` and the kernels'
+    gradient differ from autograd's by float32 rounding.
+
+    Measured (``--parts f``, 1 thread, 2-core machine at load 2.3-3.3 from other jobs,
+    best of 2): cSGLD 5,279 vs 781 steps/s, **6.8x**; IVON 2,897 vs 714, **4.1x**; SVGD
+    (20 particles) 271 vs 61, **4.5x** (wall and CPU seconds equal: the load did not
+    stretch these). A second run (``--repeats 3``, load 2.7): 7.0x, 4.3x, 4.5x. The
+    plain SVGD's vmap is its fastest plain form: 20 module forward and backward passes
+    take 22-26 ms (measured, before any update), vmap's gradients and step 16 ms.
+
 Every contestant runs with the same ``--threads`` torch threads (default 1: on a shared
 2-core machine two threads per process slow everyone down; ``full_ggn`` gives its BLAS
 calls the same budget). Times are wall-clock; CPU seconds are printed too, since a busy
@@ -105,6 +151,7 @@ Run from the repository root::
     .venv/bin/python benchmarks/bench_methods.py --quick         # smoke run, seconds
     .venv/bin/python benchmarks/bench_methods.py --parts d       # part (d) alone, ~40 s
     .venv/bin/python benchmarks/bench_methods.py --parts e       # part (e) alone, ~20 s
+    .venv/bin/python benchmarks/bench_methods.py --parts f       # part (f) alone, ~30 s
     .venv/bin/python benchmarks/bench_methods.py --json benchmarks/output/methods.json
 """
 
@@ -138,7 +185,7 @@ BBB_CHECK_STEPS = 50
 # 392 GGN-vector products, so a calibration on thousands of images would take minutes
 # (and its memory grows with 392 x the batch's activations).
 CURVLINOPS_CALIBRATION = 512
-PARTS = "abcde"
+PARTS = "abcdef"
 
 
 def timed(function: Callable[[], Any], repeats: int = 1) -> tuple[float, float, Any]:
@@ -825,6 +872,343 @@ def bench_sgmcmc(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+# ------------------------------------------------------------------ (f) new methods
+NEW_METHODS = ("csgld", "ivon", "svgd")
+NEW_CHECK_STEPS = 10      # steps of the agreement check of part (f)
+SVGD_PARTICLES = 20       # the method's default: samples_per_mode particles
+CSGLD_CHECK_FRACTION = 0.5  # the sampling stage's share of the check's cycle
+
+
+def new_method_setup(seed: int, particles: int) -> dict[str, Any]:
+    """What the trainer derives for cSGLD, IVON and SVGD on OptuNet / Fashion-MNIST (each
+    from its spec's defaults: ``make_spec``), with the fast engine's gradients
+    (``ModeEngine(spec, 0, data, "fast").log_posterior``: the numba kernels'). Each method
+    starts from the network's initialisation (the seeded init here); SVGD's particles are
+    the inits of :func:`train_zoo.methods.svgd.particle_seed`."""
+    from train_zoo import make_spec
+    from train_zoo.data import load_training_data
+    from train_zoo.fast.engine import layout_for
+    from train_zoo.methods import sghmc
+    from train_zoo.methods.common import parameters_of
+    from train_zoo.methods.svgd import particle_seed
+    from train_zoo.programs import ModeEngine
+
+    def spec_of(method: str, samples: int) -> Any:
+        return make_spec("optunet-mnist", dataset=DATASET, method=method, modes=1,
+                         samples_per_mode=samples, base_seed=seed)
+
+    csgld, ivon, svgd = spec_of("csgld", 10), spec_of("ivon", 1), spec_of("svgd", particles)
+    data = load_training_data(DATASET)
+    engine = ModeEngine(csgld, 0, data, "fast")
+    model = optunet("random", seed)
+    params, buffers = parameters_of(model)
+    if buffers or layout_for(model, data) is None:
+        raise RuntimeError("the fast engine does not take OptuNet: part (f) times nothing")
+    num_data = len(data.train)
+    recipe = csgld.recipe
+    prior = sghmc.prior_precision_from_weight_decay(num_data, recipe.weight_decay)
+    inits = [params] + [parameters_of(optunet("random", particle_seed(seed, j)))[0]
+                        for j in range(1, particles)]
+    return {"model": model, "params": params, "num_data": num_data,
+            "prior_precision": prior, "batch": recipe.batch_size,
+            "gradient": engine.log_posterior(model, params, buffers, num_data, prior),
+            "likelihood_gradient": engine.log_posterior(model, params, buffers, num_data,
+                                                        0.0),
+            "csgld": dict(csgld.method_options), "ivon": dict(ivon.method_options),
+            "svgd_lr": svgd.recipe.learning_rate(0), "particles": inits}
+
+
+def _watched(gradient: Callable, watch: list[tuple[float, float]] | None) -> Callable:
+    """``gradient``, appending ``(max |grad|, max |theta|)`` of each call to ``watch``."""
+    if watch is None:
+        return gradient
+
+    def watched(theta: dict, batch: tuple) -> tuple[float, dict]:
+        loss, grads = gradient(theta, batch)
+        watch.append((max(float(value.abs().max()) for value in grads.values()),
+                      max(float(value.abs().max()) for value in theta.values())))
+        return loss, grads
+    return watched
+
+
+def _csgld_chains(setup: dict[str, Any], seed: int, cycle_steps: int,
+                  watch: list[tuple[float, float]] | None = None,
+                  fraction: float | None = None) -> dict[str, Callable[[], SgmcmcChain]]:
+    """Part (f)'s cSGLD: ours ``CyclicalStepper`` at alpha 1 on the kernels' gradient;
+    plain OptuNet as an ``nn.Module``, ``loss.backward()`` on ``N`` x the mean
+    cross-entropy + the prior, the cosine step size and the noise by hand. One cycle of
+    ``cycle_steps`` whose last ``fraction`` (by default the method's) is the sampling
+    stage; both draw their normals from a ``torch.Generator`` seeded ``seed``, one tensor
+    per parameter in order, in the sampling stage only."""
+    from train_zoo.methods.csgmcmc import CyclicalStepper
+
+    options, num_data = setup["csgld"], setup["num_data"]
+    lr, prior = options["lr"], setup["prior_precision"]
+    if fraction is None:
+        fraction = options["sampling_fraction"]
+
+    def ours() -> SgmcmcChain:
+        stepper = CyclicalStepper(setup["params"], _watched(setup["gradient"], watch), lr,
+                                  num_data, 1.0, cycle_steps, fraction, 2**62,
+                                  torch.Generator().manual_seed(seed))
+        return SgmcmcChain(lambda batch: stepper.step(batch, lr), lambda: stepper.params)
+
+    def plain() -> SgmcmcChain:
+        model = copy.deepcopy(setup["model"]).train()
+        generator = torch.Generator().manual_seed(seed)
+        count = 0
+
+        def step(batch: tuple) -> float:
+            nonlocal count
+            images, labels = batch
+            model.zero_grad(set_to_none=True)
+            prior_term = 0.5 * prior * sum(p.square().sum() for p in model.parameters())
+            loss = num_data * F.cross_entropy(model(images), labels) + prior_term
+            loss.backward()
+            eta = lr / 2 * (math.cos(math.pi * (count % cycle_steps) / cycle_steps) + 1)
+            eta /= num_data
+            sampling = count % cycle_steps >= (1 - fraction) * cycle_steps
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(eta * p.grad)
+                    if sampling:
+                        p.add_(math.sqrt(2 * eta) * torch.randn(p.shape, generator=generator))
+            count += 1
+            return float(loss) / num_data
+        return SgmcmcChain(step, lambda: {name: p.detach().clone()
+                                          for name, p in model.named_parameters()})
+
+    return {"ours": ours, "plain": plain}
+
+
+def _ivon_chains(setup: dict[str, Any], seed: int,
+                 watch: list[tuple[float, float]] | None = None,
+                 hess: list[float] | None = None) -> dict[str, Callable[[], SgmcmcChain]]:
+    """Part (f)'s IVON: ours ``IvonStepper`` (the ivon-opt optimiser fed the kernels'
+    gradient); plain the package's own loop on OptuNet as an ``nn.Module``
+    (``sampled_params(train=True)``: ``loss.backward()``; ``step()``). Each seeds torch's
+    global generator with ``seed`` when built (IVON draws its noise there): run them
+    inside ``torch.random.fork_rng``. With ``hess``, ours appends the smallest Hessian
+    estimate after each step."""
+    import ivon
+
+    from train_zoo.methods.ivon import IvonStepper
+
+    options, num_data = setup["ivon"], setup["num_data"]
+    lr, decay = options["lr"], options["weight_decay"]
+
+    def ours() -> SgmcmcChain:
+        torch.manual_seed(seed)
+        stepper = IvonStepper(copy.deepcopy(setup["model"]),
+                              _watched(setup["likelihood_gradient"], watch), num_data, lr,
+                              options, decay)
+
+        def step(batch: tuple) -> float:
+            loss = stepper.step(batch, lr)
+            if hess is not None:
+                hess.append(float(stepper.hess().min()))
+            return loss
+        return SgmcmcChain(step, lambda: {name: p.detach().clone() for name, p in
+                                          zip(stepper.names, stepper.parameters,
+                                              strict=True)})
+
+    def plain() -> SgmcmcChain:
+        torch.manual_seed(seed)
+        model = copy.deepcopy(setup["model"]).train()
+        optimizer = ivon.IVON(model.parameters(), lr=lr, ess=float(num_data),
+                              hess_init=options["hess_init"], beta1=options["beta1"],
+                              beta2=options["beta2"], weight_decay=decay, mc_samples=1,
+                              hess_approx="price")
+
+        def step(batch: tuple) -> float:
+            images, labels = batch
+            with optimizer.sampled_params(train=True):
+                optimizer.zero_grad()
+                loss = F.cross_entropy(model(images), labels)
+                loss.backward()
+            optimizer.step()
+            return float(loss)
+        return SgmcmcChain(step, lambda: {name: p.detach().clone()
+                                          for name, p in model.named_parameters()})
+
+    return {"ours": ours, "plain": plain}
+
+
+def _svgd_chains(setup: dict[str, Any], watch: list[tuple[float, float]] | None = None
+                 ) -> dict[str, Callable[[], SgmcmcChain]]:
+    """Part (f)'s SVGD: ours ``SvgdStepper`` (a kernel gradient per particle, BlackJAX's
+    median bandwidth, float64 particles); plain the particles stacked ``(n, d)`` in
+    float64, their gradients by ``torch.func.vmap(torch.func.grad(...))`` of OptuNet
+    through ``functional_call`` (in float32, as ours), the bandwidth and the Stein
+    direction written out in torch. ``params()`` gives every particle, flat."""
+    from train_zoo.methods.common import flatten
+    from train_zoo.methods.svgd import SvgdStepper
+
+    num_data, prior, lr = setup["num_data"], setup["prior_precision"], setup["svgd_lr"]
+    model = setup["model"]
+    names = list(setup["params"])
+    shapes = [setup["params"][name].shape for name in names]
+    sizes = [math.prod(shape) for shape in shapes]
+
+    def ours() -> SgmcmcChain:
+        stepper = SvgdStepper(setup["particles"], _watched(setup["gradient"], watch),
+                              num_data)
+        return SgmcmcChain(lambda batch: stepper.step(batch, lr),
+                           lambda: {"particles": stepper.x.clone()})
+
+    def plain() -> SgmcmcChain:
+        def minus_log_posterior(flat: torch.Tensor, images: torch.Tensor,
+                                labels: torch.Tensor) -> torch.Tensor:
+            params = {name: part.reshape(shape) for name, part, shape in
+                      zip(names, flat.split(sizes), shapes, strict=True)}
+            logits = torch.func.functional_call(model, params, (images,))
+            return (num_data * F.cross_entropy(logits, labels)
+                    + 0.5 * prior * flat.square().sum())
+
+        grads = torch.func.vmap(torch.func.grad_and_value(minus_log_posterior),
+                                in_dims=(0, None, None))
+        x = torch.stack([flatten(p).double() for p in setup["particles"]])
+
+        def step(batch: tuple) -> float:
+            nonlocal x
+            gradient, value = grads(x.float(), *batch)
+            g = -gradient.double()
+            n = x.shape[0]
+            squared = torch.cdist(x, x).square()
+            if n > 1:
+                pairs = torch.triu_indices(n, n, offset=1)
+                bandwidth = float(squared[pairs[0], pairs[1]].median()) / math.log(n)
+            else:
+                bandwidth = 1.0
+            kernel = torch.exp(-squared / bandwidth)
+            repulsion = (2 / bandwidth) * (kernel.sum(1, keepdim=True) * x - kernel @ x)
+            x = x + (lr / num_data) * (kernel @ g + repulsion) / n
+            return float(value.mean()) / num_data
+        return SgmcmcChain(step, lambda: {"particles": x.clone()})
+
+    return {"ours": ours, "plain": plain}
+
+
+def batch_curvature(model: nn.Module, points: list[dict[str, torch.Tensor]],
+                    batches: list[tuple]) -> float:
+    """The largest Hessian eigenvalue (in absolute value) of OptuNet's batch mean
+    cross-entropy over ``points`` x ``batches`` (392 parameters: the full Hessian by
+    ``torch.func.hessian``): the scale by which a difference of weights moves a gradient,
+    for the agreement bounds of ``tests/test_bench_methods.py``."""
+    names = list(points[0])
+    shapes = [points[0][name].shape for name in names]
+    sizes = [math.prod(shape) for shape in shapes]
+
+    def loss(flat: torch.Tensor, images: torch.Tensor, labels: torch.Tensor
+             ) -> torch.Tensor:
+        params = {name: part.reshape(shape) for name, part, shape in
+                  zip(names, flat.split(sizes), shapes, strict=True)}
+        return F.cross_entropy(torch.func.functional_call(model, params, (images,)), labels)
+
+    largest = 0.0
+    for point in points:
+        flat = torch.cat([point[name].detach().float().flatten() for name in names])
+        for images, labels in batches:
+            hessian = torch.func.hessian(loss)(flat, images, labels).double()
+            largest = max(largest, float(torch.linalg.eigvalsh(hessian).abs().max()))
+    return largest
+
+
+def _unflat(setup: dict[str, Any], row: torch.Tensor) -> dict[str, torch.Tensor]:
+    from train_zoo.methods.common import unflatten
+
+    return unflatten(row.float(), setup["params"])
+
+
+def bench_new_methods(args: argparse.Namespace) -> dict[str, Any]:
+    """Part (f): cSGLD, IVON and SVGD steps per second, ours against plain (module
+    docstring), and the agreement of the two after ``min(steps, NEW_CHECK_STEPS)``."""
+    setup = new_method_setup(args.seed, args.svgd_particles)
+    batch = setup["batch"]
+    x, y = training_images(batch * SGMCMC_BATCHES)
+    batches = [(x[i:i + batch], y[i:i + batch]) for i in range(0, len(y), batch)]
+    kernel_batches = [(xb.permute(1, 2, 3, 0).contiguous().numpy(), yb.numpy())
+                      for xb, yb in batches]
+    data = {"ours": kernel_batches, "plain": batches}
+    steps, noise = args.new_steps, args.seed + 1
+    check = min(steps, NEW_CHECK_STEPS)
+    window = min(LOSS_WINDOW, steps)
+    rows = []
+    with torch.random.fork_rng(devices=[]):        # IVON and the inits use torch's generator
+        for method in NEW_METHODS:
+            if method == "csgld":
+                factories = _csgld_chains(setup, noise, steps)
+            elif method == "ivon":
+                factories = _ivon_chains(setup, noise)
+            else:
+                factories = _svgd_chains(setup)
+            for name, factory in factories.items():
+                _run_chain(factory(), data[name], 2)                    # warm-up
+            best: dict[str, tuple[float, float]] = {}
+            losses: dict[str, list[float]] = {}
+            for _ in range(args.repeats):                               # interleaved
+                for name, factory in factories.items():
+                    wall, cpu, losses[name] = _run_chain(factory(), data[name], steps)
+                    best[name] = min(best.get(name, (float("inf"), 0.0)), (wall, cpu))
+            watch: list[tuple[float, float]] = []
+            hess: list[float] = []
+            if method == "csgld":
+                # half the check's cycle samples, so that the normals are compared
+                checked = _csgld_chains(setup, noise, check, watch, CSGLD_CHECK_FRACTION)
+            elif method == "ivon":
+                checked = _ivon_chains(setup, noise, watch, hess)
+            else:
+                checked = _svgd_chains(setup, watch)
+            # each built just before it runs: IVON's seeds torch's generator when built
+            ours = checked["ours"]()
+            _run_chain(ours, kernel_batches, check)
+            plain = checked["plain"]()
+            _run_chain(plain, batches, check)
+            a, b = ours.params(), plain.params()
+            if method == "svgd":
+                start = {"particles": torch.stack([torch.cat([p[k].double().flatten()
+                                                              for k in p])
+                                                   for p in setup["particles"]])}
+                ends = [_unflat(setup, a["particles"][0]), _unflat(setup, a["particles"][-1])]
+                starts = [setup["particles"][0], setup["particles"][-1]]
+            else:
+                start = setup["params"]
+                ends, starts = [a], [setup["params"]]
+            row: dict[str, Any] = {"method": method, "steps": steps, "check_steps": check}
+            for name in factories:
+                wall, cpu = best[name]
+                row[name] = {"wall_s": wall, "cpu_s": cpu, "steps_per_s": steps / wall,
+                             "loss_start": sum(losses[name][:window]) / window,
+                             "loss_end": sum(losses[name][-window:]) / window}
+            row["ratio"] = row["ours"]["steps_per_s"] / row["plain"]["steps_per_s"]
+            row["max_param_diff"] = max(float((a[k].double() - b[k].double()).abs().max())
+                                        for k in a)
+            row["max_param_moved"] = max(float((a[k].double() - start[k].double()).abs()
+                                               .max()) for k in a)
+            row["max_param"] = max(max(theta for _, theta in watch),
+                                   *(float(value.abs().max()) for value in (*a.values(),
+                                                                            *b.values())))
+            row["max_grad"] = max(grad for grad, _ in watch)
+            row["curvature"] = batch_curvature(setup["model"], starts + ends,
+                                               batches[:1] + batches[check - 1:check])
+            if method == "csgld":
+                row.update(lr=setup["csgld"]["lr"], eta=setup["csgld"]["lr"]
+                           / setup["num_data"], cycle_steps=steps,
+                           sampling_fraction=setup["csgld"]["sampling_fraction"],
+                           check_sampling_fraction=CSGLD_CHECK_FRACTION)
+            elif method == "ivon":
+                row.update(lr=setup["ivon"]["lr"], weight_decay=setup["ivon"]["weight_decay"],
+                           hess_init=setup["ivon"]["hess_init"],
+                           min_hess=min([setup["ivon"]["hess_init"], *hess]))
+            else:
+                row.update(lr=setup["svgd_lr"], eta=setup["svgd_lr"] / setup["num_data"],
+                           particles=len(setup["particles"]))
+            rows.append(row)
+    return {"batch": batch, "steps": steps, "num_data": setup["num_data"],
+            "prior_precision": setup["prior_precision"], "loss_window": window,
+            "rows": rows}
+
+
 # ------------------------------------------------------------------ printing
 def print_ggn(result: dict[str, Any]) -> None:
     n = result["images"]
@@ -917,6 +1301,40 @@ def print_sgmcmc(result: dict[str, Any]) -> None:
           f"the first / last {result['loss_window']} steps")
 
 
+def print_new_methods(result: dict[str, Any]) -> None:
+    print(f"(f) new methods' steps/s, OptuNet from its seeded init, {DATASET}, batch "
+          f"{result['batch']}, {result['steps']} steps each, N = {result['num_data']:,}, "
+          f"prior precision {result['prior_precision']:g}: ours (train_zoo.methods, the fast "
+          "engine's gradients) vs the same method written plainly")
+    print(f"    {'method':6} {'path':46} {'wall s':>8} {'cpu s':>8} {'steps/s':>9} "
+          f"{'loss start -> end':>19}")
+    labels = {"csgld": ("CyclicalStepper (alpha 1), kernel gradient",
+                        "nn.Module, backward, cosine lr + noise by hand"),
+              "ivon": ("IvonStepper (ivon.IVON), kernel gradient",
+                       "nn.Module, ivon.IVON sampled_params/backward"),
+              "svgd": ("SvgdStepper, kernel gradient per particle",
+                       "vmap(grad) over stacked particles + Stein")}
+    for row in result["rows"]:
+        for name, label in zip(("ours", "plain"), labels[row["method"]], strict=True):
+            part = row[name]
+            losses = f"{part['loss_start']:.4f} -> {part['loss_end']:.4f}"
+            print(f"    {row['method']:6} {label:46} {part['wall_s']:8.2f} "
+                  f"{part['cpu_s']:8.2f} {part['steps_per_s']:9.0f} {losses:>19}")
+    for row in result["rows"]:
+        extra = {"csgld": f"lr {row.get('lr', 0):g}, one cycle of {row.get('cycle_steps')} "
+                          "steps",
+                 "ivon": f"lr {row.get('lr', 0):g}, same seed of torch's generator",
+                 "svgd": f"{row.get('particles')} particles, lr {row.get('lr', 0):g}"
+                 }[row["method"]]
+        print(f"    => {row['method']}: ours / plain {row['ratio']:.2f}x (goal >= 3x; "
+              f"{extra}); after {row['check_steps']} steps from the same start, batches "
+              f"and noise the parameters differ by {row['max_param_diff']:.1e} (they moved "
+              f"{row['max_param_moved']:.1e}; batch curvature <= {row['curvature']:.3g})")
+    print(f"    loss: the batch's mean cross-entropy (+ the prior term over N for cSGLD and "
+          f"SVGD; SVGD: mean over the particles), mean of the first / last "
+          f"{result['loss_window']} steps")
+
+
 # ------------------------------------------------------------------ main
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -948,7 +1366,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: at most 512 images, batch sizes 64,128, "
                              "calibration on 256 and Curvlinops on 64 images, 5 / 10 BBB "
-                             "steps, 5 variant and 5 SGLD steps, 1 repeat (explicit "
+                             "steps, 5 variant, 5 SGLD and 5 cSGLD / IVON / SVGD "
+                             "steps, 1 repeat (explicit "
                              "options still apply)")
     with_spec = [method for method in METHODS if collection_spec(method).is_file()]
     without = "".join(f"; {method} has no spec yet" for method in METHODS
@@ -965,6 +1384,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sgmcmc-steps", type=int, default=500, metavar="STEPS",
                         help="(e): timed SGLD steps of each path (default: %(default)s; 5 "
                              "with --quick)")
+    parser.add_argument("--new-steps", type=int, default=200, metavar="STEPS",
+                        help="(f): timed cSGLD / IVON / SVGD steps of each path (default: "
+                             "%(default)s; 5 with --quick)")
+    parser.add_argument("--svgd-particles", type=int, default=SVGD_PARTICLES, metavar="N",
+                        help="(f): SVGD's particles (default: %(default)s, the method's "
+                             "samples_per_mode)")
     parser.add_argument("--parts", default=PARTS,
                         help=f"the parts to run, letters of {PARTS} (default: all; (c) also "
                              "needs --methods)")
@@ -977,6 +1402,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--variant-steps must be at least 1, not {args.variant_steps}")
     if args.sgmcmc_steps < 1:
         parser.error(f"--sgmcmc-steps must be at least 1, not {args.sgmcmc_steps}")
+    if args.new_steps < 1:
+        parser.error(f"--new-steps must be at least 1, not {args.new_steps}")
+    if args.svgd_particles < 1:
+        parser.error(f"--svgd-particles must be at least 1, not {args.svgd_particles}")
     if args.quick:
         args.ggn_images = min(args.ggn_images, 512)
         args.batch_sizes = args.batch_sizes or [64, 128]
@@ -986,6 +1415,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.bbb_fast_steps = min(args.bbb_fast_steps or 10, 10)
         args.variant_steps = min(args.variant_steps, 5)
         args.sgmcmc_steps = min(args.sgmcmc_steps, 5)
+        args.new_steps = min(args.new_steps, 5)
         args.repeats = args.repeats or 1
     if args.methods is None:
         args.methods = [] if args.quick else with_spec
@@ -1002,7 +1432,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every part of ``--parts``, printed as it finishes; returns the numbers (None for a
     part not run)."""
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), seed {args.seed}")
-    ggn = bbb = variants = sgmcmc = None
+    ggn = bbb = variants = sgmcmc = new_methods = None
     collections: list[dict[str, Any]] = []
     if "a" in args.parts:
         ggn = bench_ggn(args)
@@ -1026,8 +1456,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "e" in args.parts:
         sgmcmc = bench_sgmcmc(args)
         print_sgmcmc(sgmcmc)
+        print()
+    if "f" in args.parts:
+        new_methods = bench_new_methods(args)
+        print_new_methods(new_methods)
     return {"ggn": ggn, "bbb": bbb, "collections": collections, "variants": variants,
-            "sgmcmc": sgmcmc}
+            "sgmcmc": sgmcmc, "new_methods": new_methods}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,8 @@
 """A small in-process run of benchmarks/bench_methods.py: the table and the GGN check; and
 the plain ``nn.Module`` baselines of part (d) compute what they claim (OptuNet itself in
-their degenerate settings, and the methods' own losses step by step), and part (e)'s
-`posteriors` SGLD walks our SGLD chain's path from the same normals, so the benchmark
-cannot time a wrong baseline.
+their degenerate settings, and the methods' own losses step by step), part (e)'s
+`posteriors` SGLD walks our SGLD chain's path from the same normals, and part (f)'s plain
+cSGLD, IVON and SVGD walk ours' paths, so the benchmark cannot time a wrong baseline.
 
 The benchmark is a script, not a module of the package, so it is loaded from its file.
 laplace-torch 0.3 (the baseline) is an optional test dependency (``make test`` installs
@@ -52,7 +52,10 @@ def test_quick_run_prints_every_row_and_our_ggn_matches_laplace_torch(tmp_path, 
                   "(d) variant training steps/s", "EmpStepper (ecmp)", "PlainEMP + Adam",
                   "Rank1Stepper", "PlainRank1 + SGD Nesterov", "rank-1: ours / plain",
                   "(e) SG-MCMC (SGLD) steps/s", "SghmcStepper, kernel gradient",
-                  "posteriors.sgmcmc.sgld, functional_call", "=> ours / plain"):
+                  "posteriors.sgmcmc.sgld, functional_call", "=> ours / plain",
+                  "(f) new methods' steps/s", "CyclicalStepper (alpha 1)",
+                  "IvonStepper (ivon.IVON)", "SvgdStepper, kernel gradient per particle",
+                  "vmap(grad) over stacked particles", "=> svgd: ours / plain"):
         assert label in text, label
     record = json.loads(out.read_text())
     rows = {row["method"]: row for row in record["ggn"]["rows"]}
@@ -103,6 +106,15 @@ def test_quick_run_prints_every_row_and_our_ggn_matches_laplace_torch(tmp_path, 
     loss = max(sgmcmc[name][when] for name in ("ours", "plain")
                for when in ("loss_start", "loss_end"))
     assert sgmcmc["max_loss_diff"] <= _sgld_loss_bound(sgmcmc, sgmcmc["steps"], loss)
+    new = {row["method"]: row for row in record["new_methods"]["rows"]}
+    assert set(new) == {"csgld", "ivon", "svgd"} and new["svgd"]["particles"] == 20
+    for row in new.values():
+        assert row["steps"] == 5 and row["check_steps"] == 5, row["method"]
+        assert row["ours"]["steps_per_s"] > 0 and row["plain"]["steps_per_s"] > 0
+        bound = _new_method_bound(row, record["new_methods"])
+        # at the seeded init, measured (bounds): cSGLD 3.0e-8 (1.5e-5), IVON 3.0e-8
+        # (8.6e-5), SVGD 1.8e-7 (2.5e-5); they moved 3.2e-3, 1.6e-2, 8.4e-4
+        assert row["max_param_diff"] <= bound < row["max_param_moved"] / 10, row["method"]
 
 
 def test_collection_rows_are_printed(capsys):
@@ -271,19 +283,59 @@ def _sgld_step_terms(batch: int) -> int:
                                   torch.zeros(batch, 1, 28, 28)) + 4
 
 
-def _sgld_parameter_bound(record: dict, steps: int) -> float:
+def _sgld_parameter_bound(record: dict, steps: int,
+                          curvature: float = OPTUNET_CURVATURE) -> float:
     """How far part (e)'s two chains may be apart after ``steps`` steps from the same
     start, batches and normals. Per step: the two gradients differ by ``gamma(k)`` of
     their scale ``G`` (the largest ``|grad log p|``, k from :func:`_sgld_step_terms`),
     twice, times ``eta``; each path's update ``theta + lr g + s z`` rounds at most 4
     values no larger than ``2 Theta`` (the largest ``|theta|``; ``lr g`` and ``s z`` are
     below 1e-3 of it): ``16 u Theta``. A difference ``d`` already there moves the next
-    gradient by ``eta (N lambda + prior) d`` at most (:data:`OPTUNET_CURVATURE`), so the
-    sum grows by that factor a step."""
+    gradient by ``eta (N lambda + prior) d`` at most (``curvature``, by default
+    :data:`OPTUNET_CURVATURE`), so the sum grows by that factor a step."""
     eta, grad, theta = record["eta"], record["max_grad"], record["max_param"]
     per_step = 2 * gamma(_sgld_step_terms(record["batch"])) * eta * grad + 16 * U32 * theta
-    growth = 1 + eta * (record["num_data"] * OPTUNET_CURVATURE + record["prior_precision"])
+    growth = 1 + eta * (record["num_data"] * curvature + record["prior_precision"])
     return steps * per_step * growth ** steps
+
+
+#: Margin on part (f)'s measured curvature: it is the largest Hessian eigenvalue at the
+#: check's start and end on its first and last batch, not at every point between.
+CURVATURE_MARGIN = 2.0
+
+
+def _new_method_bound(row: dict, part: dict) -> float:
+    """How far part (f)'s two paths of a method may be apart after ``check_steps`` steps
+    from the same start, batches and noise (``curvature``: the row's measured one times
+    :data:`CURVATURE_MARGIN`).
+
+    - cSGLD (alpha 1) is SGLD at the cosine step ``eta_k <= lr / N``, with noise in the
+      sampling stage only: :func:`_sgld_parameter_bound` at ``eta = lr / N``.
+    - SVGD moves each particle by ``(lr / N) phi``, ``phi`` the kernel-weighted mean of
+      the particles' gradients (weights <= 1) plus the repulsion: the gradients' rounding
+      and the curvature enter as in SGLD, :func:`_sgld_parameter_bound` at ``eta = lr /
+      N``. (The repulsion moves with a difference ``d`` by about ``eta 4 / l`` of it, ``l``
+      the bandwidth (> 1 here): below 1e-5 of ``d`` per step, within the bound's slack.)
+    - IVON moves the mean by ``lr (m + delta mu) / (h + delta)``, ``m`` a running mean of
+      the mean-loss gradients ``g`` at the draws: a gradient rounding ``2 gamma(k)`` of
+      ``G / N`` (``max_grad`` is ``N |g|``) moves the mean by ``lr / (h_min + delta)``
+      times it, plus the update's ``16 u Theta``; a difference ``d`` moves the next
+      gradient by ``lambda d`` at most, growing the sum by ``1 + lr lambda / (h_min +
+      delta)`` a step. Twice that: ``h`` takes ``1 - beta2 = 1e-5`` of each step's noise x
+      gradient product, which moves the step by under 1% of the gradient's share."""
+    curvature = CURVATURE_MARGIN * row["curvature"]
+    steps = row["check_steps"]
+    if row["method"] in ("csgld", "svgd"):
+        record = {"eta": row["eta"], "max_grad": row["max_grad"],
+                  "max_param": row["max_param"], "batch": part["batch"],
+                  "num_data": part["num_data"], "prior_precision": part["prior_precision"]}
+        return _sgld_parameter_bound(record, steps, curvature)
+    denominator = row["min_hess"] + row["weight_decay"]
+    per_step = (row["lr"] * 2 * gamma(_sgld_step_terms(part["batch"]))
+                * row["max_grad"] / part["num_data"] / denominator
+                + 16 * U32 * row["max_param"])
+    growth = 1 + row["lr"] * curvature / denominator
+    return 2 * steps * per_step * growth ** steps
 
 
 def _sgld_loss_bound(record: dict, steps: int, loss: float) -> float:
@@ -330,6 +382,49 @@ def test_sgld_paths_draw_the_same_normals():
               "max_grad": max(grad for grad, _ in watch),
               "max_param": max(theta for _, theta in watch)}
     bound = _sgld_parameter_bound(record, steps)
+    assert max(float((ours[k] - plain[k]).abs().max()) for k in ours) <= bound
+    other = ends[2][1]
+    assert max(float((ours[k] - other[k]).abs().max()) for k in ours) > 10 * bound
+
+
+@pytest.mark.parametrize("method", ["csgld", "ivon"])
+def test_new_method_paths_need_the_same_noise(method):
+    """Part (f)'s noisy methods, ours on the kernels and the plain module, from one start
+    and noise seed stay within :func:`_new_method_bound` of each other; a plain side with
+    another noise seed ends farther than 10 bounds away (the normals matter, so the
+    check can fail). cSGLD's check cycle samples over its second half."""
+    need_fashion_mnist()
+    bench = _bench()
+    setup = bench.new_method_setup(0, 2)
+    size = setup["batch"]
+    images, labels = bench.training_images(2 * size)
+    batches = [(images[:size], labels[:size]), (images[size:], labels[size:])]
+    kernel = [(x.permute(1, 2, 3, 0).contiguous().numpy(), y.numpy()) for x, y in batches]
+    steps = 6
+    ends = {}
+    with torch.random.fork_rng(devices=[]):
+        for seed in (1, 2):
+            watch: list[tuple[float, float]] = []
+            hess: list[float] = []
+            chains = (bench._csgld_chains(setup, seed, steps, watch, 0.5) if method == "csgld"
+                      else bench._ivon_chains(setup, seed, watch, hess))
+            ours = chains["ours"]()
+            bench._run_chain(ours, kernel, steps)
+            plain = chains["plain"]()
+            bench._run_chain(plain, batches, steps)
+            ends[seed] = (ours.params(), plain.params(), watch, hess)
+    ours, plain, watch, hess = ends[1]
+    options = setup[method]
+    row = {"method": method, "check_steps": steps, "eta": options["lr"] / setup["num_data"],
+           "lr": options["lr"], "weight_decay": options.get("weight_decay"),
+           "min_hess": min([options.get("hess_init", 1.0), *hess]),
+           "max_grad": max(grad for grad, _ in watch),
+           "max_param": max(theta for _, theta in watch),
+           "curvature": bench.batch_curvature(setup["model"], [setup["params"], ours],
+                                              batches)}
+    part = {"batch": size, "num_data": setup["num_data"],
+            "prior_precision": setup["prior_precision"]}
+    bound = _new_method_bound(row, part)
     assert max(float((ours[k] - plain[k]).abs().max()) for k in ours) <= bound
     other = ends[2][1]
     assert max(float((ours[k] - other[k]).abs().max()) for k in ours) > 10 * bound
