@@ -221,12 +221,12 @@ class LaplaceState:
 # ----------------------------------------------------------------------------- validation
 
 def _positive_real(value: object, option: str) -> float:
-    ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
-          and math.isfinite(float(value)) and float(value) > 0)
-    if not ok:
-        raise InvalidOptionError(f"laplace option '{option}' must be a finite number > 0, "
-                                 f"not {value!r}")
-    return float(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        number = float(value)
+        if math.isfinite(number) and number > 0:
+            return number
+    raise InvalidOptionError(f"laplace option '{option}' must be a finite number > 0, "
+                             f"not {value!r}")
 
 
 def _check_structure(structure: object) -> str:
@@ -435,9 +435,8 @@ def init(model: nn.Module, params: Mapping[str, torch.Tensor],
     params = {name: value.detach().clone() for name, value in params.items()}
     buffers = {name: value.detach().clone() for name, value in buffers.items()}
     _check_finite_weights(params)
-    if source == "training":
-        delta = num_data * decay
 
+    curvature: Curvature
     if structure == "full":
         dim = sum(value.numel() for value in params.values())
         if dim > MAX_FULL_PARAMETERS:
@@ -456,8 +455,9 @@ def init(model: nn.Module, params: Mapping[str, torch.Tensor],
         scale = num_data / count
         diagonal, nll = diagonal * scale, nll * scale
         _check_finite_curvature(diagonal)
-        curvature: Curvature = DiagCurvature(diagonal)
-        eigenvalues = curvature.eigenvalues()
+        diag = DiagCurvature(diagonal)
+        eigenvalues = diag.eigenvalues()
+        curvature = diag
         names = tuple(params)
     elif structure == "kfac":
         factors, nll, count = kron_layers(model, params, buffers, batches,
@@ -487,6 +487,12 @@ def init(model: nn.Module, params: Mapping[str, torch.Tensor],
     squared_norm = float(mean @ mean)
     if source == "marglik":
         delta = optimal_prior_precision(eigenvalues, squared_norm)
+    elif source == "training" and decay is not None:
+        delta = num_data * decay
+    if delta is None:
+        # _check_prior gives a fixed delta, or a weight decay for "training", or "marglik".
+        raise ValueError(f"laplace: prior_precision source {source!r} left delta unresolved "
+                         f"(weight_decay {decay!r})")
     if structure == "full":
         curvature = FullCurvature(ggn, eigenvalues, _cholesky(ggn, delta, source))
     return LaplaceState(structure, names, mean, params, buffers, curvature, float(delta),

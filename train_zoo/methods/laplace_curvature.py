@@ -37,7 +37,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -306,7 +306,9 @@ RowsFunction = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 def _vmap_rows(model: nn.Module, params: Params, buffers: Params) -> RowsFunction:
     """Any network: rows by ``vmap`` over examples of ``vmap`` over cotangents of ``vjp``."""
     def rows_of(p: Params, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out, pullback = vjp(lambda q: logits(model, q, buffers, image.unsqueeze(0)), p)
+        # vjp's hint covers has_aux=True too; without it the result is (out, pullback).
+        out, pullback = cast(tuple[Any, Callable[..., Any]],
+                             vjp(lambda q: logits(model, q, buffers, image.unsqueeze(0)), p))
         _check_classes(out)
         factor = softmax_hessian_factor(out).to(out.dtype)          # (1, K - 1, K)
         (grads,) = vmap(pullback, in_dims=1)(factor)
@@ -476,7 +478,7 @@ def last_layer_features(model: nn.Module, params: Mapping[str, torch.Tensor],
     InvalidOptionError
         If the network's output is not produced by its last-executed ``Linear`` module.
     """
-    calls: list[tuple[str, nn.Module, torch.Tensor, torch.Tensor]] = []
+    calls: list[tuple[str, nn.Module, torch.Tensor | None, torch.Tensor]] = []
     handles = []
     for name, module in model.named_modules():
         if not list(module.children()):
@@ -494,6 +496,11 @@ def last_layer_features(model: nn.Module, params: Mapping[str, torch.Tensor],
         name, module, features, output = calls[-1]
         if (isinstance(module, nn.Linear) and isinstance(output, torch.Tensor)
                 and output.shape == out.shape and torch.equal(output, out)):
+            if features is None:
+                # A forward hook sees positional inputs only: linear(input=x) gives none.
+                raise InvalidOptionError(
+                    f"laplace option 'structure'='last-layer-kfac' needs the last Linear "
+                    f"module '{name}' called with its input as a positional argument")
             return name, features.reshape(len(out), -1), out
     raise InvalidOptionError("laplace option 'structure'='last-layer-kfac' needs a network "
                              "whose output is produced by its last Linear module")
@@ -539,4 +546,6 @@ def kron_last_layer(model: nn.Module, params: Mapping[str, torch.Tensor],
             activation_sum = act if activation_sum is None else activation_sum + act
             nll += _nll(out, labels)
             count += len(labels)
+    if lambda_sum is None or activation_sum is None:
+        raise InvalidOptionError("laplace option 'batches' holds no example")  # _batches did
     return layer, lambda_sum, activation_sum, nll, count

@@ -68,6 +68,7 @@ __all__ = ["KronBlock", "LayerFactors", "LayerKronCurvature", "kron_layers",
            "layer_kron_curvature", "uncovered_parameters"]
 
 _LAYERS = (nn.Linear, nn.Conv2d)
+Layer = nn.Linear | nn.Conv2d   # the modules "kfac" covers, as _LAYERS
 #: ``(values, vectors)`` of a symmetric factor.
 Eigen = tuple[torch.Tensor, torch.Tensor]
 
@@ -184,7 +185,7 @@ def uncovered_parameters(model: nn.Module) -> list[tuple[str, str]]:
     """``(parameter, owning module's type)`` for every parameter of ``model`` outside a
     ``Linear`` or ``Conv2d`` module: what ``"kfac"`` cannot cover (works on the ``meta``
     device, so a spec can be checked before any training)."""
-    result = []
+    result: list[tuple[str, str]] = []
     for name, module in model.named_modules():
         if not isinstance(module, _LAYERS):
             result.extend((_parameter(name, p), type(module).__name__)
@@ -192,9 +193,10 @@ def uncovered_parameters(model: nn.Module) -> list[tuple[str, str]]:
     return result
 
 
-def _layers(model: nn.Module, params: Mapping[str, torch.Tensor]) -> list[tuple[str, nn.Module]]:
+def _layers(model: nn.Module, params: Mapping[str, torch.Tensor]) -> list[tuple[str, Layer]]:
     """The ``Linear`` and ``Conv2d`` modules, after checking they own every parameter."""
-    layers, owned = [], set()
+    layers: list[tuple[str, Layer]] = []
+    owned: set[str] = set()
     for name, module in model.named_modules():
         if isinstance(module, _LAYERS):
             layers.append((name, module))
@@ -290,10 +292,11 @@ def kron_layers(model: nn.Module, params: Mapping[str, torch.Tensor],
             handle.remove()
     factors = []
     for name, module in layers:
-        out_dim = module.out_features if isinstance(module, nn.Linear) else module.out_channels
-        groups = 1 if isinstance(module, nn.Linear) else module.groups
-        in_dim = (module.in_features if isinstance(module, nn.Linear) else
-                  module.in_channels // groups * module.kernel_size[0] * module.kernel_size[1])
+        if isinstance(module, nn.Linear):
+            out_dim, groups, in_dim = module.out_features, 1, module.in_features
+        else:
+            out_dim, groups = module.out_channels, module.groups
+            in_dim = module.in_channels // groups * module.kernel_size[0] * module.kernel_size[1]
         out_sum = out_sums.get(name, torch.zeros(out_dim, out_dim, dtype=torch.float64))
         in_sum = in_sums.get(name, torch.zeros(groups, in_dim, in_dim, dtype=torch.float64))
         factors.append(LayerFactors(name, module, out_sum, tuple(in_sum)))
@@ -304,7 +307,7 @@ def _add(totals: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> Non
     totals[name] = value if name not in totals else totals[name] + value
 
 
-def _input_sum(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+def _input_sum(module: Layer, inputs: torch.Tensor) -> torch.Tensor:
     """``sum_n sum_t x_nt x_nt^T`` per group: ``(g, q, q)`` float64."""
     if isinstance(module, nn.Linear):
         flat = inputs.reshape(len(inputs), -1)
