@@ -63,6 +63,8 @@ NUMERICAL_TESTS := tests/test_instruction_sets.py tests/test_fast_engine.py \
 	tests/test_metrics_predictive.py tests/test_mmd_statistics.py \
 	tests/test_mmd_aggregated.py tests/test_pair_sums.py tests/test_min_mass.py \
 	tests/test_diagnostics.py tests/test_ess_rhat.py tests/test_canonicalize_batch.py \
+	tests/test_method_sgld.py tests/test_method_svgd.py tests/test_method_ivon.py \
+	tests/test_method_csgmcmc.py tests/test_laplace_structures.py \
 	tests/test_symmetry_activations.py tests/test_symmetry_structure.py \
 	tests/test_reference_zoo.py tests/test_report_speed_equivalence.py \
 	tests/test_method_variants.py tests/test_method_registry_equivalence.py \
