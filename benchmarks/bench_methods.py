@@ -816,6 +816,22 @@ def _run_chain(chain: SgmcmcChain, batches: list, steps: int
     return time.perf_counter() - wall, time.process_time() - cpu, losses
 
 
+def _time_chains(factories: dict[str, Callable[[], SgmcmcChain]], data: dict[str, list],
+                 steps: int, repeats: int, warm_up: int
+                 ) -> tuple[dict[str, tuple[float, float]], dict[str, list[float]]]:
+    """Each chain's best ``(wall s, CPU s)`` over ``repeats`` interleaved runs of ``steps``
+    steps (after ``warm_up`` steps of a fresh one), and its last run's losses."""
+    for name, factory in factories.items():
+        _run_chain(factory(), data[name], warm_up)
+    best: dict[str, tuple[float, float]] = {}
+    losses: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        for name, factory in factories.items():
+            wall, cpu, losses[name] = _run_chain(factory(), data[name], steps)
+            best[name] = min(best.get(name, (float("inf"), 0.0)), (wall, cpu))
+    return best, losses
+
+
 def bench_sgmcmc(args: argparse.Namespace) -> dict[str, Any]:
     """Part (e): SGLD steps per second, ours (three paths: see the module docstring)."""
     setup = sgld_setup(args.weights, args.seed)
@@ -830,14 +846,7 @@ def bench_sgmcmc(args: argparse.Namespace) -> dict[str, Any]:
     window = min(LOSS_WINDOW, steps)
     with torch.random.fork_rng(devices=[]):        # the plain side seeds torch's generator
         factories = _sgld_chains(setup, noise)
-        for name, factory in factories.items():
-            _run_chain(factory(), data[name], 3)                        # warm-up
-        best: dict[str, tuple[float, float]] = {}
-        losses: dict[str, list[float]] = {}
-        for _ in range(args.repeats):                                   # interleaved
-            for name, factory in factories.items():
-                wall, cpu, losses[name] = _run_chain(factory(), data[name], steps)
-                best[name] = min(best.get(name, (float("inf"), 0.0)), (wall, cpu))
+        best, losses = _time_chains(factories, data, steps, args.repeats, warm_up=3)
         check = min(steps, SGMCMC_CHECK_STEPS)
         watch: list[tuple[float, float]] = []
         checked = _sgld_chains(setup, noise, watch)
@@ -1142,14 +1151,7 @@ def bench_new_methods(args: argparse.Namespace) -> dict[str, Any]:
                 factories = _ivon_chains(setup, noise)
             else:
                 factories = _svgd_chains(setup)
-            for name, factory in factories.items():
-                _run_chain(factory(), data[name], 2)                    # warm-up
-            best: dict[str, tuple[float, float]] = {}
-            losses: dict[str, list[float]] = {}
-            for _ in range(args.repeats):                               # interleaved
-                for name, factory in factories.items():
-                    wall, cpu, losses[name] = _run_chain(factory(), data[name], steps)
-                    best[name] = min(best.get(name, (float("inf"), 0.0)), (wall, cpu))
+            best, losses = _time_chains(factories, data, steps, args.repeats, warm_up=2)
             watch: list[tuple[float, float]] = []
             hess: list[float] = []
             if method == "csgld":
