@@ -38,23 +38,29 @@ def _split(values: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _twice_average_ranks(rows: np.ndarray) -> np.ndarray:
-    """Twice the 1-based average rank of each value within its row (an integer: ties
-    share the mean of their ranks, scipy's ``rankdata(method="average")``)."""
+def _average_ties(rows: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Twice the 1-based average rank of each value within its row, given each row's
+    sorting ``order``: a run of equal values shares the mean of its ranks."""
     count, size = rows.shape
     twice = np.empty((count, size), dtype=np.int64)
     for i in prange(count):
-        row = rows[i]
-        order = np.argsort(row)
         start = 0
         while start < size:
             stop = start   # the run of values equal to the one at ``start``
-            while stop + 1 < size and row[order[stop + 1]] == row[order[start]]:
+            while stop + 1 < size and rows[i, order[i, stop + 1]] == rows[i, order[i, start]]:
                 stop += 1
             for k in range(start, stop + 1):
-                twice[i, order[k]] = start + stop + 2
+                twice[i, order[i, k]] = start + stop + 2
             start = stop + 1
     return twice
+
+
+def _twice_average_ranks(rows: np.ndarray) -> np.ndarray:
+    """Twice the 1-based average rank of each value within its row (an integer: ties
+    share the mean of their ranks, scipy's ``rankdata(method="average")``). numpy sorts
+    the rows (its batched argsort is several times numba's per-row one); numba walks the
+    ties."""
+    return _average_ties(rows, np.argsort(rows, axis=1))
 
 
 def _z_scale(values: np.ndarray) -> np.ndarray:
