@@ -118,7 +118,7 @@ def test_the_librarys_names_are_the_vocabularys_objects():
     assert metrics.OOD_SCORES is vocabulary.OOD_SCORES
     assert train_zoo.ENGINES is vocabulary.ENGINES
     assert backends.BACKENDS is vocabulary.BACKENDS
-    assert tuple(vocabulary.SYMMETRIES) == comparison.TREATMENTS
+    assert tuple(vocabulary.SYMMETRIES) == comparison.SYMMETRY_SETTINGS
 
 
 def _canonical_options(word: str, which: str) -> None:

@@ -43,7 +43,7 @@ from posteriorzoo.vocabulary import SYMMETRIES
 
 __all__ = ["collapse_figure", "marginals_figure", "mass_figure", "mmd_figure", "pca_figure"]
 
-#: Titles of the two treatments of the weights.
+#: Titles of the two symmetry settings of the weights.
 RAW_TITLE = "raw: symmetries kept"
 CANONICAL_TITLE = "canonical: symmetries removed"
 NOISE_LABEL = "target vs target (noise floor)"
@@ -88,7 +88,7 @@ def marginals_figure(raw: Mapping[str, np.ndarray] | None,
                      bins: int = 40) -> Figure:
     """Layer marginals, raw and with symmetries removed, with KS p-values between units.
 
-    One row per layer, one column per treatment given (raw, canonical). A panel shows,
+    One row per layer, one column per symmetry setting given (raw, canonical). A panel shows,
     for each of the first ``units`` units, the histogram over the N checkpoints of one
     weight position of that unit (:func:`~analysis.figures.statistics.unit_marginals`),
     and prints the median and minimum two-sample Kolmogorov-Smirnov p-value between the
@@ -113,7 +113,7 @@ def marginals_figure(raw: Mapping[str, np.ndarray] | None,
     Returns
     -------
     Figure
-        ``layers x treatments`` axes.
+        ``layers x symmetry settings`` axes.
     """
     columns = [(title, data) for title, data in ((RAW_TITLE, raw), (CANONICAL_TITLE, canonical))
                if data is not None]

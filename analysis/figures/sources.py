@@ -203,7 +203,7 @@ def collapse_data(path: PathLike, ood_data: str, *, id_data: str | None = None,
 def mmd_values(report, symmetries: str = "keep", statistic: str = "median"
                ) -> dict[str, dict[str, float]]:
     """``{method: {layer: value}}`` of a :class:`~posteriorzoo.collection.CompareResult`
-    for one treatment; ``statistic``: median, mean or max over the kernels."""
+    for one symmetry setting; ``statistic``: median, mean or max over the kernels."""
     check_choice("statistic", statistic, KERNEL_STATISTICS)
     values: dict[str, dict[str, float]] = {method: {} for method in report.methods}
     for result in report.results:

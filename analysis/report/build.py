@@ -505,10 +505,10 @@ def diagnosis_row(name: str, diagnosis: Any) -> dict[str, Any]:
 def _row(entry: Mapping[str, Any], comparison: Any, evaluation: Any | None
          ) -> dict[str, Any]:
     row = {key: entry[key] for key in ("name", "path", "method", "group", "n")}
-    for treatment, prefix in ((word, setting.statistic.lower().replace("-", "_"))
-                              for word, setting in SYMMETRIES.items()):
+    for word, setting in SYMMETRIES.items():
+        prefix = setting.statistic.lower().replace("-", "_")
         try:
-            summary = comparison.summary(entry["name"], treatment)
+            summary = comparison.summary(entry["name"], word)
         except (KeyError, InvalidOptionError):
             continue
         row.update({prefix: summary.median, f"{prefix}_median": summary.median,

@@ -20,7 +20,7 @@ def report_figures(target: Path, targets: Mapping[str, Any],
                    ) -> tuple[dict[str, Any], dict[str, str]]:
     """Name -> Figure, and name -> a sentence of numbers for its caption.
 
-    ``targets``: the target's sample sources by treatment (``"keep"``, and ``"remove"``
+    ``targets``: the target's sample sources by symmetry setting (``"keep"``, and ``"remove"``
     when drawn; :class:`~posteriorzoo.collection.comparison.ZooSource`), read in blocks:
     the marginals read a few weights per layer, the PCA curves come from the squared
     distances between checkpoints (summed over layers; the target's through the distance
@@ -46,8 +46,8 @@ def report_figures(target: Path, targets: Mapping[str, Any],
         layout = unit_layout(zoo)
     raw = targets["keep"]
     axes = {key: layout[key][0] for key in raw.shapes}
-    shown = {treatment: _unit_weights(source, axes, UNITS_SHOWN)
-             for treatment, source in targets.items()}
+    shown = {setting: _unit_weights(source, axes, UNITS_SHOWN)
+             for setting, source in targets.items()}
     figures["marginals"] = marginals_figure(
         shown["keep"], shown.get("remove"), UNITS_SHOWN, unit_axes=axes,
         exchangeable={key: layout[key][1] for key in raw.shapes})
@@ -76,13 +76,13 @@ def report_figures(target: Path, targets: Mapping[str, Any],
             styles[entry["name"]] = collection_style(zoo, entry["name"])
             curves[entry["name"]] = _explained_variance(
                 ZooSource(entry["name"], zoo, keys=list(raw.shapes)), **distances)
-    for treatment, name in ((word, setting.statistic.lower())
-                            for word, setting in SYMMETRIES.items()):
-        if treatment in per_layer and treatment in noise:
-            floor = noise[treatment]
-            figures[name] = mmd_figure(per_layer[treatment],
+    for word, setting in SYMMETRIES.items():
+        name = setting.statistic.lower()
+        if word in per_layer and word in noise:
+            floor = noise[word]
+            figures[name] = mmd_figure(per_layer[word],
                                        {layer: floor.layer_band(layer)
-                                        for layer in floor.layers}, treatment, styles=styles)
+                                        for layer in floor.layers}, word, styles=styles)
     figures["pca"] = pca_figure(curves, styles=styles)
     return figures, notes
 

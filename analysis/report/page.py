@@ -260,7 +260,7 @@ def _diagnostics_markdown(report: ReportResult) -> list[str]:
 
 
 def _tests_html(report: ReportResult) -> str:
-    """The MMDAgg test per method, treatment and layer (with --test)."""
+    """The MMDAgg test per method, symmetry setting and layer (with --test)."""
     if not report.tests:
         return ""
     cells = [[t["method"], t["symmetries"], t["layer"], "reject" if t["reject"] else "keep",

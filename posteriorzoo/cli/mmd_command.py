@@ -61,8 +61,8 @@ model options; different datasets or recipes give a warning on stderr. Collectio
 are already canonical (from 'posteriorzoo canonicalize') are not canonicalized again:
 only NS-MMD is computed for them, and a raw target with a canonical method is refused.
 
-Writes into --out: mmd_layers.csv (one row per method, treatment and layer with all 20
-values and bandwidths), mmd_summary.csv (one row per method and treatment, with m and n),
+Writes into --out: mmd_layers.csv (one row per method, symmetry setting and layer with all 20
+values and bandwidths), mmd_summary.csv (one row per method and symmetry setting, with m and n),
 mmd_report.json (every number, and the provenance: command, versions, git commit, seeds,
 the input files with their SHA-256) and mmd_report.md (a table laid out like the paper's
 Table 2, the per-layer figures, provenance). The Markdown table is also printed (--json:

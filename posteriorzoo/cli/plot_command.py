@@ -278,13 +278,13 @@ def run_marginals(args: argparse.Namespace) -> int:
                            permutation=args.permutation, scaling=args.scaling,
                            verify=not args.no_verify)
     numbers: dict[str, Any] = {}
-    for treatment, layers in (("raw", data.raw), ("canonical", data.canonical)):
+    for setting, layers in (("raw", data.raw), ("canonical", data.canonical)):
         for key, layer in (layers or {}).items():
             pvalues = unit_ks_pvalues(unit_marginals(layer, data.unit_axes[key], args.units))
             entry = numbers.setdefault(key, {"unit_axis": data.unit_axes[key],
                                              "exchangeable": data.exchangeable[key],
                                              "checkpoints": int(layer.shape[0])})
-            entry[treatment] = {**ks_summary(pvalues), "ks_pvalues": pvalues}
+            entry[setting] = {**ks_summary(pvalues), "ks_pvalues": pvalues}
     figure = marginals_figure(data.raw, data.canonical, args.units, unit_axes=data.unit_axes,
                               exchangeable=data.exchangeable)
     lines = []

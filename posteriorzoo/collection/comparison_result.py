@@ -24,8 +24,8 @@ class CompareResult(CollectionResult):
     """A :class:`~posteriorzoo.mmd.comparison.Comparison` with its provenance and writers.
 
     Files (:meth:`write`): ``mmd_report.json`` (every number and the provenance),
-    ``mmd_layers.csv`` (one row per method, treatment and layer with all 20 values and
-    bandwidths), ``mmd_summary.csv`` (one row per method and treatment, with m and n) and
+    ``mmd_layers.csv`` (one row per method, symmetry setting and layer with all 20 values and
+    bandwidths), ``mmd_summary.csv`` (one row per method and symmetry setting, with m and n) and
     ``mmd_report.md`` (the Table-2 layout, the per-layer figures, the provenance). The CSV
     files are plain tables: pandas reads them as they are. CSV and JSON hold raw MMD^2;
     the Markdown shows it multiplied by ``scale`` (default
@@ -77,7 +77,7 @@ class CompareResult(CollectionResult):
                 "mmd_report.md": self.to_markdown()}
 
     def layers_csv(self) -> str:
-        """One row per method, treatment and layer, with all 20 values."""
+        """One row per method, symmetry setting and layer, with all 20 values."""
         count = len(self.comparison.kernels) // 2
         names = [f"laplace_{i + 1}" for i in range(count)] + \
                 [f"gaussian_{i + 1}" for i in range(count)]
@@ -99,7 +99,7 @@ class CompareResult(CollectionResult):
         return csv_text(header, rows)
 
     def summary_csv(self) -> str:
-        """One row per method and treatment: the weighted means over layers."""
+        """One row per method and symmetry setting: the weighted means over layers."""
         return csv_text(
             ["method", "symmetries", "m", "n", "layers", "parameters", "median", "mean",
              "max", "mmdagg_rejected_layers"],
@@ -120,7 +120,7 @@ class CompareResult(CollectionResult):
             Decimals shown.
         """
         scale = self.scale if scale is None else scale
-        treatments = self.comparison.treatments()
+        settings = self.comparison.symmetry_settings()
         summaries = {(s.method, s.symmetries): s for s in self.summaries()}
 
         def cell(value: float) -> str:
@@ -143,7 +143,7 @@ class CompareResult(CollectionResult):
             "method's samples.",
             ""]
         head = ["Method", "n"]
-        for t in treatments:
+        for t in settings:
             head += [scaled_label(f"{SYMMETRIES[t].statistic} {stat}", scale)
                      for stat in KERNEL_STATISTICS]
         lines.append("| " + " | ".join(head) + " |")
@@ -151,7 +151,7 @@ class CompareResult(CollectionResult):
         for method in self.methods:
             sizes = [s.n for (name, _), s in summaries.items() if name == method]
             row = [markdown_text(method), str(sizes[0]) if sizes else "/"]
-            for t in treatments:
+            for t in settings:
                 s = summaries.get((method, t))
                 row += [cell(getattr(s, stat)) if s else "/" for stat in
                         KERNEL_STATISTICS]
@@ -159,7 +159,7 @@ class CompareResult(CollectionResult):
         lines += ["", "## Per layer", ""]
         tested = any(r.test is not None for r in self.results)
         head = ["Method", "Layer", "Parameters"]
-        for t in treatments:
+        for t in settings:
             head += [scaled_label(f"{SYMMETRIES[t].statistic} {stat}", scale)
                      for stat in KERNEL_STATISTICS]
             if tested:
@@ -171,7 +171,7 @@ class CompareResult(CollectionResult):
         for method in self.methods:
             for layer, parameters in layer_order:
                 row = [markdown_text(method), markdown_text(layer), str(parameters)]
-                for t in treatments:
+                for t in settings:
                     r = index.get((method, t, layer))
                     row += [cell(getattr(r, stat)) if r else "/" for stat in
                             KERNEL_STATISTICS]

@@ -41,7 +41,7 @@ from posteriorzoo.collection.comparison_result import CompareResult
 from posteriorzoo.errors import ChecksumError, InvalidOptionError
 from posteriorzoo.mmd.comparison import (
     Comparison,
-    check_treatment,
+    check_symmetry_setting,
     describe_options,
     mmdagg_options,
     score_layer,
@@ -272,7 +272,7 @@ def compare_tiles(target: str | os.PathLike,
                                  "give num_gpus (e.g. 1, or 0.5 to share one)")
     check_number_bandwidths(number_bandwidths)
     if symmetries is not None:
-        check_treatment(symmetries)
+        check_symmetry_setting(symmetries)
     if workers is not None and (isinstance(workers, bool) or workers < 1):
         raise InvalidOptionError(f"workers must be at least 1, not {workers}")
     mmdagg = mmdagg_options(test, alpha, B1, B2, B3, seed)

@@ -52,12 +52,12 @@ from posteriorzoo.vocabulary import KERNEL_STATISTICS, SYMMETRIES
 
 #: What a comparison's samples are: stored weights, or canonical forms (the vocabulary's
 #: :data:`~posteriorzoo.vocabulary.SYMMETRIES` settings, in their order).
-TREATMENTS = tuple(SYMMETRIES)
+SYMMETRY_SETTINGS = tuple(SYMMETRIES)
 
 
-def check_treatment(symmetries: object) -> str:
+def check_symmetry_setting(symmetries: object) -> str:
     """``symmetries`` if it is ``"keep"`` or ``"remove"``."""
-    return check_choice("symmetries", symmetries, TREATMENTS)
+    return check_choice("symmetries", symmetries, SYMMETRY_SETTINGS)
 
 
 @dataclass
@@ -135,16 +135,16 @@ class Comparison:
 
         layers = len(dict.fromkeys(r.layer for r in self.results))
         return (f"{count(len(self.methods), 'method')} x "
-                f"{count(len(self.treatments()), 'symmetry setting')} x "
+                f"{count(len(self.symmetry_settings()), 'symmetry setting')} x "
                 f"{count(layers, 'layer')}")
 
     def __repr__(self) -> str:  # one line, not every layer's 20 values
         return f"<Comparison: {self.size_text()}; .summaries() and .results for the numbers>"
 
     def summaries(self) -> list[MethodSummary]:
-        """One :class:`MethodSummary` per method and treatment, in input order."""
+        """One :class:`MethodSummary` per method and symmetry setting, in input order."""
         out = []
-        for symmetries in TREATMENTS:
+        for symmetries in SYMMETRY_SETTINGS:
             for method in self.methods:
                 rows = [r for r in self.results
                         if r.method == method and r.symmetries == symmetries]
@@ -161,9 +161,9 @@ class Comparison:
                     rejected_layers=sum(t.reject for t in tested) if tested else None))
         return out
 
-    def treatments(self) -> list[str]:
+    def symmetry_settings(self) -> list[str]:
         """The symmetry settings computed (``"keep"``, ``"remove"``), in that order."""
-        return [t for t in TREATMENTS if any(r.symmetries == t for r in self.results)]
+        return [t for t in SYMMETRY_SETTINGS if any(r.symmetries == t for r in self.results)]
 
     def summary(self, method: str, symmetries: str | None = None) -> MethodSummary:
         """The summary of one method.
@@ -177,10 +177,10 @@ class Comparison:
         if method not in self.methods:
             raise UnknownNameError(f"no method {method!r} in this comparison; its methods: "
                                    f"{', '.join(map(repr, self.methods))}")
-        computed = self.treatments()
+        computed = self.symmetry_settings()
         if symmetries is None and computed:
             symmetries = computed[0]
-        check_treatment(symmetries)
+        check_symmetry_setting(symmetries)
         for item in self.summaries():
             if item.method == method and item.symmetries == symmetries:
                 return item
@@ -344,7 +344,7 @@ def compare_arrays(target: Mapping[str, np.ndarray],
     from posteriorzoo.progress import progress as progress_bar
 
     check_number_bandwidths(number_bandwidths)
-    check_treatment(symmetries)
+    check_symmetry_setting(symmetries)
     check_precision(precision, device)
     if not methods:
         raise InvalidOptionError("no method samples to compare with the target")

@@ -39,7 +39,7 @@ from posteriorzoo.mmd.cache import (
     array_row_hashes,
     precision_key,
 )
-from posteriorzoo.mmd.comparison import Comparison, LayerResult, check_treatment
+from posteriorzoo.mmd.comparison import Comparison, LayerResult, check_symmetry_setting
 from posteriorzoo.mmd.distances import (
     DEFAULT_PRECISION,
     Distances,
@@ -111,7 +111,7 @@ def small_target_warning(target_count: int, held_out: int) -> str | None:
 
 @dataclass
 class NoiseFloor:
-    """The target-against-itself statistics of one treatment (``"keep"`` or ``"remove"``).
+    """The target-against-itself statistics of one symmetry setting (``"keep"`` or ``"remove"``).
 
     Attributes
     ----------
@@ -199,7 +199,7 @@ def noise_floor(target: Mapping[str, np.ndarray] | Any, *, symmetries: str, held
     if held_out > count - 2:
         raise InvalidOptionError(f"held_out must leave at least 2 of the target's {count} "
                                  f"checkpoints, not {held_out}")
-    check_treatment(symmetries)
+    check_symmetry_setting(symmetries)
     check_number_bandwidths(number_bandwidths)
     if row_digests is not None and len(row_digests) != count:
         raise InvalidOptionError(f"row_digests holds {len(row_digests)} hashes for the "
