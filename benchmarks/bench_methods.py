@@ -832,15 +832,20 @@ def _time_chains(factories: dict[str, Callable[[], SgmcmcChain]], data: dict[str
     return best, losses
 
 
+def prepared_batches(batch: int, count: int) -> tuple[list, list]:
+    """``count`` Fashion-MNIST batches of ``batch`` images as torch takes them, and the
+    same in the kernels' layout ((C, H, W, B) float32, as the fast engine's batches come)."""
+    x, y = training_images(batch * count)
+    batches = [(x[i:i + batch], y[i:i + batch]) for i in range(0, len(y), batch)]
+    kernel_batches = [(xb.permute(1, 2, 3, 0).contiguous().numpy(), yb.numpy())
+                      for xb, yb in batches]
+    return batches, kernel_batches
+
+
 def bench_sgmcmc(args: argparse.Namespace) -> dict[str, Any]:
     """Part (e): SGLD steps per second, ours (three paths: see the module docstring)."""
     setup = sgld_setup(args.weights, args.seed)
-    batch = setup["batch"]
-    x, y = training_images(batch * SGMCMC_BATCHES)
-    batches = [(x[i:i + batch], y[i:i + batch]) for i in range(0, len(y), batch)]
-    # the kernels' layout, (C, H, W, B) float32, as the fast engine's batches come
-    kernel_batches = [(xb.permute(1, 2, 3, 0).contiguous().numpy(), yb.numpy())
-                      for xb, yb in batches]
+    batches, kernel_batches = prepared_batches(setup["batch"], SGMCMC_BATCHES)
     data = {"ours": kernel_batches, "ours_corrected": kernel_batches, "plain": batches}
     steps, noise = args.sgmcmc_steps, args.seed + 1
     window = min(LOSS_WINDOW, steps)
@@ -853,7 +858,7 @@ def bench_sgmcmc(args: argparse.Namespace) -> dict[str, Any]:
         ours, plain = checked["ours"](), checked["plain"]()
         _run_chain(ours, kernel_batches, check)
         _run_chain(plain, batches, check)
-    result: dict[str, Any] = {"batch": batch, "steps": steps, "lr": setup["lr"],
+    result: dict[str, Any] = {"batch": setup["batch"], "steps": steps, "lr": setup["lr"],
                               "eta": setup["eta"], "num_data": setup["num_data"],
                               "prior_precision": setup["prior_precision"],
                               "friction": setup["friction"], "weights": args.weights,
@@ -1133,11 +1138,7 @@ def bench_new_methods(args: argparse.Namespace) -> dict[str, Any]:
     """Part (f): cSGLD, IVON and SVGD steps per second, ours against plain (module
     docstring), and the agreement of the two after ``min(steps, NEW_CHECK_STEPS)``."""
     setup = new_method_setup(args.seed, args.svgd_particles)
-    batch = setup["batch"]
-    x, y = training_images(batch * SGMCMC_BATCHES)
-    batches = [(x[i:i + batch], y[i:i + batch]) for i in range(0, len(y), batch)]
-    kernel_batches = [(xb.permute(1, 2, 3, 0).contiguous().numpy(), yb.numpy())
-                      for xb, yb in batches]
+    batches, kernel_batches = prepared_batches(setup["batch"], SGMCMC_BATCHES)
     data = {"ours": kernel_batches, "plain": batches}
     steps, noise = args.new_steps, args.seed + 1
     check = min(steps, NEW_CHECK_STEPS)
@@ -1206,7 +1207,7 @@ def bench_new_methods(args: argparse.Namespace) -> dict[str, Any]:
                 row.update(lr=setup["svgd_lr"], eta=setup["svgd_lr"] / setup["num_data"],
                            particles=len(setup["particles"]))
             rows.append(row)
-    return {"batch": batch, "steps": steps, "num_data": setup["num_data"],
+    return {"batch": setup["batch"], "steps": steps, "num_data": setup["num_data"],
             "prior_precision": setup["prior_precision"], "loss_window": window,
             "rows": rows}
 

@@ -358,10 +358,7 @@ def test_sgld_paths_draw_the_same_normals():
     need_fashion_mnist()
     bench = _bench()
     setup = bench.sgld_setup("random", 0)
-    images, labels = bench.training_images(2 * setup["batch"])
-    batches = [(images[:setup["batch"]], labels[:setup["batch"]]),
-               (images[setup["batch"]:], labels[setup["batch"]:])]
-    kernel = [(x.permute(1, 2, 3, 0).contiguous().numpy(), y.numpy()) for x, y in batches]
+    batches, kernel = bench.prepared_batches(setup["batch"], 2)
     steps = 6
     ends = {}
     with torch.random.fork_rng(devices=[]):
@@ -396,10 +393,7 @@ def test_new_method_paths_need_the_same_noise(method):
     need_fashion_mnist()
     bench = _bench()
     setup = bench.new_method_setup(0, 2)
-    size = setup["batch"]
-    images, labels = bench.training_images(2 * size)
-    batches = [(images[:size], labels[:size]), (images[size:], labels[size:])]
-    kernel = [(x.permute(1, 2, 3, 0).contiguous().numpy(), y.numpy()) for x, y in batches]
+    batches, kernel = bench.prepared_batches(setup["batch"], 2)
     steps = 6
     ends = {}
     with torch.random.fork_rng(devices=[]):
@@ -422,7 +416,7 @@ def test_new_method_paths_need_the_same_noise(method):
            "max_param": max(theta for _, theta in watch),
            "curvature": bench.batch_curvature(setup["model"], [setup["params"], ours],
                                               batches)}
-    part = {"batch": size, "num_data": setup["num_data"],
+    part = {"batch": setup["batch"], "num_data": setup["num_data"],
             "prior_precision": setup["prior_precision"]}
     bound = _new_method_bound(row, part)
     assert max(float((ours[k] - plain[k]).abs().max()) for k in ours) <= bound
