@@ -44,13 +44,14 @@ def test_unknown_reference_name():
 
 
 def test_every_method_and_its_multi_mode_version_is_shipped():
-    single = {"mc-dropout", "bbb", "bbb-trained-variance", "swag", "laplace", "sghmc", "ivon"}
+    single = {"mc-dropout", "bbb", "bbb-trained-variance", "swag", "laplace", "laplace-kfac",
+              "laplace-diag", "laplace-last-layer", "sghmc", "ivon"}
     # the seeds' variants: single-mode, as the papers train them
     variants = {"emp", "ecmp", "rank-1"}
     # one run through several modes (its cycles): no multi-mode version
     cyclical = {"csgld", "csghmc"}
     assert set(METHOD_COLLECTIONS) == single | variants | cyclical | {
-        f"{method}-multi-mode" for method in single - {"sghmc"}}
+        f"{method}-multi-mode" for method in single - {"sghmc", "laplace-last-layer"}}
     assert set(COLLECTIONS) == {"target", "de", *METHOD_COLLECTIONS}
     for name in COLLECTIONS:
         assert (ROOT / SPECS[name]).is_file(), SPECS[name]
@@ -66,11 +67,16 @@ def test_reference_collection_is_complete_and_made_by_its_spec(name):
         assert len(zoo) == spec.checkpoints == spec.modes * spec.samples_per_mode
         assert zoo.recipe == spec.collection_recipe(num_data=60_000)   # BBB: kl_weight 1/N
         assert (zoo.architecture, zoo.dataset) == ("optunet", "fashion-mnist")
-        assert zoo.method == spec.method == name.removesuffix("-multi-mode").replace(
-            "target", "de").removesuffix("-trained-variance")
+        # a collection is named by its method, then its variant (preset, structure)
+        assert zoo.method == spec.method and name.replace("target", "de").startswith(
+            spec.method)
         if name.startswith("bbb"):   # the preset tells the two BBB versions apart
             preset = zoo.recipe["method_options"].get("preset", "paper")
             assert preset == ("trained-variance" if "trained-variance" in name else "paper")
+        if name.startswith("laplace"):   # and the structure the Laplace ones
+            structure = name.removesuffix("-multi-mode").removeprefix("laplace").lstrip("-")
+            assert zoo.recipe["method_options"]["structure"] == {
+                "": "full", "last-layer": "last-layer-kfac"}.get(structure, structure)
         assert zoo.model_options == {}          # every sample is a plain OptuNet
         if spec.method != "de":
             assert zoo.annotations["posterior"] == (
@@ -92,17 +98,28 @@ def test_reference_collection_is_complete_and_made_by_its_spec(name):
         assert (accuracy > 0.3).all() and np.median(accuracy) > 0.55
 
 
+# Collections that share a base network on purpose, so that their rows differ only by
+# the method: the Laplace structures' ladder at the full Laplace collections' networks.
+SHARED_BASE = {"laplace-kfac": "laplace", "laplace-diag": "laplace",
+               "laplace-last-layer": "laplace", "laplace-kfac-multi-mode": "laplace-multi-mode",
+               "laplace-diag-multi-mode": "laplace-multi-mode"}
+
+
 @needs_reference
 def test_every_collection_has_its_own_base_networks():
-    """The specs' base seeds differ, so no two collections share a base network."""
+    """The specs' base seeds differ, so no two collections share a base network, except
+    those of SHARED_BASE, which share exactly their partner's."""
     seeds = {name: load_spec(ROOT / SPECS[name]).base_seed for name in COLLECTIONS}
-    assert len(set(seeds.values())) == len(seeds)
+    own = {name: seed for name, seed in seeds.items() if name not in SHARED_BASE}
+    assert len(set(own.values())) == len(own)
     init = {}
     for name in COLLECTIONS:
         with open_reference(name) as zoo:
             init[name] = set(zoo.metadata["seed"].tolist())
-    for first in COLLECTIONS:
-        for second in COLLECTIONS:
+    for name, partner in SHARED_BASE.items():
+        assert seeds[name] == seeds[partner] and init[name] == init[partner], name
+    for first in own:
+        for second in own:
             if first < second:
                 assert not init[first] & init[second], (first, second)
 

@@ -1,6 +1,6 @@
 """The reference zoo shipped with the package: OptuNet on Fashion-MNIST.
 
-Twenty collections, produced by the mass trainer from the specs in the repository's
+Twenty-five collections, produced by the mass trainer from the specs in the repository's
 ``specs/`` folder with the paper's 60-epoch OptuNet recipe (the exact commands and times
 are in data_card.md):
 
@@ -9,6 +9,10 @@ are in data_card.md):
 - the single-mode method collections ``"mc-dropout"``, ``"bbb"``, ``"bbb-trained-variance"``,
   ``"swag"``, ``"laplace"`` and ``"sghmc"``: 100 samples around one base network (SGHMC:
   four chains of 25 from it);
+- ``"laplace-kfac"``, ``"laplace-diag"`` and ``"laplace-last-layer"``: the Laplace
+  approximation's other curvature structures (KFAC over all layers, the GGN's diagonal,
+  KFAC of the last layer), at the same base network as ``"laplace"`` (full GGN), so the
+  four differ only by the structure;
 - ``"ivon"``: 100 draws of one IVON posterior (the ivon-opt optimiser);
 - ``"csgld"`` and ``"csghmc"``: cyclical SG-MCMC, one run of 10 cycles from the
   initialisation, 10 samples at the end of each cycle (a single run through several
@@ -17,9 +21,10 @@ are in data_card.md):
   element) and ``"rank-1"`` (a rank-1 BNN): 100 draws of one trained network, each folded
   into an OptuNet checkpoint;
 - the multi-mode ones ``"mc-dropout-multi-mode"``, ``"bbb-multi-mode"``,
-  ``"bbb-trained-variance-multi-mode"``, ``"swag-multi-mode"``, ``"laplace-multi-mode"``
-  and ``"ivon-multi-mode"``: 10 samples around each of 10 base networks (IVON: of 10
-  independent runs).
+  ``"bbb-trained-variance-multi-mode"``, ``"swag-multi-mode"``, ``"laplace-multi-mode"``,
+  ``"laplace-kfac-multi-mode"``, ``"laplace-diag-multi-mode"`` (the three at the same ten
+  base networks) and ``"ivon-multi-mode"``: 10 samples around each of 10 base networks
+  (IVON: of 10 independent runs).
 
 ``"bbb"`` uses the paper's settings (its sigma never leaves its initial value; the
 paper's Table 1), ``"bbb-trained-variance"`` the preset whose sigma trains (the
@@ -44,11 +49,13 @@ from posteriorzoo.zoo import Zoo, open_zoo
 
 #: The method collections in the order of the paper's Table 1 (single-, then multi-mode;
 #: the seeds' variants after the paper's single-mode methods).
-METHOD_COLLECTIONS = ("mc-dropout", "bbb", "bbb-trained-variance", "swag", "laplace", "sghmc",
+METHOD_COLLECTIONS = ("mc-dropout", "bbb", "bbb-trained-variance", "swag", "laplace",
+                      "laplace-kfac", "laplace-diag", "laplace-last-layer", "sghmc",
                       "ivon", "csgld", "csghmc", "emp", "ecmp", "rank-1",
                       "mc-dropout-multi-mode", "bbb-multi-mode",
                       "bbb-trained-variance-multi-mode", "swag-multi-mode",
-                      "laplace-multi-mode", "ivon-multi-mode")
+                      "laplace-multi-mode", "laplace-kfac-multi-mode",
+                      "laplace-diag-multi-mode", "ivon-multi-mode")
 #: Name -> file name of every shipped collection.
 COLLECTIONS = {name: f"optunet-fashion-mnist-{name}.h5"
                for name in ("target", "de", *METHOD_COLLECTIONS)}
