@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.vocabulary import Boolean, Choices, Constraint, Interval, Names
 
-__all__ = ["check_bool", "check_choice", "check_integer", "check_name", "check_number",
-           "check_probability", "check_table", "is_integer", "show"]
+__all__ = ["check_bool", "check_choice", "check_constraints", "check_integer", "check_name",
+           "check_names", "check_number", "check_probability", "check_table", "is_integer",
+           "show"]
 
 
 def show(value: object, limit: int = 60) -> str:
@@ -105,3 +107,72 @@ def check_num_gpus(value: object) -> float:
         raise InvalidOptionError(f"num_gpus above 1 must be a whole number of GPUs (Ray "
                                  f"shares a GPU only in fractions below 1), not {value}")
     return float(value)
+
+
+def check_names(what: str, value: object) -> list[str]:
+    """``value`` as a list if it is a non-empty list of distinct non-empty names."""
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise InvalidOptionError(f"{what} must be a list of layer names, not {show(value)}")
+    names = [check_name(what, name) for name in value]
+    if not names:
+        raise InvalidOptionError(f"{what} must name at least one layer")
+    if len(set(names)) != len(names):
+        raise InvalidOptionError(f"{what} names a layer twice: {show(names)}")
+    return names
+
+
+def _check_one(what: str, value: object, constraint: Constraint,
+               resolved: Mapping[str, Any] | None) -> Any:
+    if isinstance(constraint, Interval):
+        low, high = constraint.bounds(resolved)
+        if constraint.kind == "integer":  # closed ends of whole numbers
+            low = low if constraint.closed_low else low + 1
+            high = high if high is None or constraint.closed_high else high - 1
+            return check_integer(what, value, int(low), None if high is None else int(high))
+        return check_number(what, value, low, strict=not constraint.closed_low,
+                            maximum=high, strict_maximum=not constraint.closed_high)
+    if isinstance(constraint, Choices):
+        return check_choice(what, value, constraint.values)
+    if isinstance(constraint, Boolean):
+        return check_bool(what, value)
+    if isinstance(constraint, Names):
+        return check_names(what, value)
+    raise TypeError(f"unknown constraint {constraint!r}")
+
+
+def _wanted(constraint: Constraint, resolved: Mapping[str, Any] | None) -> str:
+    """What ``constraint`` asks for, as the message of an any-of says it."""
+    if isinstance(constraint, Choices):
+        return ", ".join(repr(value) for value in constraint.values)
+    if isinstance(constraint, Interval):
+        low, high = constraint.bounds(resolved)
+        kind = "an integer" if constraint.kind == "integer" else "a finite number"
+        if high is None:
+            return f"{kind} {'>=' if constraint.closed_low else '>'} {low:g}"
+        return (f"{kind} in {'[' if constraint.closed_low else '('}{low:g}, {high:g}"
+                f"{']' if constraint.closed_high else ')'}")
+    return constraint.text()
+
+
+def check_constraints(what: str, value: object, constraints: Sequence[Constraint],
+                      resolved: Mapping[str, Any] | None = None) -> Any:
+    """``value`` (as the first constraint that accepts it returns it) if one of the
+    declared ``constraints`` (:mod:`posteriorzoo.vocabulary`) accepts it.
+
+    One constraint refuses with its own check's message (:func:`check_integer`,
+    :func:`check_number`, :func:`check_choice`, :func:`check_bool`, :func:`check_names`);
+    several (an any-of) with one line naming them all, e.g. ``... must be 'training' or a
+    finite number in [1e-08, 1e+08], not 'x'``. ``resolved`` holds the options resolved
+    before this one, read by an :class:`~posteriorzoo.vocabulary.Interval` whose bound
+    names one.
+    """
+    if len(constraints) == 1:
+        return _check_one(what, value, constraints[0], resolved)
+    for constraint in constraints:
+        try:
+            return _check_one(what, value, constraint, resolved)
+        except InvalidOptionError:
+            continue
+    wanted = [_wanted(constraint, resolved) for constraint in constraints]
+    joined = wanted[0] if len(wanted) == 1 else f"{', '.join(wanted[:-1])} or {wanted[-1]}"
+    raise InvalidOptionError(f"{what} must be {joined}, not {show(value)}")

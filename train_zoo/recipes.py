@@ -24,14 +24,12 @@ from posteriorzoo.options import (
     is_integer,
     show,
 )
+from posteriorzoo.vocabulary import MAX_BATCH_SIZE, MAX_EPOCHS
 
 SCHEDULES = ("constant", "multistep", "cosine")
-#: The ranges of the recipe's numbers. Epochs (and milestones): time, the paper's longest
-#: recipe has 200.
-MAX_EPOCHS = 10_000
-#: Examples per step: one batch's activations are held at once (65,536 CIFAR images are
-#: already 0.8 GB of pixels before the first layer).
-MAX_BATCH_SIZE = 65_536
+# The ranges of the recipe's numbers: MAX_EPOCHS (epochs and milestones) and
+# MAX_BATCH_SIZE are the vocabulary's (posteriorzoo.vocabulary), shared with the methods'
+# options.
 #: Zero padding of the random crop, in pixels: the images here are 8 to 64 pixels wide,
 #: and a crop out of more padding than image is mostly padding.
 MAX_CROP_PADDING = 64

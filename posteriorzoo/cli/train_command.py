@@ -3,8 +3,9 @@
 Besides training, ``--dry-run`` shows what a spec resolves to (every recipe field and
 method option with where it came from, the checkpoints, the engine) and an estimated time
 from a short measured run, writing nothing; ``--list-options [METHOD]`` lists every
-method's options with their defaults and a line of help, from the table the validation
-reads (:func:`train_zoo.method_options.option_table`).
+method's options with their defaults and a line of help, from the declarations the
+validation's records are made from (:func:`posteriorzoo.vocabulary.describe_options`),
+without importing the trainer.
 """
 
 from __future__ import annotations
@@ -194,12 +195,13 @@ def _say_derived(spec: Any) -> None:
 
 # ---------------------------------------------------------------- --list-options
 def _list_options(args: argparse.Namespace) -> int:
+    # The vocabulary's declarations alone: no trainer is imported (and no torch).
     from posteriorzoo.options import check_choice
-    from train_zoo.method_options import METHODS, describe_options
+    from posteriorzoo.vocabulary import METHODS, describe_options
 
     method = args.list_options
     if method != "all":
-        check_choice("--list-options", method, METHODS)
+        check_choice("--list-options", method, tuple(METHODS))
     rows = describe_options(None if method == "all" else method)
     if args.json:
         import json

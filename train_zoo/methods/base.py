@@ -4,9 +4,12 @@ A method of the trainer is one object (a subclass of :class:`Method`) in its own
 this package, listed once in :mod:`train_zoo.methods.registry`. It says
 
 - its ``name`` and a one-line ``summary``;
-- its ``options``: declared :class:`MethodOption` records (name, check, default, one line
-  of help), validated once with :mod:`posteriorzoo.options` when a spec is read
-  (:mod:`train_zoo.method_options`) and listed by ``posteriorzoo train --list-options``;
+- its ``options``: :class:`MethodOption` records (name, check, default, one line of
+  help) made by :func:`declared_options` from the option declarations of
+  :mod:`posteriorzoo.vocabulary` (constraints, literal defaults, help) and the module's
+  own rules (derived defaults, checks that need the model or the other options);
+  validated once when a spec is read (:mod:`train_zoo.method_options`); the vocabulary
+  alone is listed by ``posteriorzoo train --list-options``;
 - its phases, :meth:`Method.fit`: steppers that the one loop
   (:func:`train_zoo.loop.fit`) drives, returning the method's posterior state;
 - :meth:`Method.sample` ``(state, generator, count)``: ``count`` state_dicts of the base
@@ -24,6 +27,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from posteriorzoo.options import check_constraints
+from posteriorzoo.vocabulary import DERIVED, OptionInfo, options_of
 from train_zoo.recipes import Recipe
 
 StateDict = dict[str, Any]
@@ -96,6 +101,69 @@ def constant(value: Any) -> DefaultRule:
 def with_context(check: Callable[..., Any], *args: Any, **kwargs: Any) -> Check:
     """A check of :mod:`posteriorzoo.options` with fixed bounds, as a :data:`Check`."""
     return lambda what, value, context: check(what, value, *args, **kwargs)
+
+
+def _declared_check(info: OptionInfo, extra: Check | None) -> Check:
+    """The check of ``info``: its declared constraints, then ``extra`` (a check that needs
+    the model or the options resolved before it)."""
+    def check(what: str, value: Any, context: Context) -> Any:
+        if value is None and info.default is None:  # unset: the trainer fills it in
+            return value
+        value = check_constraints(what, value, info.constraints, context.resolved)
+        return value if extra is None else extra(what, value, context)
+    return check
+
+
+def declared_options(method: str, *, checks: Mapping[str, Check] | None = None,
+                     defaults: Mapping[str, DefaultRule] | None = None,
+                     recorded: Mapping[str, Callable[[Context], bool]] | None = None
+                     ) -> tuple[MethodOption, ...]:
+    """The :class:`MethodOption` records of ``method``, made from its declarations in
+    :data:`posteriorzoo.vocabulary.METHODS` (names, constraints, literal defaults, help),
+    so the bounds and defaults are written once.
+
+    Parameters
+    ----------
+    checks : mapping, optional
+        Per option, a check run after the declared constraints (one that needs the model
+        or the other options: Laplace's dense-matrix limit, SWAG's collection window).
+    defaults : mapping, optional
+        Per option whose declared default is ``DERIVED``: its rule. Every derived default
+        needs one, and a literal default takes none.
+    recorded : mapping, optional
+        Per option: whether a collection records its resolved value
+        (:attr:`MethodOption.recorded`; absent: always).
+
+    Raises
+    ------
+    RuntimeError
+        When the module's rules and the declarations disagree (a derived default without
+        a rule, a rule for a literal default or for an option not declared): the method's
+        module fails at import, not when a spec is read.
+    """
+    checks, defaults, recorded = dict(checks or {}), dict(defaults or {}), dict(recorded or {})
+    infos = options_of(method)
+    names = {info.name for info in infos}
+    for kind, rules in (("check", checks), ("default", defaults), ("recorded", recorded)):
+        unknown = sorted(set(rules) - names)
+        if unknown:
+            raise RuntimeError(f"{method}: {kind} rules for undeclared options {unknown}")
+    records = []
+    for info in infos:
+        if info.default is DERIVED:
+            if info.name not in defaults:
+                raise RuntimeError(f"{method} option {info.name!r}: a derived default needs "
+                                   "its rule")
+            default = defaults[info.name]
+        elif info.name in defaults:
+            raise RuntimeError(f"{method} option {info.name!r}: its default is declared "
+                               f"({info.default!r}), not derived")
+        else:
+            default = constant(info.default)
+        records.append(MethodOption(info.name, _declared_check(info, checks.get(info.name)),
+                                    default, info.default_text, info.help,
+                                    recorded.get(info.name)))
+    return tuple(records)
 
 
 def recipe_lr(context: Context) -> Resolved:

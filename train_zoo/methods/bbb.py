@@ -64,9 +64,8 @@ the same step up to float32 rounding.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -77,11 +76,11 @@ from train_zoo.loop import fit
 from train_zoo.methods.base import (
     Context,
     Method,
-    MethodOption,
     ModeRun,
     Posterior,
+    Resolved,
     ResolvedOptions,
-    constant,
+    declared_options,
     generator_for,
 )
 from train_zoo.methods.bbb_elbo import (
@@ -288,6 +287,16 @@ class BBBTrainingRun:
     record: dict[str, object]
 
 
+def _training_default(context: Context, name: str) -> Resolved:
+    """The training option ``name`` that the preset and the options resolved before it
+    (table order: preset, optimizer, lr, rho_optimizer, rho_lr) imply."""
+    given = {key: value for key, value in context.resolved.items()
+             if key in ("optimizer", "lr", "rho_optimizer", "rho_lr")}
+    merged = {**PRESETS[context.resolved["preset"]], **given}
+    value = getattr(split_options(merged, context.recipe.lr)[1], name)
+    return Resolved(value, "derived from the preset and the recipe")
+
+
 class BayesByBackprop(Method):
     """Bayes by Backprop: each mode trains a mean-field variational posterior from the
     mode's seeds (instead of a base network) and draws its samples from it."""
@@ -297,24 +306,14 @@ class BayesByBackprop(Method):
     options_need_data = True
     trains_base = False
 
-    def option_table(self) -> tuple[MethodOption, ...]:
-        """Made from :data:`OPTION_HELP` and the defaults of :class:`BBBOptions`; their
-        values are checked together by :func:`resolve_options` (a preset supplies
-        several), see :meth:`explain`."""
-        if self.options:
-            return self.options
-        defaults = {f.name: f.default for f in fields(BBBOptions)}
-        defaults.update(preset="paper", kl_weight="1 / number of training examples")
-        records = []
-        for name, text in OPTION_HELP.items():
-            match = re.search(r"\s*\(default:? ([^()]*)\)$", text)
-            default_text = str(defaults.get(name, match.group(1) if match else ""))
-            help_text = text[:match.start()] if match else text
-            records.append(MethodOption(name, lambda what, value, context: value,
-                                        constant(defaults.get(name)), default_text,
-                                        help_text))
-        self.options = tuple(records)
-        return self.options
+    #: The vocabulary's options (BBB_OPTIONS). Their values are checked together by
+    #: :func:`resolve_options` (a preset supplies several), see :meth:`explain`; the rules
+    #: below give the listing's and the records' derived defaults the same meaning.
+    options = declared_options("bbb", defaults={
+        "optimizer": lambda context: _training_default(context, "optimizer"),
+        "lr": lambda context: _training_default(context, "lr"),
+        "rho_optimizer": lambda context: _training_default(context, "rho_optimizer"),
+        "rho_lr": lambda context: _training_default(context, "rho_lr")})
 
     def explain(self, options: Mapping[str, object], context: Context) -> ResolvedOptions:
         try:

@@ -5,7 +5,9 @@
 :class:`BBBOptions` (the variational family, prior and initialisation), :class:`BBBTraining`
 (the optimisers of ``mu`` and ``rho`` and their learning rates), the named
 :data:`PRESETS`, :data:`OPTION_HELP`, :func:`resolve_options` (what a collection records),
-:func:`split_options` and :func:`resolve_kl_weight`. It is apart because it needs no
+:func:`split_options` and :func:`resolve_kl_weight`; the options' names, constraints,
+defaults and help are declared in :mod:`posteriorzoo.vocabulary` (``BBB_OPTIONS``). It is
+apart because it needs no
 network and no tensor: the CLI's option listing and validation read it, and the
 numerical pieces (:mod:`~train_zoo.methods.bbb_state`, :mod:`~train_zoo.methods.bbb_elbo`,
 :mod:`~train_zoo.methods.bbb_update`) take its checked values. Every name is re-exported
@@ -14,19 +16,18 @@ by :mod:`train_zoo.methods.bbb`.
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, cast
+from typing import Any
 
-from posteriorzoo.errors import InvalidOptionError, UnknownNameError
-from posteriorzoo.options import (
-    check_choice,
-    check_integer,
-    check_name,
-    check_number,
-    show,
+from posteriorzoo.errors import UnknownNameError
+from posteriorzoo.options import check_constraints, check_integer
+from posteriorzoo.vocabulary import (
+    BBB_ADAM_LR,
+    BBB_MEAN_INITS,
+    BBB_OPTIMIZERS,
+    BBB_PRESETS,
+    options_of,
 )
 
 __all__ = [
@@ -44,19 +45,18 @@ __all__ = [
     "split_options",
 ]
 
-#: Where the means start: ``N(0, mean_std^2)`` draws, or the model's current weights.
-MEAN_INITS = ("random", "model")
-#: The optimisers of ``mu`` and ``rho`` (:class:`BBBTraining`).
-OPTIMIZERS = ("sgd", "adam")
+#: Where the means start (``N(0, mean_std^2)`` draws, or the model's current weights), the
+#: optimisers of ``mu`` and ``rho`` (:class:`BBBTraining`), Adam's initial learning rate
+#: when neither the options nor the preset give one (BLiTZ's examples train with 1e-3):
+#: the vocabulary's, as every option's name, constraints, default and help.
+MEAN_INITS, OPTIMIZERS, ADAM_LR = BBB_MEAN_INITS, BBB_OPTIMIZERS, BBB_ADAM_LR
 #: Adam's moment decay rates and denominator term: ``torch.optim.Adam``'s defaults, which
 #: BLiTZ's examples use.
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
-#: Adam's initial learning rate when neither the options nor the preset give one (BLiTZ's
-#: examples train with 1e-3).
-ADAM_LR = 1e-3
 
-#: The named settings: the options each one sets before the spec's own are applied.
+#: The named settings (the vocabulary's :data:`~posteriorzoo.vocabulary.BBB_PRESETS`): the
+#: options each one sets before the spec's own are applied.
 #:
 #: ``"paper"``
 #:     The paper's Table 1 (appendix B.1 with BLiTZ's defaults): SGD at the recipe's
@@ -72,98 +72,69 @@ ADAM_LR = 1e-3
 #:     four modes (base seed 3 modes 0-2, base seed 8 mode 0) its final ELBO per example
 #:     on the training images was +0.019, +0.014, +0.047 and -0.033 from the paper's,
 #:     this preset's +0.012, +0.006, +0.009 and +0.011.
-PRESETS: dict[str, dict[str, object]] = {
-    "paper": {},
-    "trained-variance": {"rho_optimizer": "adam", "rho_lr": 1e-2},
-}
+PRESETS: dict[str, dict[str, object]] = BBB_PRESETS
 
-#: One line of help per option of the method (``[method_options]`` of a spec).
-OPTION_HELP: dict[str, str] = {
-    "preset": f"named defaults for the options below: {', '.join(PRESETS)} (default paper)",
-    "optimizer": "optimiser of the means: sgd (with the recipe's momentum) or adam "
-                 "(default: the preset's, else sgd)",
-    "lr": "initial learning rate of the means, on the recipe's schedule (default: the "
-          f"preset's, else sgd: the recipe's, adam: {ADAM_LR:g})",
-    "rho_optimizer": "optimiser of rho: sgd or adam (default: the preset's, else optimizer)",
-    "rho_lr": "initial learning rate of rho, on the same schedule (default: the preset's, "
-              "else lr, or rho_optimizer's default if it differs)",
-    "prior_sigma": "standard deviation of the prior's first component (default 0.1)",
-    "prior_sigma2": "standard deviation of the prior's second component (default 0.4)",
-    "prior_pi": "weight of the prior's first component, in (0, 1] (default 1)",
-    "elbo_samples": "weight samples per step for the expected NLL (default 3)",
-    "kl_weight": "factor of the KL term (default 1 / number of training examples)",
-    "mean_init": "initial means: random N(0, mean_std^2) draws or the model's weights "
-                 "(default random)",
-    "mean_std": "standard deviation of the random initial means (default 0.1)",
-    "rho_linear": "mean of the initial rho of Linear layers (default -7)",
-    "rho_conv": "mean of the initial rho of Conv layers (default -6)",
-    "rho_std": "standard deviation of the initial rho (default 0.1)",
-}
+_DECLARED = {option.name: option for option in options_of("bbb")}
+#: One line of help per option of the method (``[method_options]`` of a spec), from the
+#: vocabulary's declarations.
+OPTION_HELP: dict[str, str] = {name: option.help for name, option in _DECLARED.items()}
 
 
-def _check_finite(what: str, value: object) -> float:
-    if (not isinstance(value, numbers.Real) or isinstance(value, bool)
-            or not math.isfinite(value)):
-        raise InvalidOptionError(f"{what} must be a finite number, not {show(value)}")
-    return cast(float, value)  # any real passes as given (an int stays an int in the record)
+def _default(name: str) -> Any:
+    """The vocabulary's literal default of the option ``name``."""
+    return _DECLARED[name].default
+
+
+def _check(name: str, value: object) -> Any:
+    """``value`` checked by the vocabulary's constraints of the option ``name``."""
+    return check_constraints(name, value, _DECLARED[name].constraints)
 
 
 @dataclass(frozen=True)
 class BBBOptions:
-    """The method's options, validated on construction (:class:`InvalidOptionError`).
+    """The method's options, validated on construction (:class:`InvalidOptionError`) by
+    the constraints the vocabulary declares (``posteriorzoo.vocabulary.BBB_OPTIONS``:
+    ranges, defaults and help, with the reasons for the ranges).
 
     Attributes
     ----------
-    prior_sigma : float, default 0.1
+    prior_sigma, prior_sigma2 : float
         ``sigma1``, the standard deviation of the prior's first component (with
-        ``prior_pi = 1``, of the prior).
-    prior_sigma2 : float, default 0.4
-        ``sigma2``, the second component's standard deviation (unused when ``prior_pi = 1``).
-    prior_pi : float, default 1.0
-        Weight of the first component, in ``(0, 1]``.
-    elbo_samples : int, default 3
-        Weight samples per step (Monte Carlo samples of the expected NLL), 1 to 1000.
-    kl_weight : float or None, default None
+        ``prior_pi = 1``, of the prior), and ``sigma2``, the second's (unused when
+        ``prior_pi = 1``).
+    prior_pi : float
+        Weight of the first component.
+    elbo_samples : int
+        Weight samples per step (Monte Carlo samples of the expected NLL).
+    kl_weight : float or None
         Factor of the KL term; None means ``1 / num_data``.
-    mean_init : {"random", "model"}, default "random"
+    mean_init : {"random", "model"}
         Means drawn from ``N(0, mean_std^2)``, or the model's current weights.
-    mean_std : float, default 0.1
-        Standard deviation of the random means, in [0, 10].
-    rho_linear, rho_conv : float, default -7.0 and -6.0
-        Mean of the initial ``rho`` of Linear and of Conv layers, in [-30, 10].
-    rho_std : float, default 0.1
-        Standard deviation of the initial ``rho``, in [0, 10].
+    mean_std : float
+        Standard deviation of the random means.
+    rho_linear, rho_conv : float
+        Mean of the initial ``rho`` of Linear and of Conv layers.
+    rho_std : float
+        Standard deviation of the initial ``rho``.
     """
 
-    prior_sigma: float = 0.1
-    prior_sigma2: float = 0.4
-    prior_pi: float = 1.0
-    elbo_samples: int = 3
-    kl_weight: float | None = None
-    mean_init: str = "random"
-    mean_std: float = 0.1
-    rho_linear: float = -7.0
-    rho_conv: float = -6.0
-    rho_std: float = 0.1
+    prior_sigma: float = _default("prior_sigma")
+    prior_sigma2: float = _default("prior_sigma2")
+    prior_pi: float = _default("prior_pi")
+    elbo_samples: int = _default("elbo_samples")
+    kl_weight: float | None = _default("kl_weight")
+    mean_init: str = _default("mean_init")
+    mean_std: float = _default("mean_std")
+    rho_linear: float = _default("rho_linear")
+    rho_conv: float = _default("rho_conv")
+    rho_std: float = _default("rho_std")
 
     def __post_init__(self) -> None:
-        check_number("prior_sigma", self.prior_sigma, 0, strict=True)
-        check_number("prior_sigma2", self.prior_sigma2, 0, strict=True)
-        check_number("prior_pi", self.prior_pi, 0, strict=True)
-        if self.prior_pi > 1:
-            raise InvalidOptionError(f"prior_pi must be in (0, 1], not {show(self.prior_pi)}")
-        # Ranges: each ELBO sample is one more forward and backward pass per step (time);
-        # sigma = softplus(rho) spans 1e-13 to 10 for rho in [-30, 10]; initial spreads
-        # above 10 put weights far beyond any trained network's.
-        check_integer("elbo_samples", self.elbo_samples, 1, 1_000)
-        if self.kl_weight is not None:
-            check_number("kl_weight", self.kl_weight, 0)
-        check_name("mean_init", self.mean_init, MEAN_INITS)
-        check_number("mean_std", self.mean_std, 0, maximum=10)
-        for name in ("rho_linear", "rho_conv"):
-            _check_finite(name, getattr(self, name))
-            check_number(name, getattr(self, name), -30, maximum=10)
-        check_number("rho_std", self.rho_std, 0, maximum=10)
+        # The vocabulary's constraints (their reasons there); kl_weight None: 1 / N.
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if not (item.name == "kl_weight" and value is None):
+                _check(item.name, value)
 
     @property
     def closed_form_kl(self) -> bool:
@@ -207,10 +178,8 @@ class BBBTraining:
     rho_lr: float
 
     def __post_init__(self) -> None:
-        check_choice("optimizer", self.optimizer, OPTIMIZERS)
-        check_number("lr", self.lr, 0, strict=True)
-        check_choice("rho_optimizer", self.rho_optimizer, OPTIMIZERS)
-        check_number("rho_lr", self.rho_lr, 0, strict=True)
+        for item in fields(self):
+            _check(item.name, getattr(self, item.name))
 
     def is_paper(self, recipe_lr: float) -> bool:
         """SGD at the recipe's learning rate for both ``mu`` and ``rho`` (the paper's)."""
@@ -240,9 +209,8 @@ def _training(options: Mapping[str, Any], recipe_lr: float) -> BBBTraining:
     def default_lr(optimizer: str) -> float:
         return recipe_lr if optimizer == "sgd" else ADAM_LR
 
-    optimizer = check_choice("optimizer", options.get("optimizer", "sgd"), OPTIMIZERS)
-    rho_optimizer = check_choice("rho_optimizer", options.get("rho_optimizer", optimizer),
-                                 OPTIMIZERS)
+    optimizer = _check("optimizer", options.get("optimizer", "sgd"))
+    rho_optimizer = _check("rho_optimizer", options.get("rho_optimizer", optimizer))
     lr = options.get("lr", default_lr(optimizer))
     rho_lr = options.get("rho_lr", lr if rho_optimizer == optimizer
                          else default_lr(rho_optimizer))
@@ -268,7 +236,7 @@ def resolve_options(options: Mapping[str, Any], recipe_lr: float) -> dict[str, o
         A bad value; the message starts with the option's name.
     """
     given = dict(options)
-    preset = check_choice("preset", given.pop("preset", "paper"), tuple(PRESETS))
+    preset = _check("preset", given.pop("preset", _default("preset")))
     unknown = sorted(set(given) - set(OPTION_HELP))
     if unknown:
         raise UnknownNameError(f"unknown bbb option(s) {unknown}; options: "

@@ -43,32 +43,32 @@ import numpy as np
 import torch
 
 from posteriorzoo.errors import InvalidOptionError
-from posteriorzoo.options import check_integer, check_number, show
+from posteriorzoo.options import show
+from posteriorzoo.vocabulary import (
+    CSGHMC_ALPHA,
+    CSGMCMC_CYCLES,
+    CSGMCMC_KEEP_FRACTION,
+    CSGMCMC_SAMPLING_FRACTION,
+)
 from train_zoo.loop import fit
-from train_zoo.methods import laplace
 from train_zoo.methods.base import (
     Collector,
     Context,
     Method,
-    MethodOption,
     ModeRun,
     Posterior,
     Resolved,
-    constant,
+    declared_options,
     generator_for,
-    with_context,
 )
 from train_zoo.methods.common import Params, untrained_parameters
 from train_zoo.methods.sghmc import LogPosteriorGradient, prior_precision_from_weight_decay
 
-#: Cycles of a run by default: 100 samples are 10 of each of 10 modes visited.
-CYCLES = 10
-#: The share of each cycle with noise (the authors': the last 5 of 50 epochs).
-SAMPLING_FRACTION = 0.1
-#: The share of each cycle over which its samples are kept (the authors': 3 of 50 epochs).
-KEEP_FRACTION = 0.06
-#: cSGHMC's friction (the authors' code: momentum 1 - 0.9).
-CSGHMC_ALPHA = 0.9
+# The numbers of the options, the vocabulary's (with their reasons): the default cycles
+# (100 samples are 10 of each of 10 modes visited), the shares of each cycle with noise and
+# whose samples are kept, cSGHMC's friction.
+CYCLES, SAMPLING_FRACTION = CSGMCMC_CYCLES, CSGMCMC_SAMPLING_FRACTION
+KEEP_FRACTION = CSGMCMC_KEEP_FRACTION
 
 
 def cyclical_lr(lr: float, step: int, cycle_steps: int) -> float:
@@ -130,15 +130,9 @@ class CyclicalStepper:
         return {name: value.numpy() for name, value in self.params.items()}
 
 
-def _fraction(what: str, value: object, context: Context) -> object:
-    check_number(what, value, 0, strict=True, maximum=1)
-    return value
-
-
-def _cycles(what: str, value: object, context: Context) -> object:
-    cycles = check_integer(what, value, 1, 10_000)
+def _cycles(what: str, value: int, context: Context) -> int:
     per_mode = context.samples_per_mode
-    if per_mode is not None and per_mode % cycles:
+    if per_mode is not None and per_mode % value:
         raise InvalidOptionError(f"{what} must divide samples_per_mode ({per_mode}), not "
                                  f"{show(value)}")
     return value
@@ -177,39 +171,12 @@ class CyclicalSgmcmc(Method):
 
     def __init__(self, name: str, summary: str, alpha: float | None) -> None:
         self.name, self.summary, self.alpha = name, summary, alpha
-
-    def build_options(self) -> tuple[MethodOption, ...]:
-        from train_zoo.recipes import MAX_EPOCHS
-
-        low, high = laplace.PRIOR_PRECISION_RANGE
-        friction = () if self.alpha is None else (
-            MethodOption("alpha", with_context(check_number, 0, strict=True, maximum=1),
-                         constant(self.alpha), f"{self.alpha:g}",
-                         "friction in (0, 1]: 1 - the momentum of the exploration stage"),)
-        return (
-            *friction,
-            MethodOption("lr", with_context(check_number, 0, strict=True), _lr_default,
-                         "alpha x the recipe's lr / (1 - its momentum)",
-                         "step size at each cycle's start, on the mean loss (the chain's "
-                         "step on the full-data posterior is lr_k / N)"),
-            MethodOption("epochs", with_context(check_integer, 1, MAX_EPOCHS),
-                         _epochs_default, "the recipe's epochs",
-                         "the run's budget in epochs of the recipe's batches"),
-            MethodOption("cycles", _cycles, _cycles_default,
-                         f"{CYCLES} (the largest count up to {CYCLES} dividing "
-                         "samples_per_mode)",
-                         "cycles of the cosine step size; samples_per_mode / cycles "
-                         "samples are kept at the end of each"),
-            MethodOption("sampling_fraction", _fraction, constant(SAMPLING_FRACTION),
-                         f"{SAMPLING_FRACTION:g}",
-                         "share of each cycle with noise (the sampling stage), in (0, 1]"),
-            MethodOption("keep_fraction", _fraction, constant(KEEP_FRACTION),
-                         f"{KEEP_FRACTION:g}", "share of each cycle, at its end, over "
-                         "which its samples are kept, in (0, 1]"),
-            MethodOption("prior_precision", laplace.prior_check(("training",)),
-                         constant("training"), "training",
-                         f"training (N x weight decay) or a number in [{low:g}, {high:g}]"),
-        )
+        # The vocabulary's CSGLD_OPTIONS (CSGHMC_OPTIONS: with alpha first), with the rules
+        # of the derived defaults and the cycles dividing samples_per_mode.
+        self.options = declared_options(
+            name, checks={"cycles": _cycles},
+            defaults={"lr": _lr_default, "epochs": _epochs_default,
+                      "cycles": _cycles_default})
 
     def phase_steps(self, spec: Any, steps_per_epoch: int) -> int:
         return spec.method_options["epochs"] * steps_per_epoch

@@ -32,8 +32,15 @@ import torch.fx
 from torch import nn
 
 from posteriorzoo.errors import InvalidOptionError
-from posteriorzoo.options import check_integer, check_number, show
-from train_zoo.methods.base import Context, Method, MethodOption, ModeRun, Posterior, Resolved
+from posteriorzoo.options import check_integer, check_number
+from train_zoo.methods.base import (
+    Context,
+    Method,
+    ModeRun,
+    Posterior,
+    Resolved,
+    declared_options,
+)
 
 __all__ = ["apply_mask", "draw_masks", "last_linear", "sample"]
 
@@ -202,12 +209,6 @@ def sample(model: nn.Module, state_dict: Mapping[str, torch.Tensor], p: float,
 
 
 # ---------------------------------------------------------------- the method
-def _p_check(what: str, value: object, context: Context) -> object:
-    if check_number(what, value, 0) >= 1:
-        raise InvalidOptionError(f"{what} must be below 1, not {show(value)}")
-    return value
-
-
 def _p_default(context: Context) -> Resolved:
     resnet = context.architecture.startswith("resnet")
     return Resolved(0.5 if resnet else 0.2, "derived from the architecture (ResNets 0.5, "
@@ -228,11 +229,7 @@ class McDropout(Method):
 
     name = "mc-dropout"
     summary = "MC Dropout: dropout masks on the last layer of a base network trained with it"
-    options = (
-        MethodOption("p", _p_check, _p_default, "0.5 for ResNets, else 0.2",
-                     "dropout probability before the last layer while the base network "
-                     "trains, in [0, 1)"),
-    )
+    options = declared_options("mc-dropout", defaults={"p": _p_default})
 
     def check_model(self, architecture: str, model_options: Mapping[str, Any],
                     model_option_names: Any) -> None:

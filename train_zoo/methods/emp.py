@@ -56,9 +56,8 @@ tensors out, randomness only from a ``torch.Generator``, the model evaluated wit
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -67,15 +66,22 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
-from posteriorzoo.options import check_choice, check_integer, check_number
+from posteriorzoo.options import check_choice, check_constraints, check_integer, check_number
+from posteriorzoo.vocabulary import (
+    EMP_COMPONENTS,
+    EMP_INIT_NOISE,
+    EMP_LR,
+    EMP_PATCHES,
+    EMP_SAMPLES,
+    EMP_WEIGHT_DECAY,
+    options_of,
+)
 from train_zoo.loop import fit
 from train_zoo.methods.base import (
-    Context,
     Method,
-    MethodOption,
     ModeRun,
     Posterior,
-    constant,
+    declared_options,
     generator_for,
 )
 from train_zoo.methods.common import Params, state_dict_of
@@ -109,39 +115,36 @@ __all__ = [
     "sample",
 ]
 
-#: Components per patched layer (the paper's K = 5).
-COMPONENTS = 5
-#: Forward passes averaged by :func:`predict` (appendix D.6: S = 100 is as good as 200).
-SAMPLES = 100
-#: The L2 factor is ``WEIGHT_DECAY / batch size`` (appendix C.1).
-WEIGHT_DECAY = 1e-3
-#: ``torch.optim.Adam``'s default learning rate (the paper trains with Adam's defaults).
-ADAM_LR = 1e-3
-#: Standard deviation of the components' initial noise, relative to each tensor's RMS.
-INIT_NOISE = 0.1
-#: The patch layer choices (:func:`patched_names`).
-PATCHES = ("auto", "bn", "bn+out", "in+out")
-#: ``"emp"``: one component per patched layer and pass; ``"ecmp"``: one per element.
+#: The numbers of the options, the vocabulary's (with their reasons): components per
+#: patched layer (the paper's K = 5), forward passes averaged by :func:`predict` (appendix
+#: D.6: S = 100 is as good as 200), the L2 factor ``WEIGHT_DECAY / batch size`` (appendix
+#: C.1), Adam's default learning rate (the paper trains with Adam's defaults), the
+#: components' initial spread relative to each tensor's RMS, the patch layer choices
+#: (:func:`patched_names`).
+COMPONENTS, SAMPLES, WEIGHT_DECAY = EMP_COMPONENTS, EMP_SAMPLES, EMP_WEIGHT_DECAY
+ADAM_LR, INIT_NOISE, PATCHES = EMP_LR, EMP_INIT_NOISE, EMP_PATCHES
+#: ``"emp"``: one component per patched layer and pass; ``"ecmp"``: one per element. Not
+#: a method option: the method's name fixes it.
 VARIANTS = ("emp", "ecmp")
 
-#: One line of help per option (a spec's ``[method_options]``).
-OPTION_HELP: dict[str, str] = {
-    "components": f"components K per patched layer, uniform mixing (default {COMPONENTS})",
-    "patch": "patched layers: bn (BatchNorm affine), bn+out (and the output layer), in+out "
-             "(first and output layers), auto (bn+out with BatchNorm, else in+out; default)",
-    "variant": "emp (one component per layer and pass) or ecmp (one per element; "
-               "default emp)",
-    "samples": f"forward passes averaged by the prediction (default {SAMPLES})",
-    "weight_decay": f"L2 factor times the batch size, on every parameter and component "
-                    f"(default {WEIGHT_DECAY:g})",
-    "lr": f"Adam's learning rate (default {ADAM_LR:g})",
-    "init_noise": f"initial spread of components 1..K-1 around the base network, relative "
-                  f"to each tensor's RMS (default {INIT_NOISE:g})",
-}
+_DECLARED = {option.name: option for option in options_of("emp")}
+#: One line of help per option (a spec's ``[method_options]``, from the vocabulary), and
+#: the variant's.
+OPTION_HELP: dict[str, str] = {}
+for _name, _declared in _DECLARED.items():
+    OPTION_HELP[_name] = _declared.help
+    if _name == "patch":
+        OPTION_HELP["variant"] = ("emp (one component per layer and pass) or ecmp (one per "
+                                  "element)")
 
 _BATCHNORM_TYPES: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d,
                                                  nn.BatchNorm3d, nn.SyncBatchNorm)
 _LAYER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _default(name: str) -> Any:
+    """The vocabulary's default of the option ``name``."""
+    return _DECLARED[name].default
 
 
 def _what(option: str) -> str:
@@ -150,44 +153,41 @@ def _what(option: str) -> str:
 
 @dataclass(frozen=True)
 class EmpOptions:
-    """The method's options, validated on construction (:class:`InvalidOptionError`).
+    """The method's options, validated on construction (:class:`InvalidOptionError`) by
+    the constraints the vocabulary declares (``posteriorzoo.vocabulary.EMP_OPTIONS``:
+    ranges, defaults and help, with the reasons for the ranges).
 
     Attributes
     ----------
-    components : int, default 5
-        ``K``, components per patched layer, 1 to 100 (``K = 1`` is plain training).
-    patch : {"auto", "bn", "bn+out", "in+out"}, default "auto"
+    components : int
+        ``K``, components per patched layer (``K = 1`` is plain training).
+    patch : {"auto", "bn", "bn+out", "in+out"}
         Which layers are patched (:func:`patched_names`).
     variant : {"emp", "ecmp"}, default "emp"
         One component per patched layer per pass, or one per element.
-    samples : int, default 100
-        ``S``, passes averaged by :func:`predict`, 1 to 100,000.
-    weight_decay : float, default 0.001
-        The L2 factor is ``weight_decay / batch size``, >= 0.
-    lr : float, default 0.001
-        Adam's learning rate, > 0.
-    init_noise : float, default 0.1
-        Relative spread of the initial components (:func:`init`), in [0, 10].
+    samples : int
+        ``S``, passes averaged by :func:`predict`.
+    weight_decay : float
+        The L2 factor is ``weight_decay / batch size``.
+    lr : float
+        Adam's learning rate.
+    init_noise : float
+        Relative spread of the initial components (:func:`init`).
     """
 
-    components: int = COMPONENTS
-    patch: str = "auto"
+    components: int = _default("components")
+    patch: str = _default("patch")
     variant: str = "emp"
-    samples: int = SAMPLES
-    weight_decay: float = WEIGHT_DECAY
-    lr: float = ADAM_LR
-    init_noise: float = INIT_NOISE
+    samples: int = _default("samples")
+    weight_decay: float = _default("weight_decay")
+    lr: float = _default("lr")
+    init_noise: float = _default("init_noise")
 
     def __post_init__(self) -> None:
-        # K copies of the patched layers are K times their memory; past 100 the paper's
-        # point (a small overhead) is lost. S passes cost S forward passes per batch.
-        check_integer(_what("components"), self.components, 1, 100)
-        check_choice(_what("patch"), self.patch, PATCHES)
+        # The vocabulary's constraints (their reasons there), and the variant.
         check_choice(_what("variant"), self.variant, VARIANTS)
-        check_integer(_what("samples"), self.samples, 1, 100_000)
-        check_number(_what("weight_decay"), self.weight_decay, 0)
-        check_number(_what("lr"), self.lr, 0, strict=True)
-        check_number(_what("init_noise"), self.init_noise, 0, maximum=10)
+        for name, option in _DECLARED.items():
+            check_constraints(_what(name), getattr(self, name), option.constraints)
 
 
 def resolve_options(options: Mapping[str, Any]) -> dict[str, object]:
@@ -608,22 +608,6 @@ def predict(model: nn.Module, state: EmpState, inputs: Tensor, samples: int,
 
 
 # ---------------------------------------------------------------- the method
-def _option(name: str) -> MethodOption:
-    """A record of :data:`OPTION_HELP`'s option ``name``: its default from
-    :class:`EmpOptions`, checked by :class:`EmpOptions` itself (one set of bounds)."""
-    default = next(field.default for field in fields(EmpOptions) if field.name == name)
-    text = OPTION_HELP[name]
-    # the listing shows the default beside the help: "(default 5)", "(...; default emp)"
-    help_text = re.sub(r"; default[^()]*\)$", ")", re.sub(r"\s*\(default[^()]*\)$", "", text))
-
-    def check(what: str, value: object, context: Context) -> object:
-        given: dict[str, Any] = {name: value}  # any value: EmpOptions checks it
-        return getattr(EmpOptions(**given), name)
-
-    shown = f"{default:g}" if isinstance(default, float) else str(default)
-    return MethodOption(name, check, constant(default), shown, help_text)
-
-
 @dataclass(frozen=True)
 class EmpPosterior:
     """The trained EMP/ECMP distribution and the base architecture it folds into."""
@@ -636,14 +620,14 @@ class EnsembleModelPatching(Method):
     """EMP or ECMP (``variant``, also the method's name): each mode trains the patched
     network from the mode's initial weights with Adam (:class:`EmpStepper`) for the
     recipe's epochs on its batches; a sample is one draw folded into a checkpoint of the
-    base architecture (:func:`sample`). The options are :data:`OPTION_HELP`'s but
-    ``variant``, which the name fixes."""
+    base architecture (:func:`sample`). The options are the vocabulary's EMP_OPTIONS (not
+    ``variant``, which the name fixes)."""
 
-    options = tuple(_option(name) for name in OPTION_HELP if name != "variant")
     trains_base = False
 
     def __init__(self, variant: str) -> None:
         self.name = check_choice("variant", variant, VARIANTS)
+        self.options = declared_options(self.name)
         self.summary = ("Ensemble Model Patching: K components of a few patch layers, one "
                         "draw folded into a sample" if variant == "emp" else
                         "Ensemble Model Patching per element: each element of the patch "

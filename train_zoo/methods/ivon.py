@@ -34,24 +34,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from posteriorzoo.options import check_integer, check_number
+from posteriorzoo.vocabulary import IVON_BETA1, IVON_BETA2, IVON_HESS_INIT
 from train_zoo.loop import fit
 from train_zoo.methods.base import (
     Context,
     Method,
-    MethodOption,
     ModeRun,
     Posterior,
     Resolved,
-    constant,
-    with_context,
+    declared_options,
 )
 from train_zoo.methods.common import untrained_parameters
 
-#: The package's defaults where the paper gives no other: hess_init, beta1, beta2.
-HESS_INIT, BETA1, BETA2 = 1.0, 0.9, 0.99999
-#: IVON's learning rate on the reference recipe (the ivon-opt README's 0.1).
-IVON_LR = 0.1
+#: The package's defaults where the paper gives no other: hess_init, beta1, beta2 (the
+#: vocabulary's, as IVON_LR, the learning rate on the reference recipe).
+HESS_INIT, BETA1, BETA2 = IVON_HESS_INIT, IVON_BETA1, IVON_BETA2
 
 
 @dataclass
@@ -120,6 +117,10 @@ class IvonStepper:
                                                            strict=True)}
 
 
+def _epochs_default(context: Context) -> Resolved:
+    return Resolved(context.recipe.epochs, "derived from the recipe (its epochs)")
+
+
 def _weight_decay_default(context: Context) -> Resolved:
     return Resolved(context.recipe.weight_decay, "derived from the recipe (its weight_decay)")
 
@@ -132,30 +133,8 @@ class Ivon(Method):
     summary = "IVON: a diagonal Gaussian learnt at Adam's cost (the ivon-opt optimizer)"
     trains_base = False
 
-    def build_options(self) -> tuple[MethodOption, ...]:
-        from train_zoo.recipes import MAX_EPOCHS
-
-        positive = with_context(check_number, 0, strict=True)
-        return (
-            MethodOption("lr", positive, constant(IVON_LR), f"{IVON_LR:g}",
-                         "IVON's learning rate at the start (the recipe's schedule scales "
-                         "it), > 0"),
-            MethodOption("epochs", with_context(check_integer, 1, MAX_EPOCHS),
-                         lambda context: Resolved(context.recipe.epochs,
-                                                  "derived from the recipe (its epochs)"),
-                         "the recipe's epochs", "epochs of the recipe's batches"),
-            MethodOption("hess_init", positive, constant(HESS_INIT), f"{HESS_INIT:g}",
-                         "initial Hessian estimate h (the initial posterior std is "
-                         "1 / sqrt(N (h + weight_decay))), > 0"),
-            MethodOption("weight_decay", with_context(check_number, 0),
-                         _weight_decay_default, "the recipe's weight_decay",
-                         "delta: the Gaussian prior's precision per example, >= 0"),
-            MethodOption("beta1", with_context(check_number, 0, maximum=1, strict_maximum=True),
-                         constant(BETA1), f"{BETA1:g}", "momentum of the gradient, in [0, 1)"),
-            MethodOption("beta2", with_context(check_number, 0, strict=True, maximum=1),
-                         constant(BETA2), f"{BETA2:g}",
-                         "momentum of the Hessian estimate, in (0, 1]"),
-        )
+    options = declared_options("ivon", defaults={"epochs": _epochs_default,
+                                                 "weight_decay": _weight_decay_default})
 
     def phase_steps(self, spec: Any, steps_per_epoch: int) -> int:
         return spec.method_options["epochs"] * steps_per_epoch

@@ -112,16 +112,18 @@ import torch
 from torch import nn
 
 from posteriorzoo.errors import InvalidOptionError, NonFiniteWeightsError, PosteriorZooError
-from posteriorzoo.options import check_choice, check_name, check_number
+from posteriorzoo.options import check_choice
+from posteriorzoo.vocabulary import (
+    AUTO_FULL_LAPLACE_PARAMETERS,
+    STRUCTURES,
+)
 from train_zoo.methods.base import (
-    Check,
     Context,
     Method,
-    MethodOption,
     ModeRun,
     Posterior,
     Resolved,
-    constant,
+    declared_options,
 )
 from train_zoo.methods.common import Params, flatten, parameters_of, state_dict_of, unflatten
 from train_zoo.methods.laplace_curvature import (
@@ -154,8 +156,7 @@ __all__ = [
     "sample",
 ]
 
-#: The values of the ``structure`` option.
-STRUCTURES = ("full", "kfac", "diag", "last-layer-kfac")
+# STRUCTURES: the values of the ``structure`` option (the vocabulary's, with "auto").
 #: Every structure's curvature.
 Curvature = FullCurvature | LayerKronCurvature | DiagCurvature | KronCurvature
 #: Largest parameter count for ``structure="full"`` (a dense ``D x D`` float64 matrix: 3.2 GB).
@@ -606,35 +607,17 @@ def sample(model: nn.Module, state: LaplaceState, generator: torch.Generator, co
 
 
 # ---------------------------------------------------------------- the method
-#: A prior precision delta (Laplace, SGHMC): the prior N(0, 1/delta) gives the directions
-#: the data do not constrain a standard deviation of delta^-1/2, 10^4 at the lower bound
-#: (below, Laplace's G + delta I stops being positive definite in float64); above the
-#: upper bound the prior alone fixes every weight to within 1e-4 of zero.
-PRIOR_PRECISION_RANGE = (1e-8, 1e8)
-#: ``structure = "auto"`` takes the full GGN up to this many parameters and last-layer
-#: KFAC above. The full GGN is a dense D x D float64 matrix (5,000: 200 MB; the hard limit
-#: of MAX_FULL_PARAMETERS is 3.2 GB) built from N x (K - 1) Jacobian rows, N (K - 1) D^2
-#: multiply-adds, so its time grows as D^2: on Fashion-MNIST, one torch thread of these
-#: CPUs, about 24 s for OptuNet's 392 parameters and 27 min for an MLP 784-6-10 of 4,780
-#: (``posteriorzoo train --dry-run``'s measured estimate), 7 h at the hard limit. OptuNet
-#: and its v1 (355) are far below, ResNets (millions) and an MNIST MLP of width 32
-#: (25,450) above.
-AUTO_FULL_LAPLACE_PARAMETERS = 5_000
-#: The values of the spec option ``structure``.
-LAPLACE_STRUCTURES = ("auto", *STRUCTURES)
+# PRIOR_PRECISION_RANGE (a prior precision delta's, Laplace's and SGHMC's) and
+# LAPLACE_STRUCTURES are the vocabulary's. ``structure = "auto"`` takes the full GGN up to
+# AUTO_FULL_LAPLACE_PARAMETERS (5,000) parameters and last-layer KFAC above. The full GGN
+# is a dense D x D float64 matrix (5,000: 200 MB; the hard limit of MAX_FULL_PARAMETERS is
+# 3.2 GB) built from N x (K - 1) Jacobian rows, N (K - 1) D^2 multiply-adds, so its time
+# grows as D^2: on Fashion-MNIST, one torch thread of these CPUs, about 24 s for OptuNet's
+# 392 parameters and 27 min for an MLP 784-6-10 of 4,780 (``posteriorzoo train
+# --dry-run``'s measured estimate), 7 h at the hard limit. OptuNet and its v1 (355) are
+# far below, ResNets (millions) and an MNIST MLP of width 32 (25,450) above.
 #: Examples per batch when the curvature reads the training set.
 READ_BATCH = 500
-
-
-def prior_check(choices: tuple[str, ...]) -> Check:
-    """The check of a ``prior_precision`` option: one of ``choices`` or a number in
-    :data:`PRIOR_PRECISION_RANGE`."""
-    def check(what: str, value: object, context: Context) -> object:
-        if isinstance(value, str):
-            return check_name(what, value, choices)
-        low, high = PRIOR_PRECISION_RANGE
-        return check_number(what, value, low, maximum=high)
-    return check
 
 
 def _structure_auto(context: Context) -> Resolved:
@@ -678,7 +661,6 @@ def check_kfac(what: str, value: str, context: Context) -> None:
 
 
 def _structure(what: str, value: object, context: Context) -> object:
-    check_name(what, value, LAPLACE_STRUCTURES)
     if value == "auto":
         return _structure_auto(context)
     if value == "full":
@@ -704,18 +686,9 @@ class Laplace(Method):
     name = "laplace"
     summary = "the Laplace approximation (GGN curvature) at each trained base network"
     fits_curvature = True
-    options = (
-        MethodOption("structure", _structure, _structure_auto, "auto",
-                     "auto (full up to "
-                     f"{AUTO_FULL_LAPLACE_PARAMETERS:,} parameters, else last-layer-kfac), "
-                     "full (the GGN of every weight), kfac (Kronecker-factored GGN of every "
-                     "Linear and Conv2d layer), diag (the GGN's diagonal) or "
-                     "last-layer-kfac"),
-        MethodOption("prior_precision", prior_check(("marglik", "training")),
-                     constant("marglik"), "marglik",
-                     "marglik (maximises the evidence), training (N x weight decay) or a "
-                     f"number in [{PRIOR_PRECISION_RANGE[0]:g}, {PRIOR_PRECISION_RANGE[1]:g}]"),
-    )
+    #: The vocabulary's options; ``auto`` completed and the dense-matrix and KFAC limits
+    #: checked against the model.
+    options = declared_options("laplace", checks={"structure": _structure})
 
     def fit(self, run: ModeRun) -> Posterior:
         spec = run.spec

@@ -92,9 +92,8 @@ module) and :class:`Rank1` with its phase.
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -103,12 +102,10 @@ from torch import Tensor, nn
 from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.options import check_bool, check_integer, check_number
 from train_zoo.methods.base import (
-    Context,
     Method,
-    MethodOption,
     ModeRun,
     Posterior,
-    constant,
+    declared_options,
     generator_for,
 )
 from train_zoo.methods.rank1_factors import (
@@ -320,29 +317,6 @@ def scale_record(start: Rank1State, end: Rank1State) -> dict[str, dict[str, floa
     return record
 
 
-def _option(name: str) -> MethodOption:
-    """A record of :data:`OPTION_HELP`'s option ``name``: its default from
-    :class:`Rank1Options`, checked by :class:`Rank1Options` itself (one set of bounds)."""
-    default = next(item.default for item in fields(Rank1Options) if item.name == name)
-    help_text = re.sub(r"\s*\(default[^()]*\)$", "", OPTION_HELP[name])
-
-    def check(what: str, value: object, context: Context) -> object:
-        given: dict[str, Any] = {name: value}  # any value: Rank1Options checks it
-        try:
-            checked = getattr(Rank1Options(**given), name)
-        except InvalidOptionError as error:  # the message names the option alone
-            raise InvalidOptionError(f"{what}: {error}") from None
-        return list(checked) if isinstance(checked, tuple) else checked
-
-    if name == "init_std":
-        shown = f"{default:.4g}"
-    elif isinstance(default, float):
-        shown = f"{default:g}"
-    else:
-        shown = "all Conv2d and Linear layers" if default is None else str(default)
-    return MethodOption(name, check, constant(default), shown, help_text)
-
-
 @dataclass(frozen=True)
 class Rank1Posterior:
     """The trained mixture, the base architecture it folds into and its BatchNorm
@@ -363,7 +337,7 @@ class Rank1(Method):
     name = "rank-1"
     summary = ("Rank-1 BNN: a mixture of K factorised posteriors over rank-1 factors of "
                "every layer, one folded draw a sample")
-    options = tuple(_option(name) for name in OPTION_HELP)
+    options = declared_options("rank-1")  # the vocabulary's RANK1_OPTIONS
     trains_base = False
 
     def fit(self, run: ModeRun) -> Posterior:

@@ -52,7 +52,25 @@ from torch import nn
 from torch.func import grad
 
 from posteriorzoo.errors import InvalidOptionError, PosteriorZooError
-from posteriorzoo.options import check_bool, check_integer, check_name, check_number, show
+from posteriorzoo.options import check_integer, check_number
+from posteriorzoo.vocabulary import (
+    ADAPT_ALPHA,
+    ADAPT_BATCH,
+    ADAPT_LR,
+    ADAPT_ROUND_STEPS,
+    ADAPT_STEPS,
+    ADAPT_THIN,
+    ADAPTED_BATCH,
+    ADAPTED_BURN_IN,
+    ADAPTED_CHAINS,
+    ADAPTED_THIN,
+    AUTO_FULL_LAPLACE_PARAMETERS,
+    ROUND_DRAWS,
+    SGHMC_BURN_IN,
+    SGHMC_LR,
+    SGHMC_THIN,
+    SGHMC_WHITENED_BATCH,
+)
 from train_zoo.loop import fit
 from train_zoo.methods import laplace
 from train_zoo.methods.base import (
@@ -63,9 +81,8 @@ from train_zoo.methods.base import (
     ModeRun,
     Posterior,
     Resolved,
-    constant,
+    declared_options,
     generator_for,
-    with_context,
 )
 from train_zoo.methods.common import Params, flatten, logits, parameters_of, unflatten
 
@@ -841,83 +858,58 @@ class WhitenedSghmcStepper:
 
 
 # ---------------------------------------------------------------- the method
-#: SGHMC chains per mode: each repeats the whole chain (burn-in included).
-MAX_CHAINS = 64
-#: SGHMC's defaults, measured on OptuNet / Fashion-MNIST from a trained network (batch 64,
-#: N = 60,000): at lr 2e-4 per example (eta = lr / N) and friction 0.1 the corrected chain's
-#: kinetic temperature is 1.07 against the exact chain's 1.05, with beta_hat capped on 4%
-#: of the coordinates; at 4e-4 it is 1.21 (28% capped), at the former 4e-3 without the
-#: correction 7.6. Thinning and burn-in are long because such a small step moves slowly.
-SGHMC_LR, SGHMC_BURN_IN, SGHMC_THIN = 2e-4, 20_000, 4_000
-#: A preconditioned chain's defaults (``preconditioner = "laplace"``), measured on OptuNet /
-#: Fashion-MNIST: in whitened coordinates the minibatch gradient noise has eigenvalues up
-#: to about 24,000 at batch 64 (median 865), so Chen et al.'s correction holds in every
-#: direction only while whitened_lr * V / 2 < alpha; batch 512 divides V by 8.
-SGHMC_WHITENED_LR, SGHMC_WHITENED_BATCH = 1e-4, 512
-SGHMC_PRECONDITIONERS = ("auto", "laplace", "adapted", "none")
-#: Where a chain's minibatches come from: the recipe's shuffled epochs, or independent
-#: draws with replacement. Chen et al.'s correction assumes independent minibatch noise;
-#: within an epoch the batches add up to the whole dataset, so their noise cancels over
-#: the epoch. A chain whose momentum lasts longer than an epoch (1 / alpha steps against
-#: N / batch_size) then feels less noise than the estimate subtracts and runs cold: four
-#: chains at 0.91-0.96 against 1.02 from the same start on OptuNet / Fashion-MNIST (batch
-#: 1024, alpha 2e-3, 59 batches an epoch), and in ``tests/test_sghmc_minibatches.py`` on
-#: a Gaussian.
-SGHMC_MINIBATCHES = ("epochs", "independent")
-#: The warm-up of ``preconditioner = "adapted"``: each chain runs ``adapt_steps`` steps in
-#: the Laplace metric at a cheap, hot setting (step 1e-4, friction 0.05, batches of 256:
-#: kinetic temperature about 2.2 on OptuNet, fast to spread), and every ADAPT_THIN-th
-#: state of its second half is kept for the covariance (:func:`adapted_whitening`).
-ADAPT_LR, ADAPT_ALPHA, ADAPT_BATCH, ADAPT_THIN = 1e-4, 0.05, 256, 100
-ADAPT_STEPS = 40_000
-#: The cold rounds that follow the warm-up (``adapt_rounds``, ``adapt_round_steps``): each
-#: chain runs at temperature 1 in the noise-equalized metric; the metric is widened from
-#: the rounds' draws, and sampling starts from the end of the chain with the lowest loss.
-#: On OptuNet / Fashion-MNIST the chains' training loss keeps falling for about 100,000
-#: steps after the warm-up (0.657 at the trained network, 0.63 after the warm-up, 0.59
-#: at the end of the third round); chains started apart in that landscape stay apart
-#: (R-hat 1.27 after three rounds), chains from the common end mix (median ESS 86 of
-#: 100, R-hat 1.033, kinetic temperatures 0.975-0.997), all measured from DE member 0.
-#: From the SGHMC spec's base network (seed 6) the best chain was still descending after
-#: three rounds (losses 0.721 -> 0.700 -> 0.689), and sampling from there gave ESS 17.6
-#: and R-hat 1.22; settling it first (:data:`SETTLE_STEPS`: five segments, to 0.678)
-#: gave ESS 64, R-hat 1.045 and kinetic temperatures 0.999-1.022 (the shipped file).
-ADAPT_ROUNDS, ADAPT_ROUND_STEPS, ADAPTED_BATCH = 3, 29_000, 1024
-#: The settling that follows the rounds (``settle_steps``, at most): the lowest-loss chain
-#: continues in segments of ``adapt_round_steps``, in the metric re-equalized at each
-#: segment's start, until its mean loss falls by less than the posterior's own energy
-#: fluctuation, sqrt(d / 2) / N per example (2.3e-4 on OptuNet, d = 392, N = 60,000).
-SETTLE_STEPS = 290_000
-#: An adapted chain's defaults (``preconditioner = "adapted"``, what ``"auto"`` takes for
-#: OptuNet): 4 chains, 4,000 burn-in steps, every 1,000th step kept. Its cold rounds and
-#: settling already bring each chain to the posterior, and in the noise-equalized metric
-#: 1,000 steps decorrelate a sample (lag-1 autocorrelation 0.04): the shipped collection,
-#: median ESS 64 of 100 and R-hat 1.045. The plain chain's 20,000 and 4,000
-#: (:data:`SGHMC_BURN_IN`) gave ESS 8 and R-hat 1.96 on the same posterior.
-ADAPTED_CHAINS, ADAPTED_BURN_IN, ADAPTED_THIN = 4, 4_000, 1_000
+# The numbers of SGHMC's (and SGLD's) options are the vocabulary's, declared once with
+# their reasons: MAX_CHAINS, MAX_SGHMC_STEPS; SGHMC_LR, SGHMC_BURN_IN, SGHMC_THIN (measured
+# on OptuNet / Fashion-MNIST); SGHMC_WHITENED_LR, SGHMC_WHITENED_BATCH (a preconditioned
+# chain's); ADAPT_LR, ADAPT_ALPHA, ADAPT_BATCH, ADAPT_THIN and ADAPT_STEPS (the warm-up of
+# preconditioner = "adapted"); ADAPT_ROUNDS, ADAPT_ROUND_STEPS, ADAPTED_BATCH, ROUND_DRAWS,
+# SETTLE_STEPS (its cold rounds and settling); ADAPTED_CHAINS, ADAPTED_BURN_IN,
+# ADAPTED_THIN (an adapted chain's defaults).
+#
+# Where a chain's minibatches come from (SGHMC_MINIBATCHES): the recipe's shuffled epochs,
+# or independent draws with replacement. Chen et al.'s correction assumes independent
+# minibatch noise; within an epoch the batches add up to the whole dataset, so their noise
+# cancels over the epoch. A chain whose momentum lasts longer than an epoch (1 / alpha
+# steps against N / batch_size) then feels less noise than the estimate subtracts and runs
+# cold: four chains at 0.91-0.96 against 1.02 from the same start on OptuNet /
+# Fashion-MNIST (batch 1024, alpha 2e-3, 59 batches an epoch), and in
+# ``tests/test_sghmc_minibatches.py`` on a Gaussian.
+#
+# The cold rounds that follow the warm-up (``adapt_rounds``, ``adapt_round_steps``): each
+# chain runs at temperature 1 in the noise-equalized metric; the metric is widened from
+# the rounds' draws, and sampling starts from the end of the chain with the lowest loss.
+# On OptuNet / Fashion-MNIST the chains' training loss keeps falling for about 100,000
+# steps after the warm-up (0.657 at the trained network, 0.63 after the warm-up, 0.59
+# at the end of the third round); chains started apart in that landscape stay apart
+# (R-hat 1.27 after three rounds), chains from the common end mix (median ESS 86 of
+# 100, R-hat 1.033, kinetic temperatures 0.975-0.997), all measured from DE member 0.
+# From the SGHMC spec's base network (seed 6) the best chain was still descending after
+# three rounds (losses 0.721 -> 0.700 -> 0.689), and sampling from there gave ESS 17.6
+# and R-hat 1.22; settling it first (SETTLE_STEPS: five segments, to 0.678) gave ESS 64,
+# R-hat 1.045 and kinetic temperatures 0.999-1.022 (the shipped file). The settling: the
+# lowest-loss chain continues in segments of ``adapt_round_steps``, in the metric
+# re-equalized at each segment's start, until its mean loss falls by less than the
+# posterior's own energy fluctuation, sqrt(d / 2) / N per example (2.3e-4 on OptuNet,
+# d = 392, N = 60,000).
+#
+# An adapted chain's defaults (what "auto" takes for OptuNet): its cold rounds and
+# settling already bring each chain to the posterior, and in the noise-equalized metric
+# 1,000 steps decorrelate a sample (lag-1 autocorrelation 0.04): the shipped collection,
+# median ESS 64 of 100 and R-hat 1.045. The plain chain's 20,000 and 4,000
+# (SGHMC_BURN_IN) gave ESS 8 and R-hat 1.96 on the same posterior.
+
 #: Minibatch gradients (at least, and 5 per parameter) that measure the noise covariance.
 NOISE_BATCHES = 2000
-#: Draws per chain and round that widen the metric.
-ROUND_DRAWS = 25
 #: The running noise estimate of a cold chain: about 1,000 steps, which a d x d
 #: covariance of a few hundred parameters needs.
 ADAPTED_NOISE_DECAY = 0.999
-#: SGHMC steps (burn-in, thinning): time, one gradient step each.
-MAX_SGHMC_STEPS = 100_000_000
 #: SGHMC steps whose gradients fill the noise estimate before beta_hat is subtracted.
 NOISE_WARM_UP = 100
 #: Examples per batch when the preconditioner reads the training set.
 READ_BATCH = 500
 
 
-def _alpha(what: str, value: object, context: Context) -> object:
-    if check_number(what, value, 0, strict=True) > 1:
-        raise InvalidOptionError(f"{what} must be at most 1, not {show(value)}")
-    return value
-
-
 def _preconditioner(what: str, value: object, context: Context) -> object:
-    check_name(what, value, SGHMC_PRECONDITIONERS)
     if value == "auto":
         return _preconditioner_auto(context)
     if value in ("laplace", "adapted"):
@@ -928,7 +920,7 @@ def _preconditioner(what: str, value: object, context: Context) -> object:
 def _preconditioner_auto(context: Context) -> Resolved:
     # The adapted metric is the one measured to mix on OptuNet (ADAPTED_BURN_IN); it needs
     # a dense d x d matrix, as full Laplace does, so it shares Laplace's size bound.
-    bound = laplace.AUTO_FULL_LAPLACE_PARAMETERS
+    bound = AUTO_FULL_LAPLACE_PARAMETERS
     count = context.parameter_count()
     if count <= bound:
         return Resolved("adapted", f"derived from the model ({count:,} parameters <= "
@@ -964,12 +956,6 @@ def _chains_default(context: Context) -> Resolved:
                          f"{ADAPTED_CHAINS}; default {ADAPTED_CHAINS})")
 
 
-def _batch_size(what: str, value: object, context: Context) -> object:
-    from train_zoo.recipes import MAX_BATCH_SIZE
-
-    return check_integer(what, value, 1, MAX_BATCH_SIZE)
-
-
 def _batch_size_default(context: Context) -> Resolved:
     # The preconditioner's value is resolved before this one (table order).
     if context.resolved.get("preconditioner") == "adapted":
@@ -996,93 +982,23 @@ def _adapted(context: Context) -> bool:
     return context.resolved["preconditioner"] == "adapted"
 
 
-def _options() -> tuple[MethodOption, ...]:
-    low, high = laplace.PRIOR_PRECISION_RANGE
-
-    return (
-        MethodOption("preconditioner", _preconditioner, constant("auto"),
-                     "auto", "auto (adapted up to "
-                     f"{laplace.AUTO_FULL_LAPLACE_PARAMETERS:,} parameters, else none), none "
-                     "(plain SGHMC at lr), laplace (a constant mass matrix: the base "
-                     "network's full Laplace precision; each chain starts from a draw of "
-                     "that Laplace approximation), adapted (laplace, widened where warm-up "
-                     "chains spread wider, then cold rounds and settling; every chain "
-                     "samples from where the lowest-loss one settled)",
-                     recorded=_preconditioned),
-        MethodOption("lr", with_context(check_number, 0, strict=True), constant(SGHMC_LR),
-                     f"{SGHMC_LR:g}", "step size per example (the chain's is lr / N), > 0"),
-        MethodOption("alpha", _alpha, constant(0.1), "0.1",
-                     "friction, in (0, 1] (an adapted chain's cold rounds and samples derive "
-                     "theirs from the noise: the mode's record has it)"),
-        MethodOption("burn_in", with_context(check_integer, 0, MAX_SGHMC_STEPS),
-                     _adapted_default(ADAPTED_BURN_IN, SGHMC_BURN_IN),
-                     f"{ADAPTED_BURN_IN:,} with an adapted chain, else {SGHMC_BURN_IN:,}",
-                     "steps discarded at the start of each chain (of an adapted one: after "
-                     "its settling)"),
-        MethodOption("thin", with_context(check_integer, 1, MAX_SGHMC_STEPS),
-                     _adapted_default(ADAPTED_THIN, SGHMC_THIN),
-                     f"{ADAPTED_THIN:,} with an adapted chain, else {SGHMC_THIN:,}",
-                     "steps between kept samples"),
-        MethodOption("prior_precision", laplace.prior_check(("training",)), constant("training"),
-                     "training", "training (N x weight decay) or a number in "
-                                 f"[{low:g}, {high:g}]"),
-        MethodOption("chains", with_context(check_integer, 1, MAX_CHAINS), _chains_default,
-                     f"{ADAPTED_CHAINS} with an adapted chain (the largest count up to "
-                     f"{ADAPTED_CHAINS} dividing samples_per_mode), else 1",
-                     f"independent chains per mode, 1 to {MAX_CHAINS}, each keeping "
-                     "samples_per_mode / chains samples"),
-        MethodOption("noise_correction", with_context(check_bool), constant(True), "true",
-                     "subtract Chen et al.'s beta_hat estimated from the minibatch "
-                     "gradients"),
-        MethodOption("noise_decay",
-                     with_context(check_number, 0, strict=True, maximum=0.9999),
-                     constant(0.99), "0.99",
-                     "weight of the past in the running noise estimate, in (0, 0.9999]"),
-        MethodOption("adapt_steps", with_context(check_integer, 2 * ADAPT_THIN,
-                                                 MAX_SGHMC_STEPS),
-                     constant(ADAPT_STEPS), f"{ADAPT_STEPS:,}",
-                     "warm-up steps of each chain before an adapted mass matrix (at step "
-                     f"{ADAPT_LR:g}, friction {ADAPT_ALPHA:g}, batches of {ADAPT_BATCH})",
-                     recorded=_adapted),
-        MethodOption("adapt_rounds", with_context(check_integer, 0, 100),
-                     constant(ADAPT_ROUNDS), str(ADAPT_ROUNDS),
-                     "cold rounds after the warm-up (temperature 1, noise-equalized metric, "
-                     "widened after each but the last); sampling then starts every chain "
-                     "from the end of the round's lowest-loss chain; 0: from each "
-                     "warm-up's end, at whitened_lr and alpha",
-                     recorded=_adapted),
-        MethodOption("adapt_round_steps", with_context(check_integer, ROUND_DRAWS,
-                                                       MAX_SGHMC_STEPS),
-                     constant(ADAPT_ROUND_STEPS), f"{ADAPT_ROUND_STEPS:,}",
-                     "steps of each chain in each cold round", recorded=_adapted),
-        MethodOption("settle_steps", with_context(check_integer, 0, MAX_SGHMC_STEPS),
-                     constant(SETTLE_STEPS), f"{SETTLE_STEPS:,}",
-                     "at most this many steps after the cold rounds in which their "
-                     "lowest-loss chain continues alone, adapt_round_steps at a time, "
-                     "until its mean loss stops falling (by less than the posterior's "
-                     "energy fluctuation, sqrt(d / 2) / N per example); 0: none",
-                     recorded=_adapted),
-        MethodOption("whitened_lr", with_context(check_number, 0, strict=True, maximum=1),
-                     constant(SGHMC_WHITENED_LR), f"{SGHMC_WHITENED_LR:g}",
-                     "step size of a preconditioned chain (in whitened coordinates, where "
-                     "the posterior's curvature is about 1), in (0, 1]; lr is unused there "
-                     "(an adapted chain's cold rounds and samples derive theirs from the "
-                     "noise: the mode's record has it)",
-                     recorded=_preconditioned),
-        MethodOption("batch_size", _batch_size, _batch_size_default,
-                     f"{SGHMC_WHITENED_BATCH} with a preconditioner, else the recipe's",
-                     "minibatch size of the chains (the gradient noise falls as 1 / "
-                     "batch_size), 1 to the training set",
-                     recorded=lambda context: (context.resolved["batch_size"]
-                                               != context.recipe.batch_size)),
-        MethodOption("minibatches", with_context(check_name, SGHMC_MINIBATCHES),
-                     _minibatches_default, "independent with a preconditioner, else epochs",
-                     "epochs (the recipe's shuffled epochs) or independent (drawn with "
-                     "replacement: the independent noise the correction assumes, needed "
-                     "when 1 / alpha steps outlast an epoch)",
-                     recorded=lambda context: (context.resolved["minibatches"] != "epochs"
-                                               or _preconditioned(context))),
-    )
+def _options(method: str) -> tuple[MethodOption, ...]:
+    """The options of ``method`` (``sghmc``, or ``sgld``: the same without ``alpha``), with
+    the rules of their derived defaults, what a collection records, and ``auto`` and the
+    dense-matrix limit of the preconditioner."""
+    return declared_options(
+        method, checks={"preconditioner": _preconditioner},
+        defaults={"burn_in": _adapted_default(ADAPTED_BURN_IN, SGHMC_BURN_IN),
+                  "thin": _adapted_default(ADAPTED_THIN, SGHMC_THIN),
+                  "chains": _chains_default, "batch_size": _batch_size_default,
+                  "minibatches": _minibatches_default},
+        recorded={"preconditioner": _preconditioned, "adapt_steps": _adapted,
+                  "adapt_rounds": _adapted, "adapt_round_steps": _adapted,
+                  "settle_steps": _adapted, "whitened_lr": _preconditioned,
+                  "batch_size": lambda context: (context.resolved["batch_size"]
+                                                 != context.recipe.batch_size),
+                  "minibatches": lambda context: (context.resolved["minibatches"] != "epochs"
+                                                  or _preconditioned(context))})
 
 
 def chain_seed(seed: int, chain: int) -> int:
@@ -1172,8 +1088,7 @@ class Sghmc(Method):
             return self.sampling_friction
         return derived if derived is not None else opts["alpha"]
 
-    def build_options(self) -> tuple[MethodOption, ...]:
-        return _options()
+    options = _options("sghmc")
 
     def _whitening(self, run: ModeRun, model: nn.Module, params: Params, buffers: Params,
                    prior: float) -> Whitening:

@@ -24,7 +24,6 @@ closed-form tests measure.
 
 from __future__ import annotations
 
-from train_zoo.methods.base import MethodOption
 from train_zoo.methods.sghmc import Sghmc, _options
 
 
@@ -35,9 +34,7 @@ class Sgld(Sghmc):
     name = "sgld"
     summary = "stochastic-gradient Langevin dynamics chains from each trained base network"
     sampling_friction = 1.0
-
-    def build_options(self) -> tuple[MethodOption, ...]:
-        return tuple(option for option in _options() if option.name != "alpha")
+    options = _options("sgld")  # the vocabulary's SGLD_OPTIONS: SGHMC's without alpha
 
 
 METHOD = Sgld()

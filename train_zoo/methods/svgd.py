@@ -36,14 +36,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from posteriorzoo.errors import InvalidOptionError
+from posteriorzoo.vocabulary import SVGD_BANDWIDTH
 from train_zoo.loop import fit
-from train_zoo.methods.base import Method, MethodOption, ModeRun, Posterior, constant
+from train_zoo.methods.base import Method, ModeRun, Posterior, declared_options
 from train_zoo.methods.common import flatten, parameters_of, unflatten, untrained_parameters
 from train_zoo.methods.sghmc import prior_precision_from_weight_decay
 
-#: The bandwidth rule (the only one: named so a collection records which it used).
-BANDWIDTH = "median-blackjax"
+#: The bandwidth rule (the vocabulary's only one: named so a collection records which it
+#: used).
+BANDWIDTH = SVGD_BANDWIDTH
 
 
 def median_bandwidth(particles: torch.Tensor) -> float:
@@ -123,10 +124,7 @@ class Svgd(Method):
     name = "svgd"
     summary = "Stein variational gradient descent: samples_per_mode particles that repel"
     trains_base = False
-    options = (MethodOption("bandwidth", lambda what, value, context: _bandwidth(what, value),
-                            constant(BANDWIDTH), BANDWIDTH,
-                            "the RBF kernel's bandwidth rule: median-blackjax "
-                            "(median squared distance / log n, every step)"),)
+    options = declared_options("svgd")
 
     def phase_steps(self, spec: Any, steps_per_epoch: int) -> int:
         return spec.recipe.epochs * steps_per_epoch
@@ -157,12 +155,6 @@ class Svgd(Method):
     def sample(self, state: SvgdParticles, generator: torch.Generator, count: int
                ) -> list[dict[str, torch.Tensor]]:
         return state.samples[:count]
-
-
-def _bandwidth(what: str, value: object) -> str:
-    if value != BANDWIDTH:
-        raise InvalidOptionError(f"{what} must be {BANDWIDTH!r}, not {value!r}")
-    return value
 
 
 METHOD = Svgd()

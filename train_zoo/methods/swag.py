@@ -42,19 +42,25 @@ from torch import nn
 
 from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.options import check_integer, check_number
+from posteriorzoo.vocabulary import (
+    SWAG_ITERATES,
+    SWAG_LENGTH_FACTOR,
+    SWAG_RAMP_EPOCHS,
+    SWAG_RANK,
+    SWAG_REFERENCE_EPOCHS,
+    SWAG_SCALE,
+)
 from train_zoo.loop import fit
 from train_zoo.methods.base import (
     Collector,
     Context,
     DefaultRule,
     Method,
-    MethodOption,
     ModeRun,
     Posterior,
     Resolved,
-    constant,
+    declared_options,
     recipe_lr,
-    with_context,
 )
 from train_zoo.methods.common import Params, flatten, logits, parameters_of, unflatten
 
@@ -76,17 +82,12 @@ __all__ = [
     "variance",
 ]
 
-RANK = 20
-"""Maximum number ``K`` of deviation columns (the paper's rank 20)."""
-ITERATES = 20
-"""Iterates collected during the SWAG phase (the paper's 20 models)."""
-SCALE = 0.1
-"""The paper's sampling scale: it multiplies the covariance."""
-LENGTH_FACTOR = 2
-"""The SWAG phase lasts this many times the recipe's epochs ("twice the usual length")."""
-RAMP_EPOCHS = 10
-"""Default length of the linear learning-rate ramp (as ``torch.optim.swa_utils.SWALR``'s
-default ``anneal_epochs``; the paper does not give one)."""
+# The numbers of SWAG's options, declared once in the vocabulary: the rank K of the
+# deviation columns (the paper's 20), the iterates collected (the paper's 20 models), the
+# sampling scale that multiplies the covariance (the paper's 0.1), the phase length in
+# recipes (twice the usual length) and the ramp to the high learning rate.
+RANK, ITERATES, SCALE = SWAG_RANK, SWAG_ITERATES, SWAG_SCALE
+LENGTH_FACTOR, RAMP_EPOCHS = SWAG_LENGTH_FACTOR, SWAG_RAMP_EPOCHS
 
 
 # ---------------------------------------------------------------- option checks
@@ -425,15 +426,8 @@ def recompute_batchnorm(model: nn.Module, params: Mapping[str, torch.Tensor],
 
 
 # ---------------------------------------------------------------- the method
-#: SWAG's deviation columns: each is one more copy of the parameters in memory (ResNet-18:
-#: 45 MB), and the paper uses 20.
-MAX_SWAG_RANK = 100
-#: SWAG's covariance multiplier: 1 is SWAG's own covariance (the paper draws with 0.1);
-#: far above, draws leave the basin and overflow float32.
-MAX_SWAG_SCALE = 100.0
-#: The phase length the defaults RAMP_EPOCHS, ITERATES and RANK are for: twice the paper's
-#: 60-epoch recipe.
-SWAG_REFERENCE_EPOCHS = LENGTH_FACTOR * 60
+# MAX_SWAG_RANK, MAX_SWAG_SCALE and SWAG_REFERENCE_EPOCHS (the phase length the defaults
+# are for) are the vocabulary's, with their reasons.
 
 
 def scaled_default(usual: int, epochs: int, reference: int, minimum: int) -> int:
@@ -483,53 +477,23 @@ def _rank_default(context: Context) -> Resolved:
                     f"column per iterate; default {RANK} with {ITERATES} iterates)")
 
 
-def _ramp(what: str, value: object, context: Context) -> object:
-    return check_integer(what, value, 0, context.resolved["epochs"])
-
-
-def _collect_from(what: str, value: object, context: Context) -> object:
-    return check_integer(what, value, 0, context.resolved["epochs"] - 1)
-
-
-def _iterates(what: str, value: object, context: Context) -> object:
-    from train_zoo.recipes import MAX_EPOCHS
-
-    count = check_integer(what, value, 2, MAX_EPOCHS)
+def _iterates(what: str, value: int, context: Context) -> int:
     window = context.resolved["epochs"] - context.resolved["collect_from"]
-    if count > window:
+    if value > window:
         raise InvalidOptionError(
-            f"swag option 'iterates' ({count}) exceeds the {window} epochs from "
+            f"swag option 'iterates' ({value}) exceeds the {window} epochs from "
             "'collect_from' to 'epochs'")
-    return count
+    return value
 
 
-def _options() -> tuple[MethodOption, ...]:
-    from train_zoo.recipes import MAX_EPOCHS
-
-    return (
-        MethodOption("lr", with_context(check_number, 0, strict=True), recipe_lr,
-                     "the recipe's lr", "the high learning rate of the SWAG phase, > 0"),
-        MethodOption("epochs", with_context(check_integer, 1, MAX_EPOCHS),
-                     _epochs_default, "twice the recipe's epochs: 120 at 60",
-                     f"length of the SWAG phase in epochs, 1 to {MAX_EPOCHS:,}"),
-        MethodOption("ramp_epochs", _ramp, _scaled("ramp_epochs", RAMP_EPOCHS, 1),
-                     f"{RAMP_EPOCHS} at {SWAG_REFERENCE_EPOCHS} epochs, fewer in "
-                     "proportion below, at least 1",
-                     "epochs of the linear ramp to lr, 0 to epochs"),
-        MethodOption("collect_from", _collect_from, constant(0), "0",
-                     "first epoch of the window whose iterates are collected, below epochs"),
-        MethodOption("iterates", _iterates, _scaled("iterates", ITERATES, 2),
-                     f"{ITERATES} at {SWAG_REFERENCE_EPOCHS} epochs, fewer in "
-                     "proportion below: at least 2, at most the window's epochs",
-                     "iterates collected at equal intervals of the window, 2 to its "
-                     "epochs"),
-        MethodOption("rank", with_context(check_integer, 1, MAX_SWAG_RANK),
-                     _rank_default, f"{RANK}, at most iterates",
-                     f"deviation columns of the low-rank covariance, 1 to {MAX_SWAG_RANK}"),
-        MethodOption("scale", with_context(check_number, 0, maximum=MAX_SWAG_SCALE),
-                     constant(SCALE), f"{SCALE:g}",
-                     f"multiplier of the covariance of a draw, 0 to {MAX_SWAG_SCALE:g}"),
-    )
+#: The options (posteriorzoo.vocabulary.SWAG_OPTIONS: ramp_epochs is at most epochs and
+#: collect_from below it, there) with the rules of their derived defaults and the window
+#: the iterates must fit.
+OPTIONS = declared_options(
+    "swag", checks={"iterates": _iterates},
+    defaults={"lr": recipe_lr, "epochs": _epochs_default,
+              "ramp_epochs": _scaled("ramp_epochs", RAMP_EPOCHS, 1),
+              "iterates": _scaled("iterates", ITERATES, 2), "rank": _rank_default})
 
 
 @dataclass(frozen=True)
@@ -553,8 +517,7 @@ class Swag(Method):
     name = "swag"
     summary = "SWA-Gaussian: moments of SGD iterates around each trained base network"
 
-    def build_options(self) -> tuple[MethodOption, ...]:
-        return _options()
+    options = OPTIONS
 
     def phase_steps(self, spec: Any, steps_per_epoch: int) -> int:
         return spec.method_options["epochs"] * steps_per_epoch
