@@ -18,8 +18,9 @@ METHOD_LABELS = {name: info.label for name, info in METHODS.items()}
 
 def collection_label(zoo: Any) -> str:
     """The display name of an open collection's method: ``SWAG``, ``MM-SWAG`` (a
-    multi-mode posterior), ``BBB (trained-variance)`` (a preset other than the paper's);
-    a method without a display name is named as the file records it.
+    multi-mode posterior), ``BBB (trained-variance)`` or ``Laplace (kfac)`` (a version
+    other than the paper's: the method's ``variant`` option in the vocabulary); a method
+    without a display name is named as the file records it.
 
     Parameters
     ----------
@@ -27,7 +28,10 @@ def collection_label(zoo: Any) -> str:
         An open collection (its ``method``, ``annotations`` and ``recipe`` are read).
     """
     label = METHOD_LABELS.get(zoo.method, zoo.method)
-    preset = ((zoo.recipe or {}).get("method_options") or {}).get("preset")
-    if isinstance(preset, str) and preset != "paper":
-        label = f"{label} ({preset})"
+    info = METHODS.get(zoo.method)
+    if info is not None and info.variant is not None:
+        option, usual = info.variant
+        value = ((zoo.recipe or {}).get("method_options") or {}).get(option)
+        if isinstance(value, str) and value != usual:   # unrecorded: the paper's version
+            label = f"{label} ({value})"
     return f"MM-{label}" if zoo.annotations.get("posterior") == "multi-mode" else label

@@ -636,6 +636,11 @@ class MethodInfo:
     options : tuple of OptionInfo
         Its options (a spec's ``[method_options]``), in the order they are resolved and
         listed; empty for none.
+    variant : tuple of (str, str), optional
+        The option whose value names a version of the method, and the paper's value of it
+        (BBB's ``("preset", "paper")``, Laplace's ``("structure", "full")``): a collection
+        recorded with another value is labelled ``"<label> (<value>)"``, so the versions
+        get rows of their own in Table 1 and styles of their own in the figures.
     """
 
     name: str
@@ -647,11 +652,15 @@ class MethodInfo:
     summary: str
     sample_sigma: bool = False
     options: tuple[OptionInfo, ...] = ()
+    variant: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         names = [option.name for option in self.options]
         if len(set(names)) != len(names):
             raise ValueError(f"method {self.name!r}: an option is declared twice")
+        if self.variant is not None and self.variant[0] not in names:
+            raise ValueError(f"method {self.name!r}: its variant option {self.variant[0]!r} "
+                             "is not one of its options")
         if self.family not in FAMILIES:
             raise ValueError(f"method {self.name!r}: unknown family {self.family!r}")
         unknown = set(self.records) - set(RECORDS)
@@ -672,7 +681,7 @@ METHODS: dict[str, MethodInfo] = {info.name: info for info in (
     MethodInfo("laplace", "Laplace", "gaussian", ("curvature",), "#9467bd",
                "train_zoo.methods.laplace:METHOD",
                "Laplace: a Gaussian from the curvature at a trained network",
-               options=LAPLACE_OPTIONS),
+               options=LAPLACE_OPTIONS, variant=("structure", "full")),
     MethodInfo("sghmc", "SGHMC", "chain", ("chains",), "#8c564b",
                "train_zoo.methods.sghmc:METHOD",
                "SGHMC: stochastic-gradient Hamiltonian Monte Carlo chains", options=SGHMC_OPTIONS),
@@ -689,7 +698,7 @@ METHODS: dict[str, MethodInfo] = {info.name: info for info in (
     MethodInfo("bbb", "BBB", "variational", ("sigma",), "#2ca02c",
                "train_zoo.methods.bbb:METHOD",
                "Bayes by Backprop: a mean-field Gaussian trained by its ELBO",
-               sample_sigma=True, options=BBB_OPTIONS),
+               sample_sigma=True, options=BBB_OPTIONS, variant=("preset", "paper")),
     MethodInfo("ivon", "IVON", "variational", ("scales",), "#dbdb8d",
                "train_zoo.methods.ivon:METHOD",
                "IVON: a diagonal Gaussian learnt at Adam's cost (the ivon-opt optimizer)",

@@ -20,9 +20,10 @@ def test_demo_runs_and_resumes(tmp_path, capsys, monkeypatch):
     # method, its page, Table 1 printed
     report = json.loads((out / "demo-summary.json").read_text())["report"]
     assert [row["name"] for row in report["table1"]] == [
-        "DE", "Dropout", "BBB", "BBB (trained-variance)", "SWAG", "Laplace", "SGHMC", "IVON",
-        "cSGLD", "cSGHMC", "EMP", "ECMP", "Rank-1", "MM-Dropout", "MM-BBB",
-        "MM-BBB (trained-variance)", "MM-SWAG", "MM-Laplace", "MM-IVON"]
+        "DE", "Dropout", "BBB", "BBB (trained-variance)", "SWAG", "Laplace", "Laplace (kfac)",
+        "Laplace (diag)", "Laplace (last-layer-kfac)", "SGHMC", "IVON", "cSGLD", "cSGHMC",
+        "EMP", "ECMP", "Rank-1", "MM-Dropout", "MM-BBB", "MM-BBB (trained-variance)",
+        "MM-SWAG", "MM-Laplace", "MM-Laplace (kfac)", "MM-Laplace (diag)", "MM-IVON"]
     assert f"[2] report on the reference zoo (OOD: {report['ood']}): " \
            f"{out / 'report' / 'report.html'}" in text
     assert "| MM-Laplace | multi-mode | 100 |" in text

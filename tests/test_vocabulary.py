@@ -101,3 +101,28 @@ def test_a_new_chain_method_gets_chain_statistics_from_its_entry(tmp_path, monke
     assert any("not recorded" in line for line in result.unknown)
     monkeypatch.setitem(METHODS, "sgld-test", dataclasses.replace(entry, family="ensemble"))
     assert diagnose(path, predictions=False).chains is None
+
+
+def test_a_methods_variant_gets_its_own_label():
+    """The vocabulary's ``variant`` option names a version of a method: another value
+    than the paper's gives the collection a label (a Table 1 row, a figure style) of its
+    own; the paper's value, or none recorded, keeps the method's label."""
+    from types import SimpleNamespace
+
+    from analysis.labels import collection_label
+
+    def zoo(method, options, posterior="single-mode"):
+        return SimpleNamespace(method=method, annotations={"posterior": posterior},
+                               recipe={"method_options": options})
+
+    assert collection_label(zoo("laplace", {"structure": "kfac"})) == "Laplace (kfac)"
+    assert collection_label(zoo("laplace", {"structure": "diag"}, "multi-mode")) == \
+        "MM-Laplace (diag)"
+    assert collection_label(zoo("laplace", {"structure": "full"})) == "Laplace"
+    assert collection_label(zoo("laplace", {})) == "Laplace"
+    assert collection_label(zoo("bbb", {"preset": "trained-variance"})) == \
+        "BBB (trained-variance)"
+    # an option that names no variant of its method changes nothing
+    assert collection_label(zoo("swag", {"structure": "kfac"})) == "SWAG"
+    with pytest.raises(ValueError, match="variant option"):
+        dataclasses.replace(METHODS["laplace"], variant=("no-such-option", "x"))
