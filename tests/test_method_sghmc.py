@@ -11,7 +11,7 @@ from torch import nn
 
 from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.models import build
-from train_zoo.methods import sghmc
+from train_zoo.methods import sghmc, sghmc_update
 from train_zoo.methods.common import mean_nll, parameters_of
 
 # A correlated 2-D Gaussian target with an exact, noise-free gradient.
@@ -67,8 +67,8 @@ def test_gaussian_target_mean_and_covariance():
 def test_a_wrong_noise_scale_fails_the_check(monkeypatch, factor):
     """Mutation check: the moment check has the power to reject a broken sampler. 0.01 is
     torch-uncertainty's factor on the noise; 1/sqrt(2) is N(0, alpha lr) for N(0, 2 alpha lr)."""
-    right = sghmc._noise_std
-    monkeypatch.setattr(sghmc, "_noise_std", lambda lr, alpha: factor * right(lr, alpha))
+    right = sghmc_update._noise_std
+    monkeypatch.setattr(sghmc_update, "_noise_std", lambda lr, alpha: factor * right(lr, alpha))
     assert not _moments_match(_gaussian_draws())
 
 

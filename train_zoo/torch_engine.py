@@ -19,9 +19,9 @@ from posteriorzoo.models import build
 from train_zoo.data import TrainingData, eval_transform, train_transform
 from train_zoo.device import CPU, TrainingDevice
 from train_zoo.loop import fit
-from train_zoo.methods import sghmc
+from train_zoo.methods import sghmc_update
 from train_zoo.methods.common import Params
-from train_zoo.methods.sghmc import LogPosteriorGradient
+from train_zoo.methods.sghmc_steppers import LogPosteriorGradient
 from train_zoo.recipes import Recipe
 from train_zoo.result import CheckpointResult, is_diverged
 from train_zoo.seeds import CheckpointSeeds, checkpoint_seeds
@@ -182,7 +182,7 @@ def torch_log_posterior(model: nn.Module, buffers: Mapping[str, torch.Tensor], n
     model.eval()
 
     def objective(params: Params, batch: tuple) -> torch.Tensor:
-        return sghmc.log_posterior(model, params, buffers, batch, num_data, prior_precision)
+        return sghmc_update.log_posterior(model, params, buffers, batch, num_data, prior_precision)
 
     gradient = grad_and_value(objective)
 

@@ -19,7 +19,7 @@ import torch
 from train_zoo.fast.kernels import loss_and_grad
 from train_zoo.fast.layout import NetLayout
 from train_zoo.methods.common import Params, flatten, unflatten
-from train_zoo.methods.sghmc import LogPosteriorGradient
+from train_zoo.methods.sghmc_steppers import LogPosteriorGradient
 
 __all__ = ["LossGradient", "fast_log_posterior", "fast_loss_and_grad", "fast_loss_gradient"]
 

@@ -62,7 +62,8 @@ from train_zoo.methods.base import (
     generator_for,
 )
 from train_zoo.methods.common import Params, untrained_parameters
-from train_zoo.methods.sghmc import LogPosteriorGradient, prior_precision_from_weight_decay
+from train_zoo.methods.sghmc_steppers import LogPosteriorGradient
+from train_zoo.methods.sghmc_update import prior_precision_from_weight_decay
 
 # The numbers of the options, the vocabulary's (with their reasons): the default cycles
 # (100 samples are 10 of each of 10 modes visited), the shares of each cycle with noise and

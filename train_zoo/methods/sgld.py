@@ -24,7 +24,8 @@ closed-form tests measure.
 
 from __future__ import annotations
 
-from train_zoo.methods.sghmc import Sghmc, _options
+from train_zoo.methods.sghmc import Sghmc
+from train_zoo.methods.sghmc_options import method_options
 
 
 class Sgld(Sghmc):
@@ -34,7 +35,7 @@ class Sgld(Sghmc):
     name = "sgld"
     summary = "stochastic-gradient Langevin dynamics chains from each trained base network"
     sampling_friction = 1.0
-    options = _options("sgld")  # the vocabulary's SGLD_OPTIONS: SGHMC's without alpha
+    options = method_options("sgld")  # the vocabulary's SGLD_OPTIONS: SGHMC's without alpha
 
 
 METHOD = Sgld()

@@ -40,7 +40,7 @@ from posteriorzoo.vocabulary import SVGD_BANDWIDTH
 from train_zoo.loop import fit
 from train_zoo.methods.base import Method, ModeRun, Posterior, declared_options
 from train_zoo.methods.common import flatten, parameters_of, unflatten, untrained_parameters
-from train_zoo.methods.sghmc import prior_precision_from_weight_decay
+from train_zoo.methods.sghmc_update import prior_precision_from_weight_decay
 
 #: The bandwidth rule (the vocabulary's only one: named so a collection records which it
 #: used).
