@@ -34,6 +34,7 @@ from torch import nn
 from posteriorzoo._api import public
 from posteriorzoo.errors import InvalidOptionError
 from posteriorzoo.options import check_choice, check_integer
+from posteriorzoo.vocabulary import EMP_COMPONENTS, EMP_PATCHES, options_of
 
 __all__ = [
     "BBB",
@@ -59,11 +60,25 @@ __all__ = [
 
 #: The methods counted, in the order they are reported (the vocabulary's names).
 COUNTED_METHODS = (EMP, RANK1, BBB) = ("emp", "rank-1", "bbb")
-#: EMP/ECMP patches: BatchNorm affine; BN and the output layer; the input and output layers.
-PATCHES = ("bn", "bn+out", "in+out")
-#: The seeds' numbers of components: EMP/ECMP K = 5 (seed 001), Rank-1 K = 4 (seed 002).
-EMP_COMPONENTS = 5
-RANK1_COMPONENTS = 4
+#: EMP/ECMP patches: BatchNorm affine; BN and the output layer; the input and output layers
+#: (the vocabulary's choices of the ``patch`` option but ``auto``, which picks one of them).
+PATCHES = tuple(patch for patch in EMP_PATCHES if patch != "auto")
+
+
+def _declared_components(method: str) -> int:
+    """The default of ``method``'s ``components`` option as the vocabulary declares it, so
+    that the counts and the trainer cannot disagree on ``K``."""
+    default = next(option.default for option in options_of(method)
+                   if option.name == "components")
+    if not isinstance(default, int):
+        raise TypeError(f"{method}'s declared components default is not an integer: "
+                        f"{default!r}")
+    return default
+
+
+#: The seeds' numbers of components, the trainers' defaults (EMP_COMPONENTS, imported
+#: from the vocabulary): EMP/ECMP K = 5 (seed 001), Rank-1 K = 4 (seed 002).
+RANK1_COMPONENTS = _declared_components("rank-1")
 #: More components than this is no parameter-efficient method; the bound keeps a typo
 #: (an extra digit) from printing a meaningless table.
 MAX_COMPONENTS = 1_000
