@@ -1048,6 +1048,16 @@ def _ivon_chains(setup: dict[str, Any], seed: int,
     return {"ours": ours, "plain": plain}
 
 
+def _largest_kernel_row_sum(particles: torch.Tensor) -> float:
+    """``max_i sum_j k(x_j, x_i)`` of SVGD's kernel at these particles ``(n, d)`` (the
+    median-rule bandwidth of :mod:`train_zoo.methods.svgd`)."""
+    from train_zoo.methods.svgd import median_bandwidth
+
+    x = particles.double()
+    kernel = torch.exp(-torch.cdist(x, x).square() / median_bandwidth(x))
+    return float(kernel.sum(1).max())
+
+
 def _svgd_chains(setup: dict[str, Any], watch: list[tuple[float, float]] | None = None
                  ) -> dict[str, Callable[[], SgmcmcChain]]:
     """Part (f)'s SVGD: ours ``SvgdStepper`` (a kernel gradient per particle, BlackJAX's
@@ -1096,7 +1106,8 @@ def _svgd_chains(setup: dict[str, Any], watch: list[tuple[float, float]] | None 
                 bandwidth = 1.0
             kernel = torch.exp(-squared / bandwidth)
             repulsion = (2 / bandwidth) * (kernel.sum(1, keepdim=True) * x - kernel @ x)
-            x = x + (lr / num_data) * (kernel @ g + repulsion) / n
+            # phi = (kernel @ g + repulsion) / n, stepped by n lr / N (train_zoo.methods.svgd)
+            x = x + (lr / num_data) * (kernel @ g + repulsion)
             return float(value.mean()) / num_data
         return SgmcmcChain(step, lambda: {"particles": x.clone()})
 
@@ -1204,8 +1215,15 @@ def bench_new_methods(args: argparse.Namespace) -> dict[str, Any]:
                            hess_init=setup["ivon"]["hess_init"],
                            min_hess=min([setup["ivon"]["hess_init"], *hess]))
             else:
-                row.update(lr=setup["svgd_lr"], eta=setup["svgd_lr"] / setup["num_data"],
-                           particles=len(setup["particles"]))
+                # each particle moves by (n lr / N) phi = (lr / N) sum_j k_ij g_j + ...:
+                # a gradient's error reaches it weighted by its kernel row's sum, at most
+                # n, about 2 under the median rule; the largest sum at the start and the
+                # end (the particles moved 1e-2, their distances are O(1))
+                row_sum = max(_largest_kernel_row_sum(x) for x in (start["particles"],
+                                                                   a["particles"]))
+                row.update(lr=setup["svgd_lr"],
+                           eta=row_sum * setup["svgd_lr"] / setup["num_data"],
+                           particles=len(setup["particles"]), kernel_row_sum=row_sum)
             rows.append(row)
     return {"batch": setup["batch"], "steps": steps, "num_data": setup["num_data"],
             "prior_precision": setup["prior_precision"], "loss_window": window,
