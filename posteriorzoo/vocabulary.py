@@ -37,7 +37,8 @@ __all__ = [
     "BBB_OPTIMIZERS", "BBB_PRESETS", "BOOLEAN", "CSGHMC_ALPHA", "CSGMCMC_CYCLES",
     "CSGMCMC_KEEP_FRACTION", "CSGMCMC_SAMPLING_FRACTION", "DERIVED", "EMP_COMPONENTS",
     "EMP_INIT_NOISE", "EMP_LR", "EMP_PATCHES", "EMP_SAMPLES", "EMP_WEIGHT_DECAY",
-    "FRACTION", "IVON_BETA1", "IVON_BETA2", "IVON_HESS_INIT", "IVON_LR",
+    "FRACTION", "HMC_BURN_IN", "HMC_MAX_LEAPFROG_STEPS", "HMC_TARGET_ACCEPT", "HMC_THIN",
+    "IVON_BETA1", "IVON_BETA2", "IVON_HESS_INIT", "IVON_LR",
     "LAPLACE_STRUCTURES", "MAX_ADAPT_ROUNDS", "MAX_BATCH_SIZE", "MAX_CHAINS", "MAX_CYCLES",
     "MAX_EMP_COMPONENTS", "MAX_EMP_SAMPLES", "MAX_EPOCHS", "MAX_NOISE_DECAY",
     "MAX_SGHMC_STEPS", "MAX_SWAG_RANK", "MAX_SWAG_SCALE", "NAMES", "NON_NEGATIVE",
@@ -609,6 +610,31 @@ SVGD_OPTIONS = (
             "log n, every step)"),
 )
 
+# ------------------------------------------------------------ hmc
+#: Full-batch HMC (issue 33): burn-in iterations (adapting the step size; Izmailov et al.
+#: 2021 burn in for 50), iterations between kept samples, the acceptance the adaptation
+#: aims at (Hoffman & Gelman 2014) and the cap on leapfrog steps per iteration (the
+#: bnn_hmc code's max_num_leapfrog_steps).
+HMC_BURN_IN, HMC_THIN, HMC_TARGET_ACCEPT, HMC_MAX_LEAPFROG_STEPS = 50, 1, 0.8, 10_000
+#: HMC iterations (burn-in, thinning): time, one trajectory of full-data gradients each.
+MAX_HMC_ITERATIONS = 10_000_000
+HMC_OPTIONS = (
+    _option("burn_in", _integer(0, MAX_HMC_ITERATIONS), HMC_BURN_IN,
+            "iterations that adapt the step size (dual averaging); none is kept"),
+    _option("thin", _integer(1, MAX_HMC_ITERATIONS), HMC_THIN,
+            "iterations between kept samples after burn-in"),
+    _option("trajectory_length", POSITIVE, None,
+            "integration time per iteration (step_size x leapfrog steps), > 0",
+            "pi/2 x the prior's standard deviation 1/sqrt(N x weight_decay) (Izmailov et "
+            "al. 2021)"),
+    _option("step_size", POSITIVE, None, "the leapfrog step size the adaptation starts "
+            "from, > 0", "Hoffman & Gelman's heuristic (one step's acceptance near 1/2)"),
+    _option("target_accept", _real(0, 1, "neither"), HMC_TARGET_ACCEPT,
+            "the mean acceptance probability the burn-in adapts the step size to, in (0, 1)"),
+    _option("max_leapfrog_steps", _integer(1, MAX_HMC_ITERATIONS), HMC_MAX_LEAPFROG_STEPS,
+            "the most leapfrog steps per iteration (a shorter trajectory past it)"),
+)
+
 
 @dataclass(frozen=True)
 class MethodInfo:
@@ -714,6 +740,9 @@ METHODS: dict[str, MethodInfo] = {info.name: info for info in (
     MethodInfo("svgd", "SVGD", "ensemble", (), "#aec7e8", "train_zoo.methods.svgd:METHOD",
                "SVGD: samples_per_mode particles that repel (Stein variational gradient "
                "descent)", options=SVGD_OPTIONS),
+    MethodInfo("hmc", "HMC", "chain", ("chains",), "#637939", "train_zoo.methods.hmc:METHOD",
+               "full-batch HMC: one Metropolis-corrected chain from each trained base "
+               "network", options=HMC_OPTIONS),
 )}
 
 

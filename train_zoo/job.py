@@ -10,7 +10,9 @@ cover falls back to the generic engine. All three are engines of the one loop
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from posteriorzoo.errors import InvalidOptionError, UnknownNameError
 from posteriorzoo.vocabulary import ENGINES
@@ -55,11 +57,14 @@ def resolve_engine(spec: ZooSpec, engine: str, device: TrainingDevice = CPU) -> 
 
 def train_checkpoints(spec: ZooSpec, indices: Sequence[int], data: TrainingData | None = None,
                       engine: str = "auto", callbacks: Sequence[object] = (),
-                      device: str | TrainingDevice | None = None) -> list[CheckpointResult]:
+                      device: str | TrainingDevice | None = None,
+                      progress: str | os.PathLike | None = None) -> list[CheckpointResult]:
     """Produce modes ``indices`` of ``spec``: their checkpoints, mode by mode, each mode's
     samples in order (:func:`train_zoo.programs.produce_mode`). ``device`` (``cpu``,
     ``cuda``, ``cuda:N`` or a :class:`~train_zoo.device.TrainingDevice`): where the torch
-    engine trains (the numba engines run on CPU only)."""
+    engine trains (the numba engines run on CPU only). ``progress``: a folder where each
+    mode's method may keep its state between runs (in ``mode-<i>``), so a mode killed
+    midway resumes there (None: in memory only)."""
     device = resolve_device(device)
     data = data or load_training_data(spec.dataset, spec.data_dir)
     check_channels(spec.architecture, spec.model_options, data)
@@ -68,5 +73,6 @@ def train_checkpoints(spec: ZooSpec, indices: Sequence[int], data: TrainingData 
         if callbacks:
             raise InvalidOptionError("callbacks are not supported by the vectorised engine")
         return vectorised.train_vectorised(spec, list(indices), data)
+    folder = None if progress is None else Path(progress)
     return [result for index in indices
-            for result in produce_mode(spec, index, data, chosen, callbacks, device)]
+            for result in produce_mode(spec, index, data, chosen, callbacks, device, folder)]

@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -60,7 +61,8 @@ from train_zoo.torch_engine import (
 )
 from train_zoo.torch_engine import train_base as torch_train_base
 
-__all__ = ["READ_BATCH", "BBBTrainingRun", "ModeEngine", "produce_mode", "train_bbb"]
+__all__ = ["READ_BATCH", "BBBTrainingRun", "ModeEngine", "mode_progress", "produce_mode",
+           "train_bbb"]
 
 StateDict = dict[str, torch.Tensor]
 #: Examples per batch when a method reads the training set without training on it.
@@ -169,10 +171,18 @@ class ModeEngine:
         return BBBStepper(start, model, run)
 
 
+def mode_progress(progress: Path, index: int) -> Path:
+    """Mode ``index``'s own folder under a collection's ``progress`` folder, where its
+    method may keep state between runs (:attr:`ModeRun.progress`)."""
+    return Path(progress) / f"mode-{index}"
+
+
 def _mode_run(spec: ZooSpec, index: int, data: TrainingData, engine: str,
-              callbacks: Sequence[object], device: TrainingDevice = CPU) -> ModeRun:
+              callbacks: Sequence[object], device: TrainingDevice = CPU,
+              progress: Path | None = None) -> ModeRun:
     modes = ModeEngine(spec, index, data, engine, callbacks, device)
-    return ModeRun(spec, index, modes.seeds, data, modes, callbacks)
+    return ModeRun(spec, index, modes.seeds, data, modes, callbacks,
+                   None if progress is None else mode_progress(progress, index))
 
 
 def train_bbb(spec: ZooSpec, index: int, data: TrainingData, engine: str,
@@ -182,8 +192,8 @@ def train_bbb(spec: ZooSpec, index: int, data: TrainingData, engine: str,
 
 
 def produce_mode(spec: ZooSpec, index: int, data: TrainingData, engine: str,
-                 callbacks: Sequence[object] = (), device: TrainingDevice = CPU
-                 ) -> list[CheckpointResult]:
+                 callbacks: Sequence[object] = (), device: TrainingDevice = CPU,
+                 progress: Path | None = None) -> list[CheckpointResult]:
     """The ``samples_per_mode`` checkpoints of mode ``index`` of ``spec``.
 
     Parameters
@@ -200,6 +210,9 @@ def produce_mode(spec: ZooSpec, index: int, data: TrainingData, engine: str,
     device : TrainingDevice
         Where the torch engine trains the base network and evaluates the samples
         (:mod:`train_zoo.device`); the method's own phases run on CPU.
+    progress : Path, optional
+        The collection's progress folder: the mode's phases may keep their state in its
+        ``mode-<index>`` folder (:func:`mode_progress`) and resume from it.
 
     Returns
     -------
@@ -208,7 +221,7 @@ def produce_mode(spec: ZooSpec, index: int, data: TrainingData, engine: str,
     """
     started = time.perf_counter()
     method = get_method(spec.method)
-    run = _mode_run(spec, index, data, engine, callbacks, device)
+    run = _mode_run(spec, index, data, engine, callbacks, device, progress)
     posterior = method.fit(run)
     samples = method.sample(posterior.state, generator_for(run.seeds.sample),
                             spec.counts()[1])

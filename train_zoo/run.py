@@ -27,7 +27,10 @@ temporary or already published.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import os
+import shutil
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -50,6 +53,7 @@ from train_zoo.backends import LocalBackend
 from train_zoo.data import check_channels, load_training_data
 from train_zoo.job import resolve_engine
 from train_zoo.methods.registry import get_method
+from train_zoo.programs import mode_progress
 from train_zoo.result import CheckpointResult, near_chance
 from train_zoo.spec import ZooSpec
 from train_zoo.torch_engine import initial_model
@@ -196,10 +200,31 @@ def _template(spec: ZooSpec) -> dict:
 
 
 class Backend(Protocol):
-    """What :func:`train_collection` asks of a backend (:mod:`train_zoo.backends`)."""
+    """What :func:`train_collection` asks of a backend (:mod:`train_zoo.backends`).
+
+    A backend whose ``run`` also takes ``progress`` (a folder; the local and serial
+    backends do) is given the collection's progress folder (:func:`progress_folder`), so
+    a mode killed midway resumes where its method left it; other backends restart such a
+    mode from its start.
+    """
 
     def run(self, spec: ZooSpec, indices: Sequence[int], engine: str = "auto"
             ) -> Iterator[CheckpointResult]: ...
+
+
+def progress_folder(out: str | os.PathLike) -> Path:
+    """The hidden folder beside ``out`` where the modes being trained keep their state
+    between runs (``.<out name>.progress/mode-<i>/``, :attr:`ModeRun.progress`)."""
+    out = Path(out)
+    return out.parent / f".{out.name}.progress"
+
+
+def _takes_progress(backend: object) -> bool:
+    run = getattr(backend, "run", None)
+    try:
+        return run is not None and "progress" in inspect.signature(run).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: Backend | None = None,
@@ -255,6 +280,9 @@ def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: Backend 
                                 records=None if record is None else {mode[0].index: record})
                 if not zoo.published:
                     zoo.publish()  # from now on an ordinary, resumable collection
+                if progress_root is not None:  # the mode is in: its saved state is not needed
+                    shutil.rmtree(mode_progress(progress_root, mode[0].index),
+                                  ignore_errors=True)
                 trained += len(mode)
                 diverged += sum(r.diverged for r in mode)
                 if num_classes is None:  # a collection train_zoo writes records its classes
@@ -266,7 +294,10 @@ def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: Backend 
                 bar.set_postfix(steps_per_s=f"{steps / elapsed:.0f}", diverged=diverged)
                 bar.update(len(mode))
 
-            results = backend.run(spec, missing, engine)
+            progress_root = progress_folder(out) if _takes_progress(backend) else None
+            results = (backend.run(spec, missing, engine) if progress_root is None
+                       else backend.run(spec, missing, engine,  # type: ignore[call-arg]
+                                        progress=progress_root))
             assembling: dict[int, list] = {}  # modes whose samples are still coming
             finished: dict[int, list] = {}  # whole modes waiting for a predecessor
             next_position = 0  # missing[next_position] is the next mode to commit
@@ -293,5 +324,8 @@ def train_collection(spec: ZooSpec, out: str | os.PathLike, *, backend: Backend 
                 if close is not None:  # stop the backend's workers now on an error
                     close()
         total = len(zoo)
+        if progress_root is not None:  # every mode committed leaves an empty folder
+            with contextlib.suppress(OSError):
+                progress_root.rmdir()
     return TrainSummary(Path(out), total, trained, diverged, steps,
                         time.perf_counter() - started, chance)

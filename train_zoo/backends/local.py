@@ -35,13 +35,13 @@ class SerialBackend:
         self.callbacks = tuple(callbacks)
         self.device = resolve_device(device)   # refused here: cuda without a GPU
 
-    def run(self, spec: ZooSpec, indices: Sequence[int], engine: str = "auto"
-            ) -> Iterator[CheckpointResult]:
+    def run(self, spec: ZooSpec, indices: Sequence[int], engine: str = "auto",
+            progress: str | os.PathLike | None = None) -> Iterator[CheckpointResult]:
         resolve_engine(spec, engine, self.device)
         data = load_training_data(spec.dataset, spec.data_dir)
         for group in groups(indices, self.group_size):
             yield from train_checkpoints(spec, group, data, engine, self.callbacks,
-                                         self.device)
+                                         self.device, progress)
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -93,11 +93,11 @@ def _stop_pool(pool: ProcessPoolExecutor) -> None:
 
 
 def _train_group(spec: ZooSpec, group: list[int], engine: str,
-                 plugins: WorkerPlugins | None = None, device: str = "cpu"
-                 ) -> list[CheckpointResult]:
+                 plugins: WorkerPlugins | None = None, device: str = "cpu",
+                 progress: str | os.PathLike | None = None) -> list[CheckpointResult]:
     if plugins is not None:  # a fresh interpreter knows only the built-in models
         plugins.load()
-    return train_checkpoints(spec, group, engine=engine, device=device)
+    return train_checkpoints(spec, group, engine=engine, device=device, progress=progress)
 
 
 class LocalBackend:
@@ -127,8 +127,8 @@ class LocalBackend:
         self.group_size = group_size
         self.device = resolve_device(device)   # each worker trains there
 
-    def run(self, spec: ZooSpec, indices: Sequence[int], engine: str = "auto"
-            ) -> Iterator[CheckpointResult]:
+    def run(self, spec: ZooSpec, indices: Sequence[int], engine: str = "auto",
+            progress: str | os.PathLike | None = None) -> Iterator[CheckpointResult]:
         resolve_engine(spec, engine, self.device)  # fail here, not in a worker
         # The models of your own this process knows, for the workers to load too.
         plugins = worker_plugins(spec.architecture)
@@ -146,7 +146,8 @@ class LocalBackend:
             while pending_groups or window:
                 while pending_groups and len(window) < 2 * self.workers:
                     window.append(pool.submit(_train_group, spec, pending_groups.pop(0), engine,
-                                              plugins, self.device.name))
+                                              plugins, self.device.name,
+                                              *(() if progress is None else (progress,))))
                 running = [future for future in window if not future.done()]
                 if running:
                     done, _ = wait(running, return_when=FIRST_COMPLETED)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from posteriorzoo.options import check_constraints
@@ -231,7 +232,15 @@ class Engine(Protocol):
 class ModeRun:
     """Everything one mode's phases need: the spec, the mode's index and seeds
     (:func:`train_zoo.seeds.checkpoint_seeds`), the training data, the engine and the
-    callbacks every phase reports to."""
+    callbacks every phase reports to.
+
+    ``progress`` is a folder of the mode's own where a long phase may keep its state
+    between runs (HMC writes its chain there after every iteration), so a killed run
+    resumes the mode where it stopped, not from its start. The collection run
+    (:mod:`train_zoo.run`) gives each mode ``.<output name>.progress/mode-<i>/`` beside
+    the output file and removes it once the mode is committed; None when there is no
+    such place (the phase then keeps its state in memory only).
+    """
 
     spec: Any
     index: int
@@ -239,6 +248,7 @@ class ModeRun:
     data: Any
     engine: Engine
     callbacks: Sequence[object] = ()
+    progress: Path | None = None
 
     @property
     def num_data(self) -> int:

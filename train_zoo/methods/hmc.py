@@ -1,0 +1,219 @@
+"""Full-batch HMC (Neal 2011; Izmailov et al. 2021): the posterior the recipe defines,
+sampled with a Metropolis correction, one chain per mode.
+
+The density, over the network's weights ``theta`` (every parameter, flat)::
+
+    p(theta | D) ∝ exp(-U(theta)),
+    U(theta) = sum_{n=1}^{N} CE(f_theta(x_n), y_n) + (lambda / 2) |theta|^2,
+
+the cross-entropy summed over the **whole** training set, unaugmented (a fixed data set,
+so the posterior is well defined), and the Gaussian prior ``N(0, I / lambda)`` that the
+recipe's weight decay implies, ``lambda = N x weight_decay``
+(:func:`~train_zoo.methods.sghmc_update.prior_precision_from_weight_decay`), at
+temperature 1. A Deep Ensemble member minimises something else: the mean loss over
+randomly augmented minibatches, by SGD stopped after the recipe's epochs, whose noise and
+early stop regularise implicitly.
+
+A mode is one chain from its own trained base network (:meth:`Engine.train_base`, as
+Laplace and SGHMC start): different modes' networks sit in different modes of the
+posterior, so the chains do too. The sampler (:mod:`train_zoo.methods.hmc_sampler`) runs
+leapfrog with an identity mass matrix and a float64 Metropolis-Hastings test; the step
+size is adapted by dual averaging over ``burn_in`` iterations, then frozen; each iteration
+takes ``ceil(trajectory_length / step_size)`` leapfrog steps, ``trajectory_length`` by
+default Izmailov et al.'s ``pi/2`` times the prior standard deviation ``1 / sqrt(lambda)``
+(a quarter period of the prior's own Hamiltonian flow). After burn-in every ``thin``-th
+state is kept until ``samples_per_mode`` are.
+
+The gradient is float32, from the fast engine's numba kernels where they cover the network
+(flat weights in state_dict order, the training set cut into the kernels' 128-example
+chunks), torch autograd otherwise; the loss is summed over the chunks in float64, and the
+prior and the kinetic energy are float64.
+
+The chain's state is written after every iteration to the mode's progress folder
+(:attr:`ModeRun.progress`, set by the collection run), so a chain killed at any moment
+resumes bit-identically; without a folder the chain runs in memory. The record keeps, for
+the mode's chain (``chain`` = the mode index, as every sample's ``chain`` column),
+acceptance, the frozen step size and leapfrog steps, E-BFMI and the energies' summary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from posteriorzoo.errors import InvalidOptionError
+from train_zoo.methods.base import Method, ModeRun, Posterior, declared_options
+from train_zoo.methods.common import flatten, parameters_of, unflatten
+from train_zoo.methods.hmc_sampler import HmcOptions, Potential, chain_summary, run_chain
+from train_zoo.methods.sghmc_update import prior_precision_from_weight_decay
+
+__all__ = ["METHOD", "Hmc", "HmcChain", "default_trajectory_length", "kernel_potential",
+           "torch_potential"]
+
+#: Examples per torch chunk of the full-data gradient (the kernels take 128 at a time).
+TORCH_CHUNK = 1_000
+#: The state file in a mode's progress folder.
+STATE_FILE = "hmc-chain.npz"
+
+
+def default_trajectory_length(prior_precision: float) -> float:
+    """Izmailov et al.'s trajectory length: ``pi/2`` times the prior standard deviation
+    ``1 / sqrt(prior_precision)``."""
+    return math.pi / 2 / math.sqrt(prior_precision)
+
+
+def kernel_potential(layout: Any, chunks: Sequence[tuple[np.ndarray, np.ndarray]],
+                     prior_precision: float) -> Potential:
+    """``U`` and its gradient from the numba kernels: ``chunks`` are the training set in
+    the kernels' layout (``x`` ``(C, H, W, B)`` float32, labels int64), ``B <= 128``."""
+    from train_zoo.fast.gradients import fast_loss_and_grad
+
+    buffer = np.empty(layout.num_params, dtype=np.float32)
+
+    def potential(theta: np.ndarray) -> tuple[float, np.ndarray]:
+        weights = theta.astype(np.float32)
+        loss, grad = 0.0, np.zeros(theta.size, dtype=np.float64)
+        for x, labels in chunks:
+            mean, _ = fast_loss_and_grad(layout, weights, x, labels, grad=buffer)
+            loss += labels.size * float(mean)
+            grad += labels.size * buffer
+        return (loss + 0.5 * prior_precision * float(theta @ theta),
+                grad + prior_precision * theta)
+
+    return potential
+
+
+def torch_potential(model: nn.Module, like: dict[str, torch.Tensor],
+                    chunks: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                    prior_precision: float) -> Potential:
+    """``U`` and its gradient by torch autograd in float32 (the loss summed in float64),
+    for networks the kernels do not cover."""
+    from torch.func import functional_call
+
+    model.eval()
+
+    def potential(theta: np.ndarray) -> tuple[float, np.ndarray]:
+        flat = torch.from_numpy(theta.astype(np.float32)).requires_grad_(True)
+        params = unflatten(flat, like)
+        loss, grad = 0.0, np.zeros(theta.size, dtype=np.float64)
+        for images, labels in chunks:
+            logits = functional_call(model, params, (images,))
+            total = nn.functional.cross_entropy(logits, labels, reduction="sum")
+            (part,) = torch.autograd.grad(total, flat)
+            loss += float(total)
+            grad += part.numpy()
+        return (loss + 0.5 * prior_precision * float(theta @ theta),
+                grad + prior_precision * theta)
+
+    return potential
+
+
+@dataclass
+class HmcChain:
+    """A mode's chain: its kept samples (flat, float64), the parameters they unflatten
+    like, and the chain's id (the mode index)."""
+
+    samples: np.ndarray
+    like: dict[str, torch.Tensor]
+    chain: int
+
+
+def _options(spec: Any, prior_precision: float) -> HmcOptions:
+    opts = spec.method_options
+    length = opts.get("trajectory_length")
+    return HmcOptions(
+        burn_in=int(opts["burn_in"]), thin=int(opts["thin"]),
+        samples=int(spec.counts()[1]),
+        trajectory_length=float(length if length is not None
+                                else default_trajectory_length(prior_precision)),
+        step_size=opts.get("step_size"), target_accept=float(opts["target_accept"]),
+        max_leapfrog_steps=int(opts["max_leapfrog_steps"]))
+
+
+def _key(run: ModeRun, options: HmcOptions, prior_precision: float, start: np.ndarray,
+         engine: str) -> str:
+    """What a saved chain belongs to: the mode, the options, the prior, the engine and
+    the start's digest (a state of another problem is started over, never resumed)."""
+    described = {"mode": run.index, "options": options.__dict__, "prior": prior_precision,
+                 "num_data": run.num_data, "engine": engine,
+                 "start": hashlib.sha256(start.tobytes()).hexdigest()}
+    return json.dumps(described, sort_keys=True, default=str)
+
+
+class Hmc(Method):
+    """Full-batch HMC: one chain per mode from its trained base network (module
+    docstring)."""
+
+    name = "hmc"
+    summary = ("full-batch HMC: one Metropolis-corrected chain from each trained base "
+               "network")
+    options = declared_options("hmc")
+
+    def fit(self, run: ModeRun) -> Posterior:
+        spec, engine = run.spec, run.engine
+        model, steps = engine.train_base()
+        params, buffers = parameters_of(model)
+        if buffers:
+            raise InvalidOptionError(f"hmc: {spec.architecture} has BatchNorm buffers, "
+                                     "which a sample would carry from the base network; "
+                                     "not supported yet")
+        prior = prior_precision_from_weight_decay(run.num_data, spec.recipe.weight_decay)
+        if prior <= 0:
+            raise InvalidOptionError("hmc: the recipe's weight decay is 0, so its prior is "
+                                     "improper; give the recipe a weight decay")
+        options = _options(spec, prior)
+        potential, used = self._potential(run, model, params, prior)
+        start = flatten(params).double().numpy()
+        path = None if run.progress is None else run.progress / STATE_FILE
+        state = run_chain(potential, start, options, run.seeds.noise, path=path,
+                          key=_key(run, options, prior, start, used))
+        summary = chain_summary(state, options)
+        record = {"method": self.name, "prior_precision": prior,
+                  "potential": "sum of cross-entropies over the unaugmented training set "
+                               "+ prior_precision / 2 |theta|^2, temperature 1",
+                  "chains": [{"chain": run.index, "kinetic_temperature": None, **summary}]}
+        like = {name: value.detach().clone() for name, value in params.items()}
+        steps += summary["gradient_evaluations"]
+        return Posterior(HmcChain(state.samples, like, run.index), steps, used, record)
+
+    def _potential(self, run: ModeRun, model: nn.Module, params: dict[str, torch.Tensor],
+                   prior: float) -> tuple[Potential, str]:
+        """The network's potential on the kernels where the engine has them, else torch;
+        and the engine used."""
+        from train_zoo.fast.engine import layout_for
+        from train_zoo.fast.gradients import KERNEL_CHUNK
+
+        kernels = run.engine.loss_gradient(model) is not None
+        layout = layout_for(model, run.data) if kernels else None
+        size = KERNEL_CHUNK if layout is not None else TORCH_CHUNK
+        batches: Any = run.engine.read_batches(run.seeds.data, size)
+        if layout is not None:
+            if not np.array_equal(layout.flatten(model.state_dict()),
+                                  flatten(params).numpy()):
+                raise RuntimeError("hmc: the kernels' weight order is not the parameters'")
+            chunks = [(np.ascontiguousarray(images.permute(1, 2, 3, 0).numpy()),
+                       np.ascontiguousarray(labels.numpy(), dtype=np.int64))
+                      for images, labels in batches]
+            return kernel_potential(layout, chunks, prior), "fast"
+        chunks_t = [(images, labels) for images, labels in batches]
+        return torch_potential(model, params, chunks_t, prior), "torch"
+
+    def sample(self, state: HmcChain, generator: torch.Generator, count: int
+               ) -> list[dict[str, torch.Tensor]]:
+        return [unflatten(torch.from_numpy(row.astype(np.float32)), state.like)
+                for row in state.samples[:count]]
+
+    def sample_chains(self, state: HmcChain, count: int) -> list[int]:
+        """Every sample's chain is its mode's (one chain per mode)."""
+        return [state.chain] * min(count, len(state.samples))
+
+
+METHOD = Hmc()
