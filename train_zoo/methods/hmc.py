@@ -179,7 +179,7 @@ class Hmc(Method):
         record = {"method": self.name, "prior_precision": prior,
                   "potential": "sum of cross-entropies over the unaugmented training set "
                                "+ prior_precision / 2 |theta|^2, temperature 1",
-                  "chains": [{"chain": run.index, "kinetic_temperature": None, **summary}]}
+                  "chains": [{"chain": run.index, **summary}]}
         like = {name: value.detach().clone() for name, value in params.items()}
         steps += summary["gradient_evaluations"]
         return Posterior(HmcChain(state.samples, like, run.index), steps, used, record)
