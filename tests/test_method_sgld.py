@@ -125,3 +125,38 @@ def test_an_sgld_mode_trains_its_chains():
                                     if value.dtype.kind == "f" and "running" not in key])
                     for r in (results[0], results[3]))
     assert np.isfinite(first).all() and np.abs(first - final).max() > 0
+
+
+def test_after_the_cold_rounds_sgld_keeps_sghmcs_pace():
+    """SGHMC at step eta and friction alpha moves like Langevin at step eta / alpha (its
+    overdamped limit): SGLD samples there, SGHMC at its own pair; the noise correction's
+    share beta_hat = eta V / (2 alpha) stays SGHMC's."""
+    from train_zoo.methods import sghmc as sghmc_method
+    from train_zoo.methods import sgld
+
+    eta, alpha = 4.37e-6, 2.09e-3
+    assert sghmc_method.METHOD.sampling_step(eta, alpha) == (eta, alpha)
+    lr, friction = sgld.METHOD.sampling_step(eta, alpha)
+    assert friction == 1.0 and lr == pytest.approx(eta / alpha, rel=4 * np.finfo(float).eps)
+    noise = 270.0                                     # V in the whitened coordinates
+    assert lr * noise / (2 * friction) == pytest.approx(eta * noise / (2 * alpha))
+
+
+def test_an_adapted_sgld_mode_samples_at_the_langevin_step():
+    """Through the trainer on digits (a short adapted chain with one cold round): the
+    record's sampling step is the cold round's step over its friction, at friction 1."""
+    from train_zoo import make_spec, train_checkpoints
+
+    spec = make_spec("optunet-mnist", dataset="digits", base_seed=5,
+                     recipe_overrides={"epochs": 1}, method="sgld", modes=1,
+                     samples_per_mode=4,
+                     method_options={"preconditioner": "adapted", "chains": 2,
+                                     "burn_in": 50, "thin": 20, "adapt_steps": 400,
+                                     "adapt_rounds": 1, "adapt_round_steps": 150,
+                                     "settle_steps": 0})
+    record = train_checkpoints(spec, [0], engine="auto")[0].record
+    cold = record["adaptation"]["cold"]
+    assert cold["sampling"]["alpha"] == 1.0
+    assert cold["sampling"]["lr"] == pytest.approx(cold["lr"] / cold["alpha"],
+                                                   rel=4 * np.finfo(float).eps)
+    assert cold["sampling"]["lr"] > 10 * cold["lr"]    # the friction is far below 1

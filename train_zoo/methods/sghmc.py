@@ -213,6 +213,18 @@ class Sghmc(Method):
             return self.sampling_friction
         return derived if derived is not None else opts["alpha"]
 
+    def sampling_step(self, eta: float, alpha: float) -> tuple[float, float]:
+        """The step and friction of the kept steps after the cold rounds derived ``eta``
+        and ``alpha``. SGHMC at step ``eta`` and friction ``alpha`` moves like a Langevin
+        chain of step ``eta / alpha`` (its overdamped limit), so a chain whose friction is
+        fixed (:attr:`sampling_friction`; SGLD's 1) takes the step that keeps that pace,
+        ``eta x friction / alpha``: at the cold rounds' own ``eta`` it would mix
+        ``1 / alpha`` (about 500) times slower per step. The noise correction's share
+        ``beta_hat = eta V / (2 alpha)`` is then the same as SGHMC's."""
+        if self.sampling_friction is None:
+            return eta, alpha
+        return eta * self.sampling_friction / alpha, self.sampling_friction
+
     options = method_options("sghmc")
 
     def _whitening(self, run: ModeRun, model: nn.Module, params: Params, buffers: Params,
@@ -287,7 +299,8 @@ class Sghmc(Method):
                                          generators, opts, batch_size, independent,
                                          noise_decay)
                 whitening, starts, eta, alpha, record = cold
-                alpha = self._friction(opts, alpha)
+                eta, alpha = self.sampling_step(eta, alpha)
+                record["sampling"] = {"lr": eta, "alpha": alpha}
                 adaptation["cold"] = record
                 steps += (sum(sum(r["steps"]) for r in record["rounds"])
                           + record["settling"]["steps"])
