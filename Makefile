@@ -15,11 +15,12 @@ TORCH_SPEC ?= torch==2.13.0
 # CUDA torch. Only tests import them (pytest.importorskip); the package never does.
 # posteriors 0.1.3 (SGHMC's oracle) and ArviZ 0.23.4 (the diagnostics' oracle) are the
 # exceptions: they and their pinned dependencies install normally (ORACLE_DEPS), as the
-# pinned torch satisfies them.
+# pinned torch satisfies them. NumPyro 0.22 with JAX 0.10.2 (CPU) is HMC's independent
+# sampler (NUTS), installed normally as well: JAX needs no torch.
 ORACLE_STAMP := $(VENV)/.oracles-stamp
 ORACLE_DEPS := numpy scipy tqdm packaging typing_extensions einops==0.8.2 opt-einsum==3.4.0 \
 	posteriors==0.1.3 torchopt==0.7.3 optree==0.20.0 tensordict==0.15.3 \
-	arviz==0.23.4
+	arviz==0.23.4 numpyro==0.22.0 jax==0.10.2 jaxlib==0.10.2
 ORACLES := laplace-torch==0.3 curvlinops-for-pytorch==3.0.1 backpack-for-pytorch==1.7.1 \
 	asdfghjkl==0.1a4 torchmetrics==1.9.0 lightning-utilities==0.15.3 einconv==0.1.0 \
 	unfoldNd==0.2.3 linear_operator==0.6.1 torch-uncertainty==0.13.0 \
