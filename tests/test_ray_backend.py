@@ -110,6 +110,37 @@ def test_ray_groups(ray_session, serial_results):
         assert_identical(result, local[result.index])
 
 
+def test_an_hmc_chain_on_ray_keeps_its_state_in_the_progress_folder(ray_session, tmp_path):
+    """A Ray task's mode run gets ``mode-<i>`` under the progress folder: the HMC chain
+    is saved there after every iteration, and its kept samples are the mode's checkpoints;
+    a second run resumes the saved chain instead of sampling it again (a saved sample
+    changed on disk comes back changed)."""
+    from train_zoo.methods.hmc_sampler import load_state, save_state
+
+    spec = make_spec("optunet-mnist", dataset="digits", base_seed=3, method="hmc", modes=2,
+                     samples_per_mode=2, recipe_overrides={"epochs": 1},
+                     method_options={"burn_in": 2, "thin": 1, "trajectory_length": 0.002,
+                                     "step_size": 4e-4})
+    results = list(RayBackend().run(spec, [0, 1], progress=tmp_path))
+    assert [r.index for r in results] == [0, 0, 1, 1]
+    for index in (0, 1):
+        state = load_state(tmp_path / f"mode-{index}" / "hmc-chain.npz")
+        assert state.iteration == 4 and state.samples.shape[0] == 2
+        for row, result in zip(state.samples, [r for r in results if r.index == index],
+                               strict=True):
+            flat = np.concatenate([np.ravel(v) for v in result.state.values()])
+            np.testing.assert_array_equal(flat, row.astype(np.float32))
+    saved = tmp_path / "mode-0" / "hmc-chain.npz"
+    state = load_state(saved)
+    state.samples = state.samples + 0.5  # a chain that could not have been sampled again
+    save_state(saved, state)
+    again = list(RayBackend().run(spec, [0], progress=tmp_path))
+    assert len(again) == 2
+    for row, result in zip(state.samples, again, strict=True):
+        flat = np.concatenate([np.ravel(v) for v in result.state.values()])
+        np.testing.assert_array_equal(flat, row.astype(np.float32))
+
+
 #: The GPU check, run by a driver of its own: Ray 2.5x's driver once aborted a whole test
 #: session after this task failed ("Check failed: ... Tried to complete task that was not
 #: pending", task_manager.cc; exit status 1 with no test report), seconds later and in
@@ -168,6 +199,7 @@ class FakeRay:
     cancelled: list[list[int]] = field(default_factory=list)
     task_options: list[dict[str, Any]] = field(default_factory=list)
     gpus_passed: list[float] = field(default_factory=list)
+    progress_passed: list[str | None] = field(default_factory=list)
 
     def is_initialized(self) -> bool:
         return self.initialized
@@ -196,8 +228,9 @@ class FakeRay:
                 return Task
 
             @staticmethod
-            def remote(spec, group, engine, plugins=None, num_gpus=0.0):
+            def remote(spec, group, engine, plugins=None, num_gpus=0.0, progress=None):
                 fake.gpus_passed.append(num_gpus)
+                fake.progress_passed.append(progress)
                 fake.submitted.append(group)
                 fake.in_flight += 1
                 fake.most_in_flight = max(fake.most_in_flight, fake.in_flight)
@@ -276,6 +309,22 @@ def test_gpus_per_task_reach_rays_resource_request(fake_ray):
     fake_ray.task_options.clear()
     list(RayBackend().run(SPEC, [0]))
     assert fake_ray.task_options == [{"num_cpus": 1}, {"num_gpus": 0.0}]  # CPU only
+
+
+def test_every_task_is_given_the_progress_folder(fake_ray, tmp_path, monkeypatch):
+    from train_zoo.run import _takes_progress
+
+    # train_collection gives the folder to backends whose run takes it, as to the local ones
+    assert _takes_progress(RayBackend())
+    assert list(RayBackend(group_size=2).run(SPEC, range(3), progress=tmp_path)) == [0, 10, 20]
+    assert fake_ray.progress_passed == [str(tmp_path)] * 2  # one per task, absolute
+    fake_ray.progress_passed.clear()
+    monkeypatch.chdir(tmp_path)
+    list(RayBackend().run(SPEC, [0], progress="progress"))
+    assert fake_ray.progress_passed == [str(tmp_path / "progress")]
+    fake_ray.progress_passed.clear()
+    list(RayBackend().run(SPEC, [0]))
+    assert fake_ray.progress_passed == [None]  # no folder: the task keeps state in memory
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, float("nan"), float("inf"), True, "1"])

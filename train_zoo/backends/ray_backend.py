@@ -18,6 +18,13 @@ weights), the data set reachable (``data_dir`` of the spec, or the default locat
 the plugin modules of models of your own importable: each task loads the ones the driver
 loaded (:func:`posteriorzoo.models.plugins.worker_plugins`).
 
+Progress: like the local backends, :meth:`RayBackend.run` takes the collection's progress
+folder (:func:`train_zoo.run.progress_folder`) and hands it to every task, so a mode whose
+method keeps state between runs (an HMC chain, saved after every iteration) resumes where
+a killed run left it. The folder is a path on the driver's file system: on a cluster, it
+must be on storage every node mounts at the same path, or a task on another node starts
+its mode over (in a folder of that node's, which the driver never removes).
+
 GPUs: ``num_gpus`` > 0 asks Ray for that many GPUs per task (a fraction below 1 lets
 several small models share one GPU; above 1, whole GPUs) and the task trains on
 ``cuda`` (the GPU Ray assigned it, through ``CUDA_VISIBLE_DEVICES``). A task that Ray
@@ -72,11 +79,13 @@ def task_device(num_gpus: float) -> str:
 
 
 def train_group(spec: ZooSpec, group: list[int], engine: str,
-                plugins: WorkerPlugins | None = None, num_gpus: float = 0.0
-                ) -> list[CheckpointResult]:
+                plugins: WorkerPlugins | None = None, num_gpus: float = 0.0,
+                progress: str | None = None) -> list[CheckpointResult]:
     """Body of one Ray task: train checkpoints ``group`` of ``spec`` with one torch thread,
     after loading the plugin modules of the driver's models of your own; on ``cuda``
-    when Ray granted the task GPUs (:func:`task_device`)."""
+    when Ray granted the task GPUs (:func:`task_device`). ``progress`` is the collection's
+    progress folder, where each mode's method keeps its state between runs
+    (:attr:`train_zoo.methods.base.ModeRun.progress`); None keeps it in memory only."""
     import torch
 
     from train_zoo.data import load_training_data
@@ -88,8 +97,9 @@ def train_group(spec: ZooSpec, group: list[int], engine: str,
     torch.set_num_threads(1)
     data = load_training_data(spec.dataset, spec.data_dir)  # cached per worker process
     if device == "cpu":
-        return train_checkpoints(spec, group, data=data, engine=engine)
-    return train_checkpoints(spec, group, data=data, engine=engine, device=device)
+        return train_checkpoints(spec, group, data=data, engine=engine, progress=progress)
+    return train_checkpoints(spec, group, data=data, engine=engine, device=device,
+                             progress=progress)
 
 
 #: The logger of Ray's token-authentication notices (Ray 2.5x).
@@ -158,18 +168,24 @@ class RayBackend:
         self.init_options = dict(init_options or {})
         self.num_gpus = check_num_gpus(num_gpus)
 
-    def run(self, spec: ZooSpec, indices: Sequence[int], engine: str = "auto"
-            ) -> Iterator[CheckpointResult]:
+    def run(self, spec: ZooSpec, indices: Sequence[int], engine: str = "auto",
+            progress: str | os.PathLike | None = None) -> Iterator[CheckpointResult]:
         """Train checkpoints ``indices`` of ``spec``; yield each result once, as it completes.
 
         Results come in the order of ``indices`` (mode order). The engine is checked and Ray
         imported here, before anything starts; the Ray instance is started (or connected
         to) on the first iteration and shut down when the iterator is exhausted or closed.
+        ``progress`` (the collection's progress folder, given by
+        :func:`train_zoo.run.train_collection` as to the local backends) reaches every
+        task, so a mode resumes its method's saved state (module docstring); on a cluster
+        it must be a path every node sees.
         """
         ray = import_ray()
         resolve_engine(spec, engine)  # fail here, not in a worker
         pending = groups([int(i) for i in indices], self.group_size)
-        return self._stream(ray, spec, pending, engine)
+        # Absolute: a worker's working folder need not be the driver's.
+        folder = None if progress is None else os.path.abspath(progress)
+        return self._stream(ray, spec, pending, engine, folder)
 
     def _connect(self, ray: ModuleType) -> bool:
         """Initialise Ray as configured; True if this call did (so we shut it down)."""
@@ -185,7 +201,7 @@ class RayBackend:
         return True
 
     def _stream(self, ray: ModuleType, spec: ZooSpec, pending: list[list[int]],
-                engine: str) -> Iterator[CheckpointResult]:
+                engine: str, progress: str | None = None) -> Iterator[CheckpointResult]:
         if not pending:
             return
         started = self._connect(ray)
@@ -202,7 +218,7 @@ class RayBackend:
             while pending or running:
                 while pending and len(running) < limit:
                     running.append(task.remote(spec_ref, pending.pop(0), engine, plugins,
-                                               self.num_gpus))
+                                               self.num_gpus, progress))
                 waiting = [ref for ref in running if id(ref) not in finished]
                 if waiting:
                     done, _ = ray.wait(waiting, num_returns=1)
