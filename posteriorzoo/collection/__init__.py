@@ -5,7 +5,9 @@ canonicalize and min-mass
 (:func:`canonicalize`, :func:`min_mass`), compare (:func:`compare`; as resumable
 tiles, also on Ray: :func:`compare_tiles`), import and export
 (:func:`import_checkpoints`, :func:`export_checkpoint`, :func:`export_all`) and evaluate
-(:func:`evaluate`). Each function takes a path or an open :class:`~posteriorzoo.zoo.Zoo`
+(:func:`evaluate`, also against reference predictives, such as one read from a
+competition-style probability file by :func:`read_reference_predictive`). Each function
+takes a path or an open :class:`~posteriorzoo.zoo.Zoo`
 (import: the path of the collection to create or append to), validates its options once,
 and returns a :class:`~posteriorzoo.results.CollectionResult` (``to_dict()``,
 ``write(out)``, ``provenance``). The numerical work is done by the pure
@@ -36,6 +38,7 @@ from posteriorzoo.collection.exchange import (
     import_checkpoints,
     plan_import,
 )
+from posteriorzoo.collection.reference_predictive import read_reference_predictive
 from posteriorzoo.collection.tiles import compare_tiles
 from posteriorzoo.collection.verification import VerifyResult, require_ok, verify
 from posteriorzoo.results import CollectionResult
@@ -45,4 +48,5 @@ __all__ = ["CanonicalizeResult", "CollectionResult", "CompareResult", "Compatibi
            "ImportResult", "MinMassResult", "VerifyResult", "canonicalize", "compare",
            "compare_tiles",
            "describe", "diagnose", "evaluate", "export_all", "export_checkpoint",
-           "import_checkpoints", "min_mass", "plan_import", "require_ok", "verify"]
+           "import_checkpoints", "min_mass", "plan_import", "read_reference_predictive",
+           "require_ok", "verify"]

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+import hashlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from posteriorzoo.metrics import (
     DEFAULT_ECE_BINS,
     OOD_SCORES,
     accuracy,
+    agreement,
     aupr,
     brier_score,
     draw_pairs,
@@ -38,7 +40,9 @@ from posteriorzoo.metrics import (
     fpr_at_95_recall,
     negative_log_likelihood,
     pairwise_mutual_information,
+    total_variation,
 )
+from posteriorzoo.metrics._checks import probabilities as check_probabilities
 from posteriorzoo.metrics.information import ensemble_summary, member_scores
 from posteriorzoo.metrics.ood import scores_of
 from posteriorzoo.options import check_choice, check_integer
@@ -157,6 +161,15 @@ class EvaluateResult(CollectionResult):
         ``(P, 2)`` member indices.
     image_counts : dict
         How many ID and OOD images were used.
+    function_space : dict or None
+        Against each reference predictive given to :func:`evaluate`, by its name: the
+        NeurIPS 2021 competition's ``{"agreement": a, "total_variation": tv}`` of the
+        predictive (:func:`posteriorzoo.metrics.agreement`,
+        :func:`posteriorzoo.metrics.total_variation`); None when none was given.
+    predictive : numpy.ndarray or None
+        ``(n, K)`` float64: the predictive itself on the ID images, so that it can serve
+        as another collection's reference without running the members again. Not part
+        of :meth:`payload` or the tables.
     """
 
     kind = "evaluate"
@@ -179,6 +192,8 @@ class EvaluateResult(CollectionResult):
     pairwise_id: np.ndarray | None = None
     pairwise_ood: np.ndarray | None = None
     pairs: np.ndarray | None = None
+    function_space: dict[str, dict[str, float]] | None = None
+    predictive: np.ndarray | None = field(default=None, repr=False)
 
     def metrics(self) -> dict[str, Any]:
         """The ensemble's figures by name (those of the paper's Table 1 and NLL)."""
@@ -195,7 +210,8 @@ class EvaluateResult(CollectionResult):
                 "ensemble_accuracy": self.ensemble_accuracy, "ensemble_nll": self.ensemble_nll,
                 "ensemble_brier": self.ensemble_brier, "ensemble_ece": self.ensemble_ece,
                 "idmi": self.idmi, "oodmi": self.oodmi, "aupr": self.aupr,
-                "fpr95": self.fpr95, "pairs": None if self.pairs is None else len(self.pairs)}
+                "fpr95": self.fpr95, "pairs": None if self.pairs is None else len(self.pairs),
+                "function_space": self.function_space}
 
     def tables(self) -> dict[str, str]:
         tables = {"members.csv": csv_text(
@@ -268,7 +284,8 @@ def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
              seed: int = 0, data_dir: str | None = None, batch_size: int = 2000,
              verify: bool = True, command: str | None = None,
              predict: Callable[[Any, torch.Tensor], np.ndarray] | None = None,
-             device: str = "cpu") -> EvaluateResult:
+             device: str = "cpu", references: Mapping[str, np.ndarray] | None = None
+             ) -> EvaluateResult:
     """The posterior predictive's metrics (paper's Table 1) on a dataset split.
 
     Every image, in and out of distribution, is normalised as the collection's training
@@ -310,6 +327,14 @@ def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
         ``"auto"``; ``batch_size`` and ``device`` are its).
     device : str
         Where the members' predictions run: ``cpu``, ``cuda`` or ``cuda:N``.
+    references : mapping of str to ndarray of shape (n, K), optional
+        Reference predictives by name (e.g. a target's or an HMC collection's
+        :attr:`EvaluateResult.predictive`, or a file read by
+        :func:`posteriorzoo.collection.reference_predictive.read_reference_predictive`),
+        each on the same ``n`` images (after ``n_images``) in the same order: adds the
+        predictive's agreement and total variation against each
+        (:attr:`EvaluateResult.function_space`). Their names and content hashes are
+        recorded in the provenance.
     """
     check_choice("ood_score", ood_score, OOD_SCORES)
     check_integer("bins", bins, 1)
@@ -317,6 +342,11 @@ def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
     check_integer("seed", seed, 0)
     if n_images is not None:
         check_integer("n_images", n_images, 1)
+    references = dict(references or {})
+    for reference_name, reference in references.items():
+        # before the members run: a reference that is no predictive is refused at once
+        check_probabilities("evaluate", f"references[{reference_name!r}]", reference,
+                            ndim=2)
     with opened(source, verify=verify) as zoo:
         name = dataset or zoo.dataset
         labels, images, stats = _split_images(name, split, data_dir, n_images)
@@ -353,16 +383,47 @@ def evaluate(source: Source, *, dataset: str | None = None, split: str = "test",
     # the ensemble's first: they check the labels (ensemble_summary checked the members)
     ensemble_accuracy = accuracy(predictive, labels)
     ensemble_nll = negative_log_likelihood(predictive, labels)
+    if references:
+        extra["function_space"] = _function_space(predictive, references)
     return EvaluateResult(
         name, split, *member_scores(members, labels), ensemble_accuracy, ensemble_nll,
         brier_score(predictive, labels), expected_calibration_error(predictive, labels, bins),
         float(information.mean()), bins,
         {"id": len(labels), "ood": 0 if ood is None else ood.shape[1]}, **extra,
+        predictive=predictive,
         provenance=record("posteriorzoo evaluate", command=command,
                           inputs={"collection": {"path": str(source_path(source)),
-                                                 "content_sha256": digest}},
+                                                 "content_sha256": digest},
+                                  **({"references": {
+                                      key: _array_digest(value)
+                                      for key, value in references.items()}}
+                                     if references else {})},
                           seeds={"pairs": seed if n_pairs else None},
                           options={"dataset": name, "split": split, "ood_dataset": ood_dataset,
                                    "ood_score": ood_score, "bins": bins, "n_images": n_images,
                                    "n_pairs": n_pairs, "verify": verify,
-                                   "device": device}))
+                                   "device": device,
+                                   "references": sorted(references) or None}))
+
+
+def _function_space(predictive: np.ndarray, references: Mapping[str, np.ndarray]
+                    ) -> dict[str, dict[str, float]]:
+    """The predictive's agreement and total variation against each reference, once
+    each reference covers the same images and classes."""
+    scores = {}
+    for name, reference in references.items():
+        if reference.shape != predictive.shape:
+            raise InvalidOptionError(
+                f"evaluate(): the reference predictive {name!r} has shape "
+                f"{reference.shape}, the collection's predictive {predictive.shape} (its "
+                "images and classes): a reference must cover the same images, in order")
+        scores[name] = {"agreement": agreement(predictive, reference),
+                        "total_variation": total_variation(predictive, reference)}
+    return scores
+
+
+def _array_digest(array: np.ndarray) -> dict[str, Any]:
+    """What identifies a reference array in the provenance: its shape, dtype and the
+    SHA-256 of its bytes (C order)."""
+    return {"shape": list(array.shape), "dtype": str(array.dtype),
+            "sha256": hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()}

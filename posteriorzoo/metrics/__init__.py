@@ -12,10 +12,14 @@ probabilities ``(m, n, K)``. Bad input raises
 >>> s_id, s_ood = ood_scores(members), ood_scores(members_ood)   # higher: more OOD
 >>> aupr(s_id, s_ood), fpr_at_95_recall(s_id, s_ood)             # OOD is the positive class
 >>> values, pairs = pairwise_mutual_information(members)         # functional collapse
+>>> agreement(p, reference), total_variation(p, reference)      # against a reference
+>>> band = predictive_noise(target_members, held_out=100, splits=50, seed=0)
 
 Modules: :mod:`~posteriorzoo.metrics.predictive` (accuracy, NLL, Brier, ECE, the
-predictive), :mod:`~posteriorzoo.metrics.information` (entropy, mutual information, its
-pairwise form), :mod:`~posteriorzoo.metrics.ood` (OOD scores, AUPR, FPR95). Running a
+predictive; agreement and total variation against a reference predictive, the NeurIPS
+2021 competition's distances in function space, and their noise band),
+:mod:`~posteriorzoo.metrics.information` (entropy, mutual information, its pairwise
+form), :mod:`~posteriorzoo.metrics.ood` (OOD scores, AUPR, FPR95). Running a
 collection's checkpoints to get the probabilities is the collection layer's job
 (:func:`posteriorzoo.collection.evaluate`,
 :func:`posteriorzoo.collection.evaluation.member_probabilities`).
@@ -32,16 +36,20 @@ from posteriorzoo.metrics.ood import OOD_SCORES, aupr, fpr_at_95_recall, ood_sco
 from posteriorzoo.metrics.predictive import (
     DEFAULT_ECE_BINS,
     accuracy,
+    agreement,
     brier_score,
     expected_calibration_error,
     negative_log_likelihood,
     posterior_predictive,
+    predictive_noise,
+    total_variation,
 )
 
 __all__ = [
     "DEFAULT_ECE_BINS",
     "OOD_SCORES",
     "accuracy",
+    "agreement",
     "aupr",
     "brier_score",
     "draw_pairs",
@@ -54,4 +62,6 @@ __all__ = [
     "ood_scores",
     "pairwise_mutual_information",
     "posterior_predictive",
+    "predictive_noise",
+    "total_variation",
 ]

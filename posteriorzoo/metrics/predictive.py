@@ -154,3 +154,137 @@ def posterior_predictive(member_probabilities: np.ndarray) -> np.ndarray:
     _checks.probabilities("posterior_predictive", "member_probabilities",
                           member_probabilities, ndim=3)
     return member_probabilities.mean(axis=0, dtype=np.float64)
+
+
+# Distances in function space: the NeurIPS 2021 approximate-inference competition's
+# metrics (Wilson et al. 2022, "Evaluating Approximate Inference in Bayesian Deep
+# Learning"), which score a method's predictive against a reference predictive (there,
+# full-batch HMC's) on the same test inputs.
+
+
+def _two_predictives(function: str, probabilities: np.ndarray, reference: np.ndarray
+                     ) -> None:
+    _checks.probabilities(function, "probabilities", probabilities, ndim=2)
+    _checks.probabilities(function, "reference", reference, ndim=2)
+    if probabilities.shape != reference.shape:
+        _checks.fail(function, f"probabilities {probabilities.shape} and reference "
+                               f"{reference.shape} must have the same shape (the same "
+                               "test inputs, in the same order, and classes)")
+
+
+def _agreement(first: np.ndarray, second: np.ndarray) -> float:
+    return float((first.argmax(axis=1) == second.argmax(axis=1)).mean())
+
+
+def _total_variation(first: np.ndarray, second: np.ndarray) -> float:
+    difference = first.astype(np.float64) - second.astype(np.float64)
+    return float(0.5 * np.abs(difference).sum(axis=1).mean())
+
+
+@public
+def agreement(probabilities: np.ndarray, reference: np.ndarray) -> float:
+    """The share of inputs on which two predictives pick the same class.
+
+    The competition's first metric: a method that predicts as the reference posterior
+    does scores 1 whatever its calibration, so it measures the decisions, not the
+    probabilities (:func:`total_variation` measures those).
+
+    Parameters
+    ----------
+    probabilities : ndarray of shape (n, K), float
+        The method's predictive (:func:`posterior_predictive`).
+    reference : ndarray of shape (n, K), float
+        The reference predictive on the same ``n`` inputs, in the same order.
+
+    Returns
+    -------
+    float
+        ``mean_i [argmax_k p_ik = argmax_k q_ik]`` in [0, 1]; a tie picks the first of the
+        tied classes, as ``argmax``.
+    """
+    _two_predictives("agreement", probabilities, reference)
+    return _agreement(probabilities, reference)
+
+
+@public
+def total_variation(probabilities: np.ndarray, reference: np.ndarray) -> float:
+    """The mean total-variation distance between two predictives.
+
+    The competition's second metric: per input, the largest difference in probability
+    the two predictives give any event (set of classes), which is half their L1 distance.
+
+    Parameters
+    ----------
+    probabilities : ndarray of shape (n, K), float
+        The method's predictive (:func:`posterior_predictive`).
+    reference : ndarray of shape (n, K), float
+        The reference predictive on the same ``n`` inputs, in the same order.
+
+    Returns
+    -------
+    float
+        ``mean_i 0.5 sum_k |p_ik - q_ik|``, computed in float64: 0 for equal
+        predictives, 1 for one-hot predictives that pick different classes everywhere;
+        in [0, 1] (to within the rows' sums' tolerance). Symmetric, and a metric.
+    """
+    _two_predictives("total_variation", probabilities, reference)
+    return _total_variation(probabilities, reference)
+
+
+@public
+def predictive_noise(members: np.ndarray, held_out: int, splits: int, seed: int
+                     ) -> dict[str, np.ndarray]:
+    """The noise band of :func:`agreement` and :func:`total_variation` against a target.
+
+    A method of ``held_out`` samples scored against a target of ``m`` members is only
+    meaningful next to what another draw of the target scores: each split draws
+    ``held_out`` of the members without replacement, and compares their predictive (as a
+    method's) with the predictive of the other ``m - held_out`` members (as the target's).
+    This is the function-space analogue of :func:`posteriorzoo.mmd.noise.noise_floor`;
+    the band is the splits' 5th to 95th percentile (``BAND_PERCENTILES`` there).
+
+    Memory is the members and two ``(n, K)`` float64 sums: all members are summed once,
+    and each split's remaining members' predictive is ``(total - drawn sum) / (m -
+    held_out)``.
+
+    Parameters
+    ----------
+    members : ndarray of shape (m, n, K), float
+        The target's members' probabilities (:func:`posterior_predictive`'s input).
+    held_out : int
+        Members drawn per split (the methods' sample size), ``1 <= held_out <= m - 1``.
+    splits : int
+        Number of splits, at least 1.
+    seed : int
+        Seed of :func:`numpy.random.default_rng`; split ``s`` holds out
+        ``rng.permutation(m)[:held_out]``, the ``s``-th permutation drawn from it.
+
+    Returns
+    -------
+    dict
+        ``{"agreement": (splits,), "total_variation": (splits,)}`` float64 arrays.
+    """
+    function = "predictive_noise"
+    _checks.probabilities(function, "members", members, ndim=3)
+    count = members.shape[0]
+    splits = _checks.positive_int(function, "splits", splits)
+    if isinstance(held_out, bool | np.bool_) or not 1 <= held_out <= count - 1:
+        _checks.fail(function, f"held_out must lie in 1..{count - 1} (the target's "
+                               f"{count} members, at least one kept), not {held_out!r}")
+    if isinstance(seed, bool | np.bool_) or seed < 0:
+        _checks.fail(function, f"seed must be a non-negative integer, not {seed!r}")
+    held_out = int(held_out)
+    rng = np.random.default_rng(int(seed))
+    total = members.sum(axis=0, dtype=np.float64)
+    drawn = np.empty_like(total)
+    values = {"agreement": np.empty(splits), "total_variation": np.empty(splits)}
+    for split in range(splits):
+        chosen = np.sort(rng.permutation(count)[:held_out])   # sorted: reads in order
+        drawn[...] = 0.0
+        for index in chosen:                     # one member at a time: O(n K) memory
+            drawn += members[index]
+        rest = (total - drawn) / (count - held_out)
+        method = drawn / held_out
+        values["agreement"][split] = _agreement(method, rest)
+        values["total_variation"][split] = _total_variation(method, rest)
+    return values
