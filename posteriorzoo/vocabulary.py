@@ -667,6 +667,10 @@ class MethodInfo:
         (BBB's ``("preset", "paper")``, Laplace's ``("structure", "full")``): a collection
         recorded with another value is labelled ``"<label> (<value>)"``, so the versions
         get rows of their own in Table 1 and styles of their own in the figures.
+    exact : bool
+        Its sampler is asymptotically exact for the recipe's posterior (full-batch HMC with
+        a Metropolis correction): the report takes its collection as the gold standard
+        (:mod:`analysis.report.reference`).
     """
 
     name: str
@@ -679,6 +683,7 @@ class MethodInfo:
     sample_sigma: bool = False
     options: tuple[OptionInfo, ...] = ()
     variant: tuple[str, str] | None = None
+    exact: bool = False
 
     def __post_init__(self) -> None:
         names = [option.name for option in self.options]
@@ -742,7 +747,7 @@ METHODS: dict[str, MethodInfo] = {info.name: info for info in (
                "descent)", options=SVGD_OPTIONS),
     MethodInfo("hmc", "HMC", "chain", ("chains",), "#637939", "train_zoo.methods.hmc:METHOD",
                "full-batch HMC: one Metropolis-corrected chain from each trained base "
-               "network", options=HMC_OPTIONS),
+               "network", options=HMC_OPTIONS, exact=True),
 )}
 
 

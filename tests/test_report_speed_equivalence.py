@@ -344,12 +344,13 @@ def test_report_with_kernels_prints_what_the_torch_path_prints(tmp_path):
     printed_fast, printed_slow = _printed(fast), _printed(slow)
     assert printed_fast["table2"] == printed_slow["table2"]
     assert printed_fast["noise"] == printed_slow["noise"]
-    if options["ood_data"] is None:
-        assert len(seen["slow"]) == len(seen["fast"]) == len(methods)   # the ID images
+    if options["ood_data"] is None:   # the ID images: the target's (the agreement and
+        # TV reference), then each method's
+        assert len(seen["slow"]) == len(seen["fast"]) == len(methods) + 1
     ratios, straddling = [], 0
     for index, (mine, theirs) in enumerate(zip(fast.rows, slow.rows, strict=True)):
-        images, ours, _ = seen["fast"][index]
-        same_images, reference, bound = seen["slow"][index]
+        images, ours, _ = seen["fast"][index + 1]
+        same_images, reference, bound = seen["slow"][index + 1]
         assert torch.equal(images, same_images)
         assert (np.abs(ours.astype(np.float64) - reference) <= bound).all()
         limits = _metric_bounds(reference, bound)

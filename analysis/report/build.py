@@ -28,6 +28,15 @@ import numpy as np
 
 from analysis.labels import collection_label
 from analysis.report import tables
+from analysis.report.reference import (
+    TARGET_NAME,
+    answers,
+    choose_reference,
+    function_values,
+    reference_comparisons,
+    reference_predictives,
+    reference_values,
+)
 from posteriorzoo.errors import InvalidOptionError, PosteriorZooError
 from posteriorzoo.mmd.noise import NoiseFloor, held_out_size, noise_floor
 from posteriorzoo.options import check_choice, check_integer
@@ -54,11 +63,13 @@ class ReportResult(CollectionResult):
     Attributes
     ----------
     rows : list of dict
-        One per method: ``name``, ``path``, ``method``, ``group`` (single-mode /
-        multi-mode; DE is multi-mode, as in the paper), ``n`` and the raw values of
-        Table 1 (``mmd``, ``ns_mmd``: layer-weighted median MMD^2; ``accuracy``,
+        One per method: ``name``, ``path``, ``method``, ``group`` (reference /
+        single-mode / multi-mode; DE is multi-mode, as in the paper), ``n`` and the raw
+        values of Table 1 (``mmd``, ``ns_mmd``: layer-weighted median MMD^2; ``accuracy``,
         ``ece``, ``brier``, ``aupr``, ``fpr95`` in [0, 1] or [0, 2] for Brier; ``idmi``,
-        ``oodmi`` in nats) and of Table 2 (``mmd_median`` ... ``ns_mmd_max``,
+        ``oodmi`` in nats; ``agreement`` and ``tv`` with the target's predictive, in
+        [0, 1]; with a gold standard ``mmd_ref``, ``ns_mmd_ref``, ``agreement_ref``,
+        ``tv_ref``) and of Table 2 (``mmd_median`` ... ``ns_mmd_max``,
         ``rejected_layers`` with ``test``).
     noise : dict
         Treatment (``"keep"``, ``"remove"``) -> :class:`NoiseFloor`.
@@ -68,6 +79,12 @@ class ReportResult(CollectionResult):
         Name -> ``matplotlib.figure.Figure``.
     datasets : dict
         ``id`` and ``ood`` dataset names and image counts.
+    function_noise : dict or None
+        The target's function-space noise band (:func:`analysis.report.reference.function_band`;
+        None in a weights-only report).
+    reference : dict or None
+        The gold standard (:mod:`analysis.report.reference`): ``name``, ``kind``,
+        ``path``, the target's distances to it (``target``) and the ``answers``.
     """
 
     kind = "report"
@@ -80,6 +97,12 @@ class ReportResult(CollectionResult):
     diagnostics: list[dict[str, Any]] = field(default_factory=list)
     figures: dict[str, Any] = field(default_factory=dict, repr=False)
     figure_notes: dict[str, str] = field(default_factory=dict)
+    function_noise: dict[str, Any] | None = None
+    reference: dict[str, Any] | None = None
+
+    def columns(self) -> tuple[tuple[str, str, float, str], ...]:
+        """Table 1's columns (:func:`analysis.report.tables.table1_columns`)."""
+        return tables.table1_columns(self.reference["name"] if self.reference else None)
 
     def payload(self) -> dict[str, Any]:
         # MMD values stay raw here and in the CSV; the tables show them x display_scale
@@ -88,14 +111,15 @@ class ReportResult(CollectionResult):
                 "noise_floor": {k: v.to_dict() for k, v in self.noise.items()},
                 "per_layer": self.per_layer, "mmdagg_tests": self.tests,
                 "diagnostics": self.diagnostics, "figures": sorted(self.figures),
-                "figure_notes": self.figure_notes}
+                "figure_notes": self.figure_notes, "function_noise": self.function_noise,
+                "reference": self.reference}
 
     def tables(self) -> dict[str, str]:
         from analysis.report.page import html_page, markdown_page
 
-        table1 = csv_text(["name", "group", "n", *(k for k, *_ in tables.TABLE1_COLUMNS)],
-                          ([r["name"], r["group"], r["n"],
-                            *(r.get(k) for k, *_ in tables.TABLE1_COLUMNS)]
+        columns = self.columns()
+        table1 = csv_text(["name", "group", "n", *(k for k, *_ in columns)],
+                          ([r["name"], r["group"], r["n"], *(r.get(k) for k, *_ in columns)]
                            for r in self.rows))
         table2 = csv_text(["name", *(k for k, _ in tables.TABLE2_COLUMNS)],
                           ([r["name"], *(r.get(k) for k, _ in tables.TABLE2_COLUMNS)]
@@ -195,7 +219,8 @@ def build_report(target: str | os.PathLike,
                  predict: Callable[[Any, Any], np.ndarray] | None = None,
                  timings: dict[str, float] | None = None,
                  predictions: bool = True, device: str = "cpu",
-                 precision: str | None = None) -> ReportResult:
+                 precision: str | None = None, reference: str | None = None,
+                 reference_predictive: str | os.PathLike | None = None) -> ReportResult:
     """The benchmark report of method collections against a target collection.
 
     Parameters
@@ -259,6 +284,17 @@ def build_report(target: str | os.PathLike,
     precision : {"exact", "fast"}, optional
         The distances' arithmetic of the MMD and the noise floors
         (:func:`posteriorzoo.collection.compare`; default: exact on cpu, fast on cuda).
+    reference : str, optional
+        The method (its name) that is the gold standard; default: the one collection whose
+        method samples the recipe's posterior exactly (full-batch HMC), if any
+        (:mod:`analysis.report.reference`). Its row is grouped ``reference``; Table 1
+        gains MMD and NS-MMD to it and agreement and TV with its predictive, and the
+        report answers how far the target is from it.
+    reference_predictive : path-like, optional
+        Instead, a gold-standard predictive from elsewhere: an N x C probability file in
+        the NeurIPS 2021 competition's ``probs.csv`` layout on the test split of
+        ``id_data`` (:func:`~posteriorzoo.collection.reference_predictive.read_reference_predictive`
+        checks it): agreement and TV only.
     timings : dict, optional
         Filled with the wall seconds each stage took: ``load``, ``canonicalize``,
         ``mmd``, ``noise floor``, ``predictions``, ``metrics``, ``diagnostics``,
@@ -299,6 +335,11 @@ def build_report(target: str | os.PathLike,
                      timings, "predictions")
     with stage("load"):
         info, entries = _inputs(target, methods, allow_mixed)
+        gold = choose_reference(entries, reference, reference_predictive)
+    if gold is not None and gold.kind == "predictive" and not predictions:
+        raise InvalidOptionError("a reference predictive is compared with the methods' "
+                                 "predictions: not in a weights-only report")
+    held_out = held_out_size(info["n"], [e["n"] for e in entries])
     names = [e["name"] for e in entries]
     if collapse is not None and collapse not in names:
         raise InvalidOptionError(f"collapse must name a method ({', '.join(names)}), "
@@ -320,15 +361,20 @@ def build_report(target: str | os.PathLike,
         if predictions:
             with stage("load"):
                 read_images_first(id_data, ood_data, n_images=n_images)
-        todo = list(entries) if predictions else []
+        todo = [e for e in entries if gold is None or e["name"] != gold.name] \
+            if predictions else []
         evaluations: dict[str, Any] = {}
         options = ({"dataset": id_data, "ood_dataset": ood_data, "ood_score": ood_score,
                     "bins": bins, "n_images": n_images, "seed": seed},
                    {collapse: n_pairs if figures else 0})   # the pairs feed a figure only
+        # The predictives every method is scored against (the target's; the gold
+        # standard's), computed once by the metrics thread before any method's metrics.
+        references = _Once(functools.partial(
+            reference_predictives, target, gold, evaluations, predict, *options,
+            held_out=held_out, splits=splits, seed=seed))
         evaluating = pool.submit(_evaluations, todo, evaluations, stopping, stage, predict,
-                                 *options)
+                                 *options, references) if predictions else None
         with _stops_on_error(stopping):
-            held_out = held_out_size(info["n"], [e["n"] for e in entries])
             # The target's weights are never held in memory: the noise floors and figures
             # stream them from the files (a 1,000-checkpoint ResNet-18 target is 45 GB),
             # through the distance cache keyed by the checkpoints' recorded digests.
@@ -351,6 +397,12 @@ def build_report(target: str | os.PathLike,
                                      symmetries="both", test=test, seed=seed,
                                      canonical_dir=canonical, progress=progress,
                                      command=command, **distances)
+            to_reference = {}
+            if gold is not None and gold.kind == "collection":
+                with stage("mmd"):
+                    to_reference = reference_comparisons(
+                        gold, target, entries, comparison, seed=seed, command=command,
+                        **distances)
             # compare's own clock tells its canonicalization from its statistics
             canonicalizing = (comparison.provenance.get("canonicalizer") or {}).get(
                 "seconds", 0.0)
@@ -381,10 +433,22 @@ def build_report(target: str | os.PathLike,
                                              diagnose(entry["path"], predictions=False,
                                                       verify=False))
                                for entry in entries]
-            _evaluations(todo, evaluations, stopping, stage, predict, *options)   # help
-            evaluating.result()
-        timings["metrics"] -= timings.get("predictions", 0.0)
-        rows = [_row(entry, comparison, evaluations.get(entry["name"])) for entry in entries]
+            if evaluating is not None:
+                _evaluations(todo, evaluations, stopping, stage, predict, *options,
+                             references)   # help
+                evaluating.result()
+        timings["metrics"] = timings.get("metrics", 0.0) - timings.get("predictions", 0.0)
+        rows = [_row(entry, comparison, evaluations.get(entry["name"]),
+                     None if gold is not None and entry["name"] == gold.name else to_reference)
+                for entry in entries]
+        shared = references.value if predictions else None
+        reference_info = None
+        if gold is not None:
+            reference_info = {**gold.to_dict(), "target": {
+                **(reference_values(TARGET_NAME, to_reference) if to_reference else {}),
+                **((shared or {}).get("target_to_reference") or {})}}
+            reference_info["answers"] = answers(
+                {**reference_info, "function_band": (shared or {}).get("band")}, rows, noise)
         drawn, notes = ({}, {})
         if figures:
             from analysis.report.figures import report_figures
@@ -401,17 +465,21 @@ def build_report(target: str | os.PathLike,
          "ood_score": ood_score, "collapse": collapse if predictions else None,
          "predictions": predictions},
         tests=tests, diagnostics=diagnostics, figures=drawn, figure_notes=notes,
+        function_noise=(shared or {}).get("band"), reference=reference_info,
         provenance=record(
             "posteriorzoo report", command=command,
             inputs={"target": describe_input(target),
                     **{f"method {e['name']}": describe_input(Path(e["path"]))
-                       for e in entries}},
+                       for e in entries},
+                    **({"reference predictive": describe_input(Path(gold.path))}
+                       if gold is not None and gold.kind == "predictive" else {})},
             seeds={"noise_floor": seed, "pairs": seed, "test": seed if test else None},
             options={"predictions": predictions, "device": device, "precision": precision,
                      "id_data": id_data, "ood_data": ood_data, "allow_mixed": allow_mixed,
                      "test": test, "bins": bins, "ood_score": ood_score,
                      "n_images": n_images, "splits": splits, "n_pairs": n_pairs,
-                     "collapse": collapse, "held_out": held_out}))
+                     "collapse": collapse, "held_out": held_out,
+                     "reference": None if gold is None else gold.name}))
 
 
 def _stage_timer(timings: dict[str, float]) -> Callable[[str], Any]:
@@ -439,15 +507,35 @@ def _timed(function: Callable[..., Any], timings: dict[str, float], name: str
     return timed
 
 
+class _Once:
+    """A value computed by the first thread that asks for it; the others wait for it."""
+
+    def __init__(self, compute: Callable[[], Any]) -> None:
+        self._compute, self._lock, self._value = compute, threading.Lock(), None
+
+    def get(self) -> Any:
+        with self._lock:
+            if self._value is None:
+                self._value = self._compute()
+            return self._value
+
+    @property
+    def value(self) -> Any:
+        """The value if it was computed, else None."""
+        return self._value
+
+
 def _evaluations(todo: list[dict[str, Any]], evaluations: dict[str, Any],
                  stopping: threading.Event, stage: Callable[[str], Any],
                  predict: Callable[..., Any], options: dict[str, Any],
-                 pairs: dict[str, int]) -> None:
+                 pairs: dict[str, int], references: _Once) -> None:
     """Table 1's metrics of the method collections left in ``todo``, taken one at a time
-    (by both threads once the weights' half is done), into ``evaluations``."""
+    (by both threads once the weights' half is done), into ``evaluations``, each scored
+    against the ``references`` (computed first)."""
     from posteriorzoo.collection import evaluate
 
     with stage("metrics"):   # less the predictions (timed apart)
+        shared = references.get()["references"]
         while not stopping.is_set():
             try:
                 entry = todo.pop(0)
@@ -455,7 +543,7 @@ def _evaluations(todo: list[dict[str, Any]], evaluations: dict[str, Any],
                 break
             evaluations[entry["name"]] = evaluate(
                 entry["path"], **options, n_pairs=pairs.get(entry["name"], 0),
-                predict=predict)
+                predict=predict, references=shared)
 
 
 @contextlib.contextmanager
@@ -502,8 +590,8 @@ def diagnosis_row(name: str, diagnosis: Any) -> dict[str, Any]:
             "summary": "; ".join(parts)}
 
 
-def _row(entry: Mapping[str, Any], comparison: Any, evaluation: Any | None
-         ) -> dict[str, Any]:
+def _row(entry: Mapping[str, Any], comparison: Any, evaluation: Any | None,
+         to_reference: Mapping[str, Any] | None = None) -> dict[str, Any]:
     row = {key: entry[key] for key in ("name", "path", "method", "group", "n")}
     for word, setting in SYMMETRIES.items():
         prefix = setting.statistic.lower().replace("-", "_")
@@ -518,4 +606,7 @@ def _row(entry: Mapping[str, Any], comparison: Any, evaluation: Any | None
     if evaluation is not None:   # None: a weights-only report
         row.update({key: value for key, value in evaluation.metrics().items()
                     if key != "nll"}, nll=evaluation.ensemble_nll)
+        row.update(function_values(evaluation))
+    if to_reference:
+        row.update(reference_values(entry["name"], to_reference))
     return row

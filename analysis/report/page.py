@@ -61,9 +61,24 @@ FIGURE_CAPTIONS = {
 
 
 def _noise_rows(report: ReportResult) -> list[list[str]]:
-    """Two reference rows of Table 1: the target's halves and the noise band."""
+    """Two reference rows of Table 1: the target's halves and the noise band (of MMD,
+    NS-MMD, and agreement and TV with the target's predictive)."""
     keep, remove = report.noise.get("keep"), report.noise.get("remove")
-    width = len(tables.TABLE1_COLUMNS) - 2
+    columns = report.columns()
+    function = report.function_noise or {}
+
+    def function_cells(band: bool) -> list[str]:
+        cells = []
+        for key, _, scale, _ in columns[2:]:
+            spread = function.get(key)
+            if spread is None:
+                cells.append("-")
+            elif band:
+                low, high = spread["band"]
+                cells.append(f"[{scale * low:.2f}, {scale * high:.2f}]")
+            else:
+                cells.append("-")
+        return cells
 
     def band(noise: Any) -> str:
         if noise is None:
@@ -78,9 +93,9 @@ def _noise_rows(report: ReportResult) -> list[list[str]]:
     split_n = any_noise.held_out if any_noise else 0
     half_n = any_noise.halves["n"] if any_noise else 0
     return [["target halves", "noise floor", str(half_n), halves(keep), halves(remove)]
-            + ["-"] * width,
+            + function_cells(band=False),
             ["target splits (5-95%)", "noise floor", str(split_n), band(keep), band(remove)]
-            + ["-"] * width]
+            + function_cells(band=True)]
 
 
 def _same(text: str) -> str:
@@ -109,6 +124,11 @@ def _verdicts(report: ReportResult, escape: Callable[[str], str] = _same) -> lis
             inside = noise.contains(value)
             parts.append(f"{scaled_label(setting.statistic)} {MMD_DISPLAY_SCALE * value:.3f} is "
                          f"{'inside' if inside else 'outside'} the noise band")
+        spread, value = (report.function_noise or {}).get("tv"), row.get("tv")
+        if spread is not None and value is not None:
+            low, high = spread["band"]
+            parts.append(f"TV (x 100) {100 * value:.2f} is "
+                         f"{'inside' if low <= value <= high else 'outside'} its band")
         if parts:
             lines.append(f"{escape(row['name'])}: " + "; ".join(parts))
     return lines
@@ -125,13 +145,23 @@ def _captions(report: ReportResult, escape: Callable[[str], str] = _same
     metrics = (("Predictive metrics of each "
                 f"collection's posterior predictive (average softmax) on {escape(data['id'])} "
                 f"({images.get('id', 0)} images; ECE with {data['bins']} bins); {ood}. "
-                f"Acc, ECE, AUPR, FPR95 in %; Brier x 100; IDMI and OODMI in nats x 100. ")
+                f"Acc, ECE, AUPR, FPR95 in %; Brier x 100; IDMI and OODMI in nats x 100; "
+                "Agree (agreement: images where the method's and the target's predictives "
+                "pick the same class) in %, TV (total variation between them) x 100. ")
                if data.get("predictions", True) else
                "A weights-only report (no predictions): the predictive metrics are not "
                "computed. ")
+    gold = report.reference
+    versus = ""
+    if gold:
+        source = ("its samples and predictive" if gold["kind"] == "collection"
+                  else f"a predictive read from {escape(gold['path'])}")
+        versus = (f"Columns named {escape(gold['name'])}: the same against the gold "
+                  f"standard {escape(gold['name'])} ({source}); its row is the group "
+                  "reference. ")
     table1 = (f"Table 1. MMD and NS-MMD: layer-weighted median over the 20 MMDAgg kernels "
               f"of the unbiased MMD^2 to the target, x {MMD_DISPLAY_SCALE:g}. {metrics}"
-              f"Blue rows: the target against itself (the noise floor).")
+              f"{versus}Blue rows: the target against itself (the noise floor).")
     table2 = ("Table 2 detail: the median, mean and maximum over the 20 kernels, each "
               f"averaged over layers with their parameter counts, MMD^2 x {MMD_DISPLAY_SCALE:g}; "
               "n is the "
@@ -143,9 +173,11 @@ def _captions(report: ReportResult, escape: Callable[[str], str] = _same
 def html_page(report: ReportResult) -> str:
     """The self-contained HTML page."""
     caption1, caption2 = _captions(report)
-    table1 = tables.html_table(tables.TABLE1_HEADER,
-                               tables.table1_rows(report.rows), caption=caption1,
-                               table_id="table1", titles=tables.TABLE1_TITLES)
+    columns = report.columns()
+    table1 = tables.html_table(tables.table1_header(columns),
+                               tables.table1_rows(report.rows, columns=columns),
+                               caption=caption1, table_id="table1",
+                               titles=tables.table1_titles(columns))
     noise_html = "".join('<tr class="noise">' + "".join(f"<td>{html_text(c)}</td>"
                                                         for c in row) + "</tr>"
                          for row in _noise_rows(report))
@@ -185,6 +217,7 @@ higher for accuracy and AUPR.</p></div>
 {warning}
 {table1}
 <ul id="verdicts">{verdicts}</ul>
+{_answers_html(report)}
 <h2>MMD detail (Table 2)</h2>
 {table2}
 {_tests_html(report)}
@@ -203,12 +236,14 @@ every input (JSON; also in report.json)</summary>
 def markdown_page(report: ReportResult) -> str:
     """The same tables as Markdown, with the figures linked."""
     caption1, caption2 = _captions(report, markdown_text)
-    rows1 = tables.table1_rows(report.rows, markdown_text) + _noise_rows(report)
+    columns = report.columns()
+    rows1 = tables.table1_rows(report.rows, markdown_text, columns) + _noise_rows(report)
     warning = noise_floor_warning(report)
     lines = [f"# posteriorzoo report: {markdown_text(report.target['path'])}", "", caption1,
              *([f"> **Warning.** {warning}", ""] if warning else [""]),
-             tables.markdown_table(tables.TABLE1_HEADER, rows1),
-             *[f"- {line}" for line in _verdicts(report, markdown_text)], "", caption2, "",
+             tables.markdown_table(tables.table1_header(columns), rows1),
+             *[f"- {line}" for line in _verdicts(report, markdown_text)], "",
+             *_answers_markdown(report), caption2, "",
              tables.markdown_table(tables.TABLE2_HEADER,
                                    tables.table2_rows(report.rows, markdown_text)),
              *_diagnostics_markdown(report)]
@@ -223,10 +258,37 @@ def table1_text(report: ReportResult) -> str:
     """Table 1 with its noise rows and verdicts, as printed by ``posteriorzoo report``."""
     caption, _ = _captions(report, markdown_text)
     warning = noise_floor_warning(report)
+    columns = report.columns()
     return "\n".join([caption, "", tables.markdown_table(
-        tables.TABLE1_HEADER, tables.table1_rows(report.rows, markdown_text)
+        tables.table1_header(columns), tables.table1_rows(report.rows, markdown_text, columns)
         + _noise_rows(report)), *_verdicts(report, markdown_text),
-        *([f"warning: {warning}"] if warning else [])])
+        *([f"warning: {warning}"] if warning else []),
+        *_answers_markdown(report)])
+
+
+def _answers(report: ReportResult) -> list[str]:
+    return list((report.reference or {}).get("answers") or [])
+
+
+def _answers_title(report: ReportResult) -> str:
+    return f"The target against the gold standard ({report.reference['name']})"
+
+
+def _answers_html(report: ReportResult) -> str:
+    """The section answering how far the target is from the gold standard."""
+    lines = _answers(report)
+    if not lines:
+        return ""
+    items = "".join(f"<li>{html_text(line)}</li>" for line in lines)
+    return f'<h2>{html_text(_answers_title(report))}</h2><ul id="reference">{items}</ul>'
+
+
+def _answers_markdown(report: ReportResult) -> list[str]:
+    lines = _answers(report)
+    if not lines:
+        return []
+    return ["", f"## {markdown_text(_answers_title(report))}", "",
+            *[f"- {markdown_text(line)}" for line in lines], ""]
 
 
 DIAGNOSTICS_CAPTION = (

@@ -27,7 +27,32 @@ TABLE1_COLUMNS = (
     ("fpr95", "FPR95", 100.0, "false positive rate at 95% OOD recall, %"),
     ("idmi", "IDMI", 100.0, "mutual information on in-distribution images, nats x 100"),
     ("oodmi", "OODMI", 100.0, "mutual information on OOD images, nats x 100"),
+    ("agreement", "Agree", 100.0, "agreement with the target's predictive: share of "
+     "images where both pick the same class, %"),
+    ("tv", "TV", 100.0, "total variation to the target's predictive (half the L1 distance, "
+     "mean over images) x 100"),
 )
+
+
+def reference_columns(name: str) -> tuple[tuple[str, str, float, str], ...]:
+    """Table 1's columns against the gold standard ``name`` (HMC): MMD and NS-MMD to its
+    samples, agreement and TV with its predictive."""
+    return (
+        ("mmd_ref", scaled_label(f"{SYMMETRIES['keep'].statistic} to {name}"),
+         MMD_DISPLAY_SCALE, f"MMD^2 x {MMD_DISPLAY_SCALE:g} to {name}'s samples, symmetries "
+                            "kept"),
+        ("ns_mmd_ref", scaled_label(f"{SYMMETRIES['remove'].statistic} to {name}"),
+         MMD_DISPLAY_SCALE, f"MMD^2 x {MMD_DISPLAY_SCALE:g} to {name}'s samples, symmetries "
+                            "removed"),
+        ("agreement_ref", f"Agree {name}", 100.0, f"agreement with {name}'s predictive, %"),
+        ("tv_ref", f"TV {name}", 100.0, f"total variation to {name}'s predictive x 100"),
+    )
+
+
+def table1_columns(reference: str | None = None) -> tuple[tuple[str, str, float, str], ...]:
+    """Table 1's columns: :data:`TABLE1_COLUMNS`, then those against the gold standard
+    named ``reference`` when the report has one."""
+    return TABLE1_COLUMNS + (reference_columns(reference) if reference else ())
 #: The Table 2 detail: (key, header); MMD^2 x MMD_DISPLAY_SCALE like Table 1.
 TABLE2_COLUMNS = (("n", "n"), ("mmd_median", scaled_label("MMD median")),
                   ("mmd_mean", scaled_label("MMD mean")), ("mmd_max", scaled_label("MMD max")),
@@ -35,7 +60,7 @@ TABLE2_COLUMNS = (("n", "n"), ("mmd_median", scaled_label("MMD median")),
                   ("ns_mmd_mean", scaled_label("NS-MMD mean")),
                   ("ns_mmd_max", scaled_label("NS-MMD max")),
                   ("rejected_layers", "layers rejected"))
-GROUPS = ("single-mode", "multi-mode", "other")
+GROUPS = ("reference", "single-mode", "multi-mode", "other")
 
 
 def shown(value: Any, scale: float = 1.0, digits: int = 2) -> str:
@@ -52,15 +77,17 @@ def _same(text: str) -> str:
 
 
 def table1_rows(rows: Sequence[Mapping[str, Any]],
-                escape: Callable[[str], str] = _same) -> list[list[str]]:
-    """Table 1 as text cells, grouped: single-mode methods, then multi-mode ones; the
-    method names (the user's) passed through ``escape`` (e.g.
-    :func:`posteriorzoo.text.markdown_text`)."""
+                escape: Callable[[str], str] = _same,
+                columns: Sequence[tuple[str, str, float, str]] = TABLE1_COLUMNS
+                ) -> list[list[str]]:
+    """Table 1 as text cells, grouped: the gold standard, single-mode methods, then
+    multi-mode ones; the method names (the user's) passed through ``escape`` (e.g.
+    :func:`posteriorzoo.text.markdown_text`); ``columns`` from :func:`table1_columns`."""
     cells = []
     for group in GROUPS:
         for row in (r for r in rows if r["group"] == group):
             cells.append([escape(row["name"]), group, str(row["n"])]
-                         + [shown(row.get(key), scale) for key, _, scale, _ in TABLE1_COLUMNS])
+                         + [shown(row.get(key), scale) for key, _, scale, _ in columns])
     return cells
 
 
@@ -96,7 +123,19 @@ def html_table(header: Sequence[str], cells: Sequence[Sequence[str]], *, caption
             f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
 
-TABLE1_HEADER = ["Method", "Group", "n"] + [header for _, header, _, _ in TABLE1_COLUMNS]
-TABLE1_TITLES = ["", "single-mode: samples around one network; multi-mode: around 10 "
-                 "(DE: independent networks)", "samples"] + [t for *_, t in TABLE1_COLUMNS]
+
+
+def table1_header(columns: Sequence[tuple[str, str, float, str]] = TABLE1_COLUMNS
+                  ) -> list[str]:
+    """Table 1's header cells for ``columns``."""
+    return ["Method", "Group", "n"] + [header for _, header, _, _ in columns]
+
+
+def table1_titles(columns: Sequence[tuple[str, str, float, str]] = TABLE1_COLUMNS
+                  ) -> list[str]:
+    """The tooltips of Table 1's header cells for ``columns``."""
+    return ["", "reference: the gold standard (full-batch HMC); single-mode: samples "
+            "around one network; multi-mode: around 10 (DE: independent networks)",
+            "samples"] + [t for *_, t in columns]
+
 TABLE2_HEADER = ["Method"] + [header for _, header in TABLE2_COLUMNS]

@@ -105,7 +105,6 @@ def report_step(out: Path, final: Path, command: str, progress: bool,
     """[2] The benchmark report on the shipped zoo (Fashion-MNIST in distribution)."""
     from analysis.report import build_report
     from analysis.report.page import table1_text
-    from analysis.report.tables import TABLE1_COLUMNS
     from posteriorzoo.data import load_dataset
     from posteriorzoo.errors import PosteriorZooError
     from posteriorzoo.reference import METHOD_COLLECTIONS, reference_path
@@ -129,7 +128,7 @@ def report_step(out: Path, final: Path, command: str, progress: bool,
     print(table1_text(report))
     return {"html": "report/report.html", "ood": ood,
             "table1": [{key: row.get(key) for key in ("name", "group", "n", *(
-                column for column, *_ in TABLE1_COLUMNS))} for row in report.rows],
+                column for column, *_ in report.columns()))} for row in report.rows],
             "noise_band": {k: v.band for k, v in report.noise.items()}}
 
 

@@ -52,6 +52,22 @@ before and after min-mass (Fig. 2), functional collapse: pairwise MI in and out 
 distribution (Figs. 3 and 7, for --collapse), MMD per layer with the noise band, and the
 PCA explained-variance curve.
 
+Function space (the NeurIPS 2021 approximate-inference competition's metrics): Agree, the
+share of test images where a method's predictive and the target's pick the same class, and
+TV, their total variation (half the L1 distance, mean over images), with the band of
+held-out target checkpoints against the rest.
+
+A gold standard: a method collection that samples the recipe's posterior exactly
+(full-batch HMC, `posteriorzoo train` method hmc) is taken as the reference, or the one
+--reference names. Its row is grouped "reference"; Table 1 gains MMD and NS-MMD to its
+samples and Agree and TV with its predictive for every method and the target, and a
+section answers how far the target is from it (weights and function, with the noise
+bands), which method is closest, whether the paper's ordering survives, and whether the
+symmetries explain the gap. --reference-predictive FILE takes the gold standard's
+predictive from elsewhere instead (an N x C probability file, the competition's
+probs.csv layout: one row per test image in order, comma- or space-separated, no header):
+Agree and TV only.
+
 --no-predictions leaves the predictive metrics out (a weights-only report). The target's
 weights are streamed from its file, never held in memory (memory: a block of features and
 the (m, m) distance matrices of one layer).
@@ -114,6 +130,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--collapse", metavar="NAME", default=None,
                         help="the method of the collapse figure (default: DE if present)")
+    parser.add_argument("--reference", metavar="NAME", default=None,
+                        help="the method collection that is the gold standard (default: the "
+                             "one whose method samples the posterior exactly, HMC, if any)")
+    parser.add_argument("--reference-predictive", type=Path, metavar="FILE", default=None,
+                        help="a gold-standard predictive from elsewhere: N x C probabilities "
+                             "on the --id-data test split (probs.csv layout); checked: "
+                             "shape, rows summing to 1, the same split")
     parser.add_argument("--no-figures", action="store_true", help="tables only")
     parser.add_argument("--no-predictions", action="store_true",
                         help="a weights-only report: MMD, NS-MMD, noise floor, diagnostics "
@@ -138,7 +161,8 @@ def run_report(args: argparse.Namespace) -> int:
     from posteriorzoo.outputs import atomic_directory
 
     methods = named_paths(args.methods)
-    inputs = [args.target, *(path for _, path in methods)]
+    inputs = [args.target, *(path for _, path in methods),
+              *([args.reference_predictive] if args.reference_predictive else [])]
     with atomic_directory(args.out, overwrite=args.overwrite, inputs=inputs) as partial:
         report = build_report(
             args.target, methods, id_data=args.id_data, ood_data=args.ood_data,
@@ -147,7 +171,8 @@ def run_report(args: argparse.Namespace) -> int:
             n_pairs=args.n_pairs, collapse=args.collapse, seed=args.seed,
             figures=not args.no_figures, workdir=partial, progress=not args.no_progress,
             command=args.command_line, predictions=not args.no_predictions,
-            device=args.device, precision=args.precision)
+            device=args.device, precision=args.precision, reference=args.reference,
+            reference_predictive=args.reference_predictive)
         report.write_into(partial)
     if args.json:
         print(report.to_json(), end="")
