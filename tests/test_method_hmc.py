@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -388,6 +389,109 @@ def test_the_collection_run_removes_its_progress_folder(tmp_path):
     with open_zoo(out) as zoo:
         assert list(np.asarray(zoo.metadata["chain"])) == [0, 0, 0, 1, 1, 1]
         assert set(zoo.training_records()) == {0, 1}
+
+
+# ------------------------------------------------------------------ the dry run's estimate
+def _spec_with(**options):
+    from train_zoo import make_spec
+
+    return make_spec("optunet-mnist", dataset="digits", base_seed=3, method="hmc", modes=2,
+                     samples_per_mode=4, recipe_overrides={"epochs": 1},
+                     method_options={"burn_in": 3, "thin": 2, **options})
+
+
+def test_phase_steps_are_each_iterations_leapfrog_gradients():
+    from train_zoo.methods.hmc import ASSUMED_LEAPFROG_STEPS, METHOD
+
+    # 1 start + 3 burn-in + 4 x 2 kept iterations of ceil(0.5 / 0.0625) = 8 steps
+    spec = _spec_with(trajectory_length=0.5, step_size=0.0625)
+    assert METHOD.phase_steps(spec, 22) == 1 + (3 + 8) * 8
+    spec = _spec_with(trajectory_length=0.5, step_size=0.0625, max_leapfrog_steps=5)
+    assert METHOD.phase_steps(spec, 22) == 1 + (3 + 8) * 5
+    # a step far below the trajectory: the burn-in's cap of 1,024, then L itself
+    spec = _spec_with(trajectory_length=3_000.0, step_size=1.0)
+    assert METHOD.phase_steps(spec, 22) == 1 + 3 * 1_024 + 8 * 3_000
+    # no step size: the assumption, under the caps
+    assert ASSUMED_LEAPFROG_STEPS == HmcOptions.burn_in_leapfrog_steps == 1_024
+    assert METHOD.phase_steps(_spec_with(), 22) == 1 + 11 * 1_024
+    assert METHOD.phase_steps(_spec_with(max_leapfrog_steps=300), 22) == 1 + 11 * 300
+    # the default trajectory, pi / 2 / sqrt(N weight_decay), with N = 22 x 64 = 1,408
+    for step in (0.01, 0.001):
+        spec = _spec_with(step_size=step)
+        length = math.pi / 2 / math.sqrt(1_408 * spec.recipe.weight_decay)
+        steps = math.ceil(length / step)
+        assert METHOD.phase_steps(spec, 22) == 1 + 3 * min(steps, 1_024) + 8 * steps
+    assert steps > 1_024  # the second: the burn-in's cap applies
+
+
+def test_every_full_data_gradient_is_a_reported_step():
+    """Without burn-in and with a given step size the chain's gradients are exactly
+    phase_steps: each reported as a step of phase ``hmc`` with U / N as its loss."""
+    from train_zoo.data import load_training_data
+    from train_zoo.methods.hmc import METHOD
+    from train_zoo.programs import produce_mode
+
+    spec = _spec_with(burn_in=0, thin=1, trajectory_length=0.003, step_size=5e-4)
+    data = load_training_data(spec.dataset)
+
+    class Steps:
+        def __init__(self):
+            self.infos: list = []
+            self.weights: list = []
+
+        def on_step_end(self, info, weights):
+            if info.phase == "hmc":
+                self.infos.append(info)
+                self.weights.append({k: np.array(v) for k, v in weights.items()})
+
+    steps = Steps()
+    results = produce_mode(spec, 0, data, "auto", [steps])
+    per_epoch = math.ceil(len(data.train) / spec.recipe.batch_size)
+    (chain,) = results[0].record["chains"]
+    assert chain["divergences"] == 0
+    assert len(steps.infos) == METHOD.phase_steps(spec, per_epoch) == 1 + 4 * 6
+    assert len(steps.infos) == 1 + chain["gradient_evaluations"]
+    assert [info.step for info in steps.infos] == list(range(1, len(steps.infos) + 1))
+    assert all(info.index == 0 and math.isfinite(info.loss) for info in steps.infos)
+    # each sample is the state its iteration ended in: one of the reported points
+    for result in results:
+        assert any(all(np.array_equal(w[k], result.state[k]) for k in w)
+                   for w in steps.weights)
+
+
+def test_the_dry_run_times_a_few_gradients_and_counts_the_chains(tmp_path, capsys,
+                                                                monkeypatch):
+    """The dry run times some of the chain's gradients and stops (a burn-in of 10,000
+    iterations is not run), then extrapolates to modes x phase_steps."""
+    from zoo_helpers import run as run_cli
+
+    from posteriorzoo.cli import train_command
+    from train_zoo.methods import hmc
+
+    calls = []
+    original = hmc.kernel_potential
+
+    def counted(*args, **kwargs):
+        potential = original(*args, **kwargs)
+        return lambda theta: calls.append(1) or potential(theta)
+
+    monkeypatch.setattr(hmc, "kernel_potential", counted)
+    spec = tmp_path / "hmc.toml"
+    spec.write_text('recipe = "optunet-mnist"\ndataset = "digits"\nmethod = "hmc"\n'
+                    'modes = 2\nsamples_per_mode = 5\n\n[recipe_overrides]\nepochs = 1\n'
+                    '\n[method_options]\nburn_in = 10000\nthin = 3\n'
+                    'trajectory_length = 0.01\nstep_size = 0.001\n')
+    code, stdout, err = run_cli(capsys, "train", spec, "--dry-run", "--json",
+                                "--backend", "serial")
+    assert code == 0, err
+    part = {p["phase"]: p for p in json.loads(stdout)["estimate"]["parts"]}["hmc"]
+    assert part["steps"] == 2 * (1 + (10_000 + 15) * 10)
+    assert 1 <= part["timed_steps"] <= train_command.TIMED_STEPS
+    assert part["seconds_per_step"] > 0
+    assert part["seconds"] == part["steps"] * part["seconds_per_step"]
+    # the method's own timing run, and the base network's, which ends at the first
+    # gradient of the phase after it
+    assert len(calls) <= train_command.WARM_UP_STEPS + train_command.TIMED_STEPS + 2
 
 
 # ------------------------------------------------------------------ NUTS oracle

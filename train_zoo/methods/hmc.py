@@ -29,6 +29,11 @@ The gradient is float32, from the fast engine's numba kernels where they cover t
 chunks), torch autograd otherwise; the loss is summed over the chunks in float64, and the
 prior and the kinetic energy are float64.
 
+Every full-data gradient is reported to the mode's callbacks as a step of phase ``hmc``
+(``loss`` = ``U / N``), so ``train --dry-run`` times a few of them and extrapolates to
+:meth:`Hmc.phase_steps` (``(burn_in + samples x thin)`` iterations x the leapfrog steps of
+one, plus the start's gradient).
+
 The chain's state is written after every iteration to the mode's progress folder
 (:attr:`ModeRun.progress`, set by the collection run), so a chain killed at any moment
 resumes bit-identically; without a folder the chain runs in memory. The record keeps, for
@@ -55,13 +60,21 @@ from train_zoo.methods.common import flatten, parameters_of, unflatten
 from train_zoo.methods.hmc_sampler import HmcOptions, Potential, chain_summary, run_chain
 from train_zoo.methods.sghmc_update import prior_precision_from_weight_decay
 
-__all__ = ["METHOD", "Hmc", "HmcChain", "default_trajectory_length", "kernel_potential",
+__all__ = ["ASSUMED_LEAPFROG_STEPS", "METHOD", "Hmc", "HmcChain",
+           "default_trajectory_length", "kernel_potential", "reporting_potential",
            "torch_potential"]
 
 #: Examples per torch chunk of the full-data gradient (the kernels take 128 at a time).
 TORCH_CHUNK = 1_000
 #: The state file in a mode's progress folder.
 STATE_FILE = "hmc-chain.npz"
+#: Leapfrog steps per iteration that ``train --dry-run`` assumes when the spec gives no
+#: ``step_size``: the step size is then found by Hoffman & Gelman's heuristic and adapted
+#: during burn-in, so it is unknown before the run. The burn-in's cap
+#: (``HmcOptions.burn_in_leapfrog_steps``): the reference recipe's chains (OptuNet,
+#: Fashion-MNIST, trajectory 0.45) took 110-1,024 steps per burn-in iteration, most often
+#: the cap, at adapted step sizes of 1e-4 to 2e-3.
+ASSUMED_LEAPFROG_STEPS = HmcOptions.burn_in_leapfrog_steps
 
 
 def default_trajectory_length(prior_precision: float) -> float:
@@ -116,6 +129,33 @@ def torch_potential(model: nn.Module, like: dict[str, torch.Tensor],
     return potential
 
 
+def reporting_potential(potential: Potential, like: dict[str, torch.Tensor], index: int,
+                        num_data: int, callbacks: Sequence[object], phase: str = "hmc"
+                        ) -> Potential:
+    """``potential`` that reports each evaluation (one full-data gradient) to
+    ``callbacks`` as a step of ``phase``: ``StepInfo(index, 0, k, 0.0, U / num_data,
+    phase)`` for the ``k``-th evaluation of this process, with the weights it was taken
+    at. This is what ``train --dry-run`` times (HMC has no learning rate: ``lr`` is 0).
+    Without callbacks, ``potential`` itself."""
+    from train_zoo.callbacks import StepInfo, notify
+
+    if not callbacks:
+        return potential
+    count = 0
+
+    def reported(theta: np.ndarray) -> tuple[float, np.ndarray]:
+        nonlocal count
+        value, grad = potential(theta)
+        count += 1
+        weights = unflatten(torch.from_numpy(theta.astype(np.float32)), like)
+        notify(callbacks, "on_step_end",
+               StepInfo(index, 0, count, 0.0, value / num_data, phase),
+               {name: tensor.numpy() for name, tensor in weights.items()})
+        return value, grad
+
+    return reported
+
+
 @dataclass
 class HmcChain:
     """A mode's chain: its kept samples (flat, float64), the parameters they unflatten
@@ -157,6 +197,37 @@ class Hmc(Method):
                "network")
     options = declared_options("hmc")
 
+    def phase_steps(self, spec: Any, steps_per_epoch: int) -> int:
+        """Full-data gradients of one chain: the start's, then ``burn_in + samples x
+        thin`` iterations of ``L`` leapfrog steps (one gradient each).
+
+        ``L = ceil(trajectory_length / step_size)`` (capped at ``max_leapfrog_steps``,
+        during burn-in also at ``HmcOptions.burn_in_leapfrog_steps``) with the spec's
+        ``step_size``, the adaptation's start, held fixed; without one it is
+        :data:`ASSUMED_LEAPFROG_STEPS` (the step size is only known after the run), and
+        the heuristic's few gradients that find the first step size are not counted. The
+        default trajectory length needs ``N``, taken as ``steps_per_epoch x batch_size``
+        (at most a batch above it, so ``L`` is off by at most one step in ``N /
+        batch_size``).
+        """
+        opts = spec.method_options
+        length = opts.get("trajectory_length")
+        if length is None:
+            prior = prior_precision_from_weight_decay(
+                max(1, steps_per_epoch * spec.recipe.batch_size), spec.recipe.weight_decay)
+            length = default_trajectory_length(prior) if prior > 0 else 0.0
+        options = HmcOptions(burn_in=int(opts["burn_in"]), thin=int(opts["thin"]),
+                             samples=int(spec.counts()[1]), trajectory_length=float(length),
+                             max_leapfrog_steps=int(opts["max_leapfrog_steps"]))
+        step = opts.get("step_size")
+        if step is None:
+            sampling = min(ASSUMED_LEAPFROG_STEPS, options.max_leapfrog_steps)
+            burn_in = min(sampling, options.burn_in_leapfrog_steps)
+        else:
+            sampling = options.leapfrog_steps(float(step))
+            burn_in = options.leapfrog_steps(float(step), burn_in=True)
+        return 1 + options.burn_in * burn_in + options.thin * options.samples * sampling
+
     def fit(self, run: ModeRun) -> Posterior:
         spec, engine = run.spec, run.engine
         model, steps = engine.train_base()
@@ -171,6 +242,8 @@ class Hmc(Method):
                                      "improper; give the recipe a weight decay")
         options = _options(spec, prior)
         potential, used = self._potential(run, model, params, prior)
+        potential = reporting_potential(potential, params, run.index, run.num_data,
+                                        run.callbacks, self.name)
         start = flatten(params).double().numpy()
         path = None if run.progress is None else run.progress / STATE_FILE
         state = run_chain(potential, start, options, run.seeds.noise, path=path,
