@@ -193,9 +193,9 @@ def test_the_answers_follow_the_numbers():
                                    "tv": {"band": [0.005, 0.02]}}}
     noise = {"keep": _Band(0.0, 0.001), "remove": _Band(0.0, 0.001)}
     lines = answers(reference, rows, noise)
-    assert "MMD 2.00 (outside the target's noise band [0.00, 0.10])" in lines[0]
-    assert "NS-MMD 0.04 (inside" in lines[0] and "TV 0.0300 (outside" in lines[0]
-    assert "by MMD, DE (2.00)" in lines[1] and "by TV, DE (0.0300)" in lines[1]
+    assert "MMD (x 100) 2.00 (outside the target's noise band [0.00, 0.10])" in lines[0]
+    assert "NS-MMD (x 100) 0.04 (inside" in lines[0] and "TV (x 100) 3.00 (outside" in lines[0]
+    assert "by MMD (x 100), DE (2.00)" in lines[1] and "by TV (x 100), DE (3.00)" in lines[1]
     assert lines[2].count("holds") == 6   # both references, three statistics
     assert "explain the gap" in lines[3] and "do not" not in lines[3]
     rows[3]["mmd_ref"] = 0.001            # single-mode closest to the reference

@@ -247,7 +247,7 @@ def _fmt(key: str, value: float) -> str:
         return f"{MMD_DISPLAY_SCALE * value:.2f}"
     if key.startswith("agreement"):
         return f"{100 * value:.1f}%"
-    return f"{value:.4f}"
+    return f"{100 * value:.2f}"   # TV, x 100 as in Table 1
 
 
 def _rank_correlation(rows: Sequence[Mapping[str, Any]], key: str, other: str
@@ -279,13 +279,14 @@ def answers(reference: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
         if value is None or floor is None:
             continue
         low, high = floor.band
-        weights.append(f"{'MMD' if word == 'keep' else 'NS-MMD'} "
+        weights.append(f"{'MMD' if word == 'keep' else 'NS-MMD'} (x {MMD_DISPLAY_SCALE:g}) "
                        f"{MMD_DISPLAY_SCALE * value:.2f} ({_inside(value, (low, high))} the "
                        f"target's noise band [{MMD_DISPLAY_SCALE * low:.2f}, "
                        f"{MMD_DISPLAY_SCALE * high:.2f}])")
     function = []
-    for key, label in (("agreement_ref", "agreement"), ("tv_ref", "TV")):
-        value, spread = target.get(key), band.get(label.lower() if label == "TV" else label)
+    for key, label, band_key in (("agreement_ref", "agreement", "agreement"),
+                                 ("tv_ref", "TV (x 100)", "tv")):
+        value, spread = target.get(key), band.get(band_key)
         if value is None:
             continue
         text = f"{label} {_fmt(key, value)}"
@@ -300,8 +301,8 @@ def answers(reference: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
                      + ("; ".join(function) or "not computed") + ".")
     methods = [r for r in rows if r["group"] != REFERENCE_GROUP]
     closest = []
-    for key, label in (("mmd_ref", "MMD"), ("ns_mmd_ref", "NS-MMD"), ("tv_ref", "TV"),
-                       ("agreement_ref", "agreement")):
+    for key, label in (("mmd_ref", "MMD (x 100)"), ("ns_mmd_ref", "NS-MMD (x 100)"),
+                       ("tv_ref", "TV (x 100)"), ("agreement_ref", "agreement")):
         scored = [r for r in methods if r.get(key) is not None]
         if not scored:
             continue
@@ -310,8 +311,9 @@ def answers(reference: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
     if closest:
         lines.append(f"Which method is closest to {name}? " + "; ".join(closest) + ".")
     orders = []
-    for key, other, label in (("mmd", "mmd_ref", "MMD"), ("ns_mmd", "ns_mmd_ref", "NS-MMD"),
-                              ("tv", "tv_ref", "TV")):
+    for key, other, label in (("mmd", "mmd_ref", "MMD (x 100)"),
+                              ("ns_mmd", "ns_mmd_ref", "NS-MMD (x 100)"),
+                              ("tv", "tv_ref", "TV (x 100)")):
         against_target, against_reference = _ordering(methods, key), _ordering(methods, other)
         if against_reference is None:
             continue
@@ -329,7 +331,7 @@ def answers(reference: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
         lines.append(
             f"Do the symmetries explain the gap? NS-MMD between the target and {name} is "
             f"{MMD_DISPLAY_SCALE * canonical:.2f} against MMD {MMD_DISPLAY_SCALE * raw:.2f} "
-            f"({canonical / raw:.0%} of it when MMD > 0): "
+            f"({canonical / raw:.0%} of it): "
             + ("with the symmetries removed the target is inside its noise band, so they "
                "explain the gap." if inside else
                "it stays outside the noise band with the symmetries removed, so they do not "
