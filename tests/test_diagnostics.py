@@ -171,4 +171,4 @@ def test_scale_movement():
 
 
 def test_every_flag_has_a_rule():
-    assert all(rule for rule in FLAGS.values()) and len(FLAGS) == 4
+    assert all(rule for rule in FLAGS.values()) and len(FLAGS) == 6

@@ -16,7 +16,10 @@ def _flag_help() -> str:
             "'chains disagree (R-hat > 1.05)' (median rank-normalised split R-hat > 1.05); "
             "'chain too hot' (kinetic temperature mean(v^2)/lr above 1.1 x the exact "
             "chain's 1/(1 - alpha/2)); 'variance did not train' (every layer's median sigma "
-            "within a factor 1.25 of its initial value).")
+            "within a factor 1.25 of its initial value); 'E-BFMI below 0.3' (a chain's "
+            "recorded E-BFMI < 0.3, Betancourt 2016); 'acceptance far from its target "
+            "(outside 0.5 .. 0.99)' (a chain's recorded mean acceptance probability after "
+            "burn-in outside 0.5 .. 0.99).")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,10 +28,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Diagnose collections from their samples and recorded training, without "
                     "trusting the method. Every collection: the spread of its members' test "
                     "accuracies, the ensemble's IDMI (on its dataset's test split) and what "
-                    "the method recorded when it was built. Chains (SGHMC): effective sample "
-                    "size and split R-hat per weight (ArviZ), lag-k autocorrelation, the "
-                    "drift between the two halves of each chain (summarised as median and "
-                    "worst tenth), and the recorded kinetic temperature. Variational (BBB): "
+                    "the method recorded when it was built. Chains (SGHMC, HMC): effective "
+                    "sample size and split R-hat per weight (ArviZ; across the chains of one "
+                    "mode, or one chain's halves), lag-k autocorrelation, the drift between "
+                    "the two halves of each chain (summarised as median and worst tenth), "
+                    "the same with the symmetries removed and on each sample's test "
+                    "log-likelihood, the spread between chains said as modes, and what each "
+                    "chain recorded (kinetic temperature; HMC's acceptance and E-BFMI). "
+                    "Variational (BBB): "
                     "per layer, the samples' sigma against the initial sigma. What a "
                     "collection made before training records existed cannot tell is "
                     "reported as unknown. Checkpoints with NaN or infinite weights "
@@ -71,8 +78,12 @@ def _print(result) -> None:
               f"{chain['r_hat']['worst']:.3f}, {100 * chain['r_hat_above_1_01']:.0f}% of "
               f"weights above 1.01), lag-1 autocorrelation "
               f"{chain['autocorrelation'].get('1', {}).get('median', float('nan')):.3f}, "
-              f"drift {chain['drift']['median']:.2f} sd, kinetic temperature "
-              f"{_number(chain['kinetic_temperature'])}")
+              f"drift {chain['drift']['median']:.2f} sd"
+              + ("" if chain.get("acceptance_rate") and chain["kinetic_temperature"] is None
+                 else f", kinetic temperature {_number(chain['kinetic_temperature'])}"))
+        _print_chain_details(chain)
+    if data.get("between_chains"):
+        print(f"  between chains: {data['between_chains']['sentence']}")
     for layer in data["variational"] or []:
         if layer["layer"] == "(recorded)":   # printed with the build records below
             continue
@@ -90,6 +101,33 @@ def _print(result) -> None:
         print("  no flags")
     for line in data["unknown"]:
         print(f"  unknown: {line}")
+
+
+def _numbers(values: list | None) -> str:
+    return "not recorded" if values is None else ", ".join(_number(v) for v in values)
+
+
+def _print_chain_details(chain: dict) -> None:
+    """The lines under a mode's chain statistics: its sampler's record, its canonical
+    weights' statistics and its test log-likelihood's."""
+    if chain.get("acceptance_rate") is not None:
+        target = chain.get("target_accept")
+        print(f"    sampler: acceptance {_numbers(chain['acceptance_rate'])} (target "
+              f"{_number(target)}), E-BFMI {_numbers(chain.get('e_bfmi'))}, step "
+              f"{_numbers(chain.get('step_size'))} x {_numbers(chain.get('leapfrog_steps'))} "
+              f"leapfrog steps, divergences {_numbers(chain.get('divergences'))}")
+    removed = chain.get("symmetries_removed")
+    if removed:
+        print(f"    symmetries removed: ESS median {removed['ess']['median']:.1f} (worst "
+              f"tenth {removed['ess']['worst_tenth']:.1f}), R-hat median "
+              f"{removed['r_hat']['median']:.3f} (max {removed['r_hat']['worst']:.3f}, "
+              f"{100 * removed['r_hat_above_1_01']:.0f}% of weights above 1.01)")
+    predictive = chain.get("log_likelihood")
+    if predictive:
+        print(f"    test log-likelihood: ESS {predictive['ess']:.1f}, R-hat "
+              f"{predictive['r_hat']:.3f}, lag-1 autocorrelation "
+              f"{predictive['autocorrelation'].get('1', float('nan')):.3f}, chain means "
+              f"{_numbers(predictive['mean'])}")
 
 
 def run(args: argparse.Namespace) -> int:
