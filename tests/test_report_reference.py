@@ -200,3 +200,28 @@ def test_the_answers_follow_the_numbers():
     assert "explain the gap" in lines[3] and "do not" not in lines[3]
     rows[3]["mmd_ref"] = 0.001            # single-mode closest to the reference
     assert "does not hold" in answers(reference, rows, noise)[2]
+
+
+def test_the_diagnostics_line_of_an_hmc_collection(tmp_path):
+    # the report's line reads what diagnose gives for a Metropolis-corrected chain
+    from train_zoo import make_spec
+    from train_zoo.backends import SerialBackend
+    from train_zoo.run import train_collection
+
+    from analysis.report.build import diagnosis_row
+    from posteriorzoo.collection import diagnose
+
+    spec = make_spec("optunet-mnist", dataset="digits", base_seed=3, method="hmc", modes=2,
+                     samples_per_mode=8, recipe_overrides={"epochs": 1},
+                     method_options={"burn_in": 2, "thin": 1, "trajectory_length": 0.004,
+                                     "step_size": 4e-4})
+    path = tmp_path / "hmc.h5"
+    train_collection(spec, path, backend=SerialBackend(), progress=False)
+    diagnosis = diagnose(path)
+    line = diagnosis_row("HMC", diagnosis)["summary"]
+    for chain in diagnosis.chains:
+        assert f"acceptance {chain['acceptance_rate'][0]:.2f}" in line
+        assert f"E-BFMI {chain['e_bfmi'][0]:.2f}" in line
+        assert f"test log-likelihood ESS {chain['log_likelihood']['ess']:.1f}" in line
+    assert "kinetic temperature" not in line
+    assert diagnosis.between_chains["sentence"] in line

@@ -562,16 +562,30 @@ def diagnosis_row(name: str, diagnosis: Any) -> dict[str, Any]:
     parts = []
     for chain in diagnosis.chains or []:
         temperature = chain["kinetic_temperature"]
-        shown = ("not recorded" if temperature is None else
-                 ", ".join(f"{t:.2f}" for t in temperature if t is not None)
-                 + f" (exact chain {chain['exact_temperature']:.2f})")
+        acceptance = [a for a in chain.get("acceptance_rate") or [] if a is not None]
+        if acceptance:   # a Metropolis-corrected sampler (HMC): what it recorded instead
+            bfmi = [b for b in chain.get("e_bfmi") or [] if b is not None]
+            shown = ("acceptance " + ", ".join(f"{a:.2f}" for a in acceptance)
+                     + (", E-BFMI " + ", ".join(f"{b:.2f}" for b in bfmi) if bfmi else ""))
+        else:
+            shown = "kinetic temperature " + (
+                "not recorded" if temperature is None else
+                ", ".join(f"{t:.2f}" for t in temperature if t is not None)
+                + f" (exact chain {chain['exact_temperature']:.2f})")
+        likelihood = chain.get("log_likelihood")
+        if likelihood:
+            shown += (f", test log-likelihood ESS {likelihood['ess']:.1f} and split R-hat "
+                      f"{likelihood['r_hat']:.2f}")
         parts.append(
             f"mode {chain['mode']}: {chain['chains']} chain(s) x {chain['draws']} draws, ESS "
             f"median {chain['ess']['median']:.1f}, R-hat median {chain['r_hat']['median']:.2f}"
             f" (max {chain['r_hat']['worst']:.2f}; {100 * chain['r_hat_above_1_01']:.0f}% of "
             f"weights above 1.01),"
             f" lag-1 autocorrelation {chain['autocorrelation'].get('1', {}).get('median', 0):.2f},"
-            f" halves {chain['drift']['median']:.2f} sd apart, kinetic temperature {shown}")
+            f" halves {chain['drift']['median']:.2f} sd apart, {shown}")
+    between = getattr(diagnosis, "between_chains", None)
+    if between and between.get("sentence"):
+        parts.append(between["sentence"])
     layers = [v for v in diagnosis.variational or [] if v.get("moved_factor") is not None]
     if layers:
         worst = max(layers, key=lambda v: v["moved_factor"])
