@@ -67,7 +67,8 @@ FAMILIES: dict[str, str] = {
 }
 
 #: What a method may record while training (``Zoo.training_records``), each read by
-#: ``diagnose``: ``chains`` (per chain: kinetic temperature), ``sigma`` (the learned
+#: ``diagnose``: ``chains`` (per chain: SG-MCMC's kinetic temperature; a Metropolis
+#: chain's acceptance rate, E-BFMI, step size and leapfrog steps), ``sigma`` (the learned
 #: standard deviations and ELBO terms), ``scales`` (per factor: the median scale at the
 #: start and the end), ``moments`` (SWAG's rank and iterates), ``curvature`` (Laplace's
 #: structure, prior precision and evidence), ``patch`` (the patched part's training).
