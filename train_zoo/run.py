@@ -202,7 +202,7 @@ def _template(spec: ZooSpec) -> dict:
 class Backend(Protocol):
     """What :func:`train_collection` asks of a backend (:mod:`train_zoo.backends`).
 
-    A backend whose ``run`` also takes ``progress`` (a folder; the local and serial
+    A backend whose ``run`` also takes ``progress`` (a folder; the local, serial and Ray
     backends do) is given the collection's progress folder (:func:`progress_folder`), so
     a mode killed midway resumes where its method left it; other backends restart such a
     mode from its start.
