@@ -37,7 +37,9 @@ __all__ = [
     "BBB_OPTIMIZERS", "BBB_PRESETS", "BOOLEAN", "CSGHMC_ALPHA", "CSGMCMC_CYCLES",
     "CSGMCMC_KEEP_FRACTION", "CSGMCMC_SAMPLING_FRACTION", "DERIVED", "EMP_COMPONENTS",
     "EMP_INIT_NOISE", "EMP_LR", "EMP_PATCHES", "EMP_SAMPLES", "EMP_WEIGHT_DECAY",
-    "FRACTION", "HMC_BURN_IN", "HMC_MAX_LEAPFROG_STEPS", "HMC_TARGET_ACCEPT", "HMC_THIN",
+    "FRACTION", "HMC_BURN_IN", "HMC_MAP_ITERATIONS", "HMC_MASSES", "HMC_MAX_LEAPFROG_STEPS",
+    "HMC_STARTS",
+    "HMC_TARGET_ACCEPT", "HMC_THIN",
     "IVON_BETA1", "IVON_BETA2", "IVON_HESS_INIT", "IVON_LR",
     "LAPLACE_STRUCTURES", "MAX_ADAPT_ROUNDS", "MAX_BATCH_SIZE", "MAX_CHAINS", "MAX_CYCLES",
     "MAX_EMP_COMPONENTS", "MAX_EMP_SAMPLES", "MAX_EPOCHS", "MAX_NOISE_DECAY",
@@ -617,6 +619,13 @@ SVGD_OPTIONS = (
 #: aims at (Hoffman & Gelman 2014) and the cap on leapfrog steps per iteration (the
 #: bnn_hmc code's max_num_leapfrog_steps).
 HMC_BURN_IN, HMC_THIN, HMC_TARGET_ACCEPT, HMC_MAX_LEAPFROG_STEPS = 50, 1, 0.8, 10_000
+#: Where a chain starts: at the nearest posterior mode of its trained base network
+#: (full-batch L-BFGS on the potential), or at the base network itself; and the most
+#: L-BFGS iterations of the former (one or two full-data gradients each).
+HMC_STARTS, HMC_MAP_ITERATIONS = ("map", "base"), 2_000
+#: The mass matrix: the diagonal Laplace precision at the start, or the identity
+#: (Izmailov et al.'s).
+HMC_MASSES = ("laplace-diag", "identity")
 #: HMC iterations (burn-in, thinning): time, one trajectory of full-data gradients each.
 MAX_HMC_ITERATIONS = 10_000_000
 HMC_OPTIONS = (
@@ -626,14 +635,26 @@ HMC_OPTIONS = (
             "iterations between kept samples after burn-in"),
     _option("trajectory_length", POSITIVE, None,
             "integration time per iteration (step_size x leapfrog steps), > 0",
-            "pi/2 x the prior's standard deviation 1/sqrt(N x weight_decay) (Izmailov et "
-            "al. 2021)"),
+            "a quarter period of the prior's own dynamics (Izmailov et al. 2021): pi/2 "
+            "with mass laplace-diag, pi/2 x the prior's sd 1/sqrt(N x weight_decay) with "
+            "the identity"),
     _option("step_size", POSITIVE, None, "the leapfrog step size the adaptation starts "
             "from, > 0", "Hoffman & Gelman's heuristic (one step's acceptance near 1/2)"),
     _option("target_accept", _real(0, 1, "neither"), HMC_TARGET_ACCEPT,
             "the mean acceptance probability the burn-in adapts the step size to, in (0, 1)"),
     _option("max_leapfrog_steps", _integer(1, MAX_HMC_ITERATIONS), HMC_MAX_LEAPFROG_STEPS,
             "the most leapfrog steps per iteration (a shorter trajectory past it)"),
+    _option("start", Choices(HMC_STARTS), "map",
+            "map: burn-in starts at the posterior mode nearest the trained base network "
+            "(full-batch L-BFGS on the potential; the base network, trained on augmented "
+            "minibatches and stopped early, lies far above the posterior's typical set); "
+            "base: at the base network itself"),
+    _option("map_iterations", _integer(1, MAX_HMC_ITERATIONS), HMC_MAP_ITERATIONS,
+            "the most L-BFGS iterations of start = map"),
+    _option("mass", Choices(HMC_MASSES), "laplace-diag",
+            "laplace-diag: a diagonal mass matrix, the diagonal GGN of the whole training "
+            "set at the start plus the prior precision (every weight's posterior scale "
+            "about 1 in the chain's coordinates); identity: Izmailov et al.'s"),
 )
 
 

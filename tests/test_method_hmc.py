@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from rounding_bounds import U64
+from rounding_bounds import U64, gamma
 
 from posteriorzoo._ess_rhat import _ess
 from train_zoo.methods.hmc_sampler import (
@@ -342,7 +342,7 @@ def _digits_spec():
     return make_spec("optunet-mnist", dataset="digits", base_seed=3, method="hmc", modes=2,
                      samples_per_mode=3, recipe_overrides={"epochs": 2},
                      method_options={"burn_in": 3, "thin": 1, "trajectory_length": 0.004,
-                                     "step_size": 4e-4})
+                                     "step_size": 4e-4, "start": "base"})
 
 
 def test_a_digits_run_records_its_chains(tmp_path):
@@ -397,7 +397,7 @@ def _spec_with(**options):
 
     return make_spec("optunet-mnist", dataset="digits", base_seed=3, method="hmc", modes=2,
                      samples_per_mode=4, recipe_overrides={"epochs": 1},
-                     method_options={"burn_in": 3, "thin": 2, **options})
+                     method_options={"burn_in": 3, "thin": 2, "start": "base", **options})
 
 
 def test_phase_steps_are_each_iterations_leapfrog_gradients():
@@ -415,13 +415,20 @@ def test_phase_steps_are_each_iterations_leapfrog_gradients():
     assert ASSUMED_LEAPFROG_STEPS == HmcOptions.burn_in_leapfrog_steps == 1_024
     assert METHOD.phase_steps(_spec_with(), 22) == 1 + 11 * 1_024
     assert METHOD.phase_steps(_spec_with(max_leapfrog_steps=300), 22) == 1 + 11 * 300
-    # the default trajectory, pi / 2 / sqrt(N weight_decay), with N = 22 x 64 = 1,408
+    # the default trajectory with the identity, pi / 2 / sqrt(N weight_decay), with
+    # N = 22 x 64 = 1,408
     for step in (0.01, 0.001):
-        spec = _spec_with(step_size=step)
+        spec = _spec_with(step_size=step, mass="identity")
         length = math.pi / 2 / math.sqrt(1_408 * spec.recipe.weight_decay)
         steps = math.ceil(length / step)
         assert METHOD.phase_steps(spec, 22) == 1 + 3 * min(steps, 1_024) + 8 * steps
     assert steps > 1_024  # the second: the burn-in's cap applies
+    # with the diagonal Laplace mass: pi / 2 in the chain's coordinates
+    spec = _spec_with(step_size=0.1, mass="laplace-diag")
+    assert METHOD.phase_steps(spec, 22) == 1 + 11 * math.ceil(math.pi / 2 / 0.1)
+    # the MAP search's budget comes first
+    spec = _spec_with(step_size=0.1, start="map", map_iterations=50)
+    assert METHOD.phase_steps(spec, 22) == 52 + 1 + 11 * math.ceil(math.pi / 2 / 0.1)
 
 
 def test_every_full_data_gradient_is_a_reported_step():
@@ -485,7 +492,9 @@ def test_the_dry_run_times_a_few_gradients_and_counts_the_chains(tmp_path, capsy
                                 "--backend", "serial")
     assert code == 0, err
     part = {p["phase"]: p for p in json.loads(stdout)["estimate"]["parts"]}["hmc"]
-    assert part["steps"] == 2 * (1 + (10_000 + 15) * 10)
+    # the MAP search's budget (the default 2,000 iterations and the potential before and
+    # after), the start's gradient, then the iterations
+    assert part["steps"] == 2 * (2_002 + 1 + (10_000 + 15) * 10)
     assert 1 <= part["timed_steps"] <= train_command.TIMED_STEPS
     assert part["seconds_per_step"] > 0
     assert part["seconds"] == part["steps"] * part["seconds_per_step"]
@@ -564,3 +573,139 @@ def test_a_small_network_agrees_with_numpyros_nuts():
     assert (np.abs(ours.mean(0) - theirs.mean(0)) <= 5 * error).all(), (ours.mean(0),
                                                                         theirs.mean(0))
     assert (error < 0.01).all()  # precise enough to tell a wrong sampler
+
+
+# ------------------------------------------------------------------ start and mass matrix
+def test_the_map_start_is_the_mode_of_a_gaussian(tmp_path):
+    """On U = (x - m)' A (x - m) / 2 the search ends at m (L-BFGS on a quadratic: to its
+    gradient tolerance, far below the posterior's sd), and a saved start is reused."""
+    from train_zoo.methods.hmc_start import chain_start
+
+    rng = np.random.default_rng(4)
+    q = rng.normal(size=(6, 6))
+    precision, mean = q @ q.T + 6 * np.eye(6), rng.normal(size=6)
+    calls = []
+
+    def potential(theta):
+        calls.append(1)
+        delta = theta - mean
+        return 0.5 * float(delta @ precision @ delta), precision @ delta
+
+    def diagonal(theta):
+        return np.diag(precision).copy()
+
+    found, scales, info = chain_start(potential, np.zeros(6), map_iterations=200,
+                                      precision=diagonal, path=tmp_path / "s.npz", key="k")
+    sd = np.sqrt(np.diag(np.linalg.inv(precision)))
+    assert np.abs(found - mean).max() < 1e-4 * sd.min()
+    search = info["map_search"]
+    assert search["potential_map"] < 1e-8 < search["potential_start"]
+    assert search["evaluations"] == len(calls)
+    np.testing.assert_array_equal(scales, 1 / np.sqrt(np.diag(precision)))
+    again, same_scales, same = chain_start(potential, np.zeros(6), map_iterations=200,
+                                           precision=diagonal, path=tmp_path / "s.npz",
+                                           key="k")
+    assert np.array_equal(again, found) and np.array_equal(same_scales, scales)
+    assert same == info and len(calls) == search["evaluations"]   # read back
+    chain_start(potential, np.ones(6), map_iterations=200, precision=None,
+                path=tmp_path / "s.npz", key="j")
+    assert len(calls) > search["evaluations"]    # another key: searched again
+    with pytest.raises(ValueError, match="positive and finite"):
+        chain_start(potential, np.zeros(6), map_iterations=None,
+                    precision=lambda theta: -np.ones(6))
+
+
+def test_the_map_start_never_starts_higher_than_the_network():
+    from train_zoo.methods.hmc_start import map_start
+
+    def upside_down(theta):     # no minimum: the search can only make things worse
+        return -float(theta @ theta), -2 * theta
+
+    start = np.full(3, 0.5)
+    found, search = map_start(upside_down, start, 5)
+    assert search["potential_map"] <= search["potential_start"]
+    assert upside_down(found)[0] <= upside_down(start)[0]
+
+
+def test_a_diagonal_mass_is_a_change_of_variables():
+    """Identity-mass leapfrog on z = theta / s is leapfrog with M = diag(1 / s^2) on theta:
+    the same trajectory as the mass-matrix equations written out here."""
+    from train_zoo.methods.hmc_start import preconditioned
+
+    rng = np.random.default_rng(7)
+    a = rng.normal(size=(4, 4))
+    precision = a @ a.T + np.diag([100.0, 1.0, 0.01, 5.0])
+
+    def potential(theta):
+        return 0.5 * float(theta @ precision @ theta), precision @ theta
+
+    scales = np.array([0.1, 1.0, 7.0, 0.5])
+    theta0, p0 = rng.normal(size=4), rng.normal(size=4)   # p0: z's momentum
+    step, steps = 0.05, 9
+    z_end, pz_end, value, _, _ = leapfrog(theta0 / scales, p0, scales * potential(theta0)[1],
+                                          step, steps, preconditioned(potential, scales))
+    # the same with the mass M = diag(1 / s^2) on theta: momentum p = p0 / s, velocity
+    # M^-1 p = s^2 p
+    theta, p = theta0.copy(), p0 / scales
+    grad = potential(theta)[1]
+    for _ in range(steps):
+        p = p - 0.5 * step * grad
+        theta = theta + step * scales ** 2 * p
+        grad = potential(theta)[1]
+        p = p - 0.5 * step * grad
+    # both: 9 steps of O(1) arithmetic in float64 on O(10) values (gamma(100, U64))
+    np.testing.assert_allclose(scales * z_end, theta, rtol=0, atol=gamma(100, U64) * 1e3)
+    np.testing.assert_allclose(pz_end, scales * p, rtol=0, atol=gamma(100, U64) * 1e3)
+    assert value == pytest.approx(potential(theta)[0], rel=1e-12)
+
+
+def test_samples_with_a_diagonal_mass_have_the_posteriors_moments():
+    """A Gaussian whose scales differ by 100: the preconditioned chain's samples, scaled
+    back, have its mean and variances within Monte Carlo error."""
+    from train_zoo.methods.hmc_start import preconditioned
+
+    variances = np.array([1e-4, 1e-2, 1.0])
+    mean = np.array([0.3, -1.0, 2.0])
+
+    def potential(theta):
+        delta = theta - mean
+        return 0.5 * float(delta @ (delta / variances)), delta / variances
+
+    scales = np.sqrt(variances) * np.array([1.3, 0.8, 1.1])   # a rough diagonal
+    options = HmcOptions(burn_in=200, thin=1, samples=3000, trajectory_length=np.pi / 2,
+                         step_size=0.3, target_accept=0.8)
+    state = run_chain(preconditioned(potential, scales), mean / scales, options, seed=11)
+    samples = state.samples * scales
+    assert state.leapfrog_steps[-1] <= 12    # a unit-scale trajectory: a few steps
+    ess = 3000 / 3            # conservative: leapfrog on a Gaussian mixes within ~3 draws
+    error = np.sqrt(variances / ess)
+    assert np.all(np.abs(samples.mean(0) - mean) < 5 * error)
+    assert np.all(np.abs(samples.var(0) / variances - 1) < 5 * np.sqrt(2 / ess))
+
+
+def test_a_digits_chain_starts_at_its_networks_nearest_mode(tmp_path):
+    from train_zoo import make_spec, train_checkpoints
+    from train_zoo.methods import hmc_start
+
+    spec = make_spec("optunet-mnist", dataset="digits", base_seed=3, method="hmc", modes=1,
+                     samples_per_mode=2, recipe_overrides={"epochs": 2},
+                     method_options={"burn_in": 1, "thin": 1, "trajectory_length": 0.004,
+                                     "step_size": 4e-4, "map_iterations": 300})
+    assert spec.method_options["start"] == "map"              # the defaults
+    assert spec.method_options["mass"] == "laplace-diag"
+    results = train_checkpoints(spec, [0], progress=tmp_path)
+    record = results[0].record
+    search = record["map_search"]
+    assert record["start"] == "map" and record["mass"]["scales"]["min"] > 0
+    # the mode lies below the trained network: the network's loss plus its prior, far
+    # above what a few hundred full-batch L-BFGS steps reach on 1,400 digits
+    assert search["potential_map"] < 0.9 * search["potential_start"]
+    assert 0 < search["iterations"] <= 300
+    assert search["evaluations"] <= 300 + hmc_start.MAP_LINE_SEARCH + 2
+    # the scales are the diagonal Laplace precision's: no weight looser than the prior
+    prior = record["prior_precision"]
+    assert record["mass"]["scales"]["max"] <= 1 / np.sqrt(prior) * (1 + 1e-12)
+    assert (tmp_path / "mode-0" / "hmc-start.npz").exists()
+    again = train_checkpoints(spec, [0], progress=tmp_path)      # resumed, same start
+    for name, value in results[0].state.items():
+        assert np.array_equal(value, again[0].state[name])

@@ -16,13 +16,18 @@ early stop regularise implicitly.
 
 A mode is one chain from its own trained base network (:meth:`Engine.train_base`, as
 Laplace and SGHMC start): different modes' networks sit in different modes of the
-posterior, so the chains do too. The sampler (:mod:`train_zoo.methods.hmc_sampler`) runs
-leapfrog with an identity mass matrix and a float64 Metropolis-Hastings test; the step
-size is adapted by dual averaging over ``burn_in`` iterations, then frozen; each iteration
-takes ``ceil(trajectory_length / step_size)`` leapfrog steps, ``trajectory_length`` by
-default Izmailov et al.'s ``pi/2`` times the prior standard deviation ``1 / sqrt(lambda)``
-(a quarter period of the prior's own Hamiltonian flow). After burn-in every ``thin``-th
-state is kept until ``samples_per_mode`` are.
+posterior, so the chains do too. With ``start = "map"`` (the default) the chain starts at
+the posterior mode nearest the network, found by full-batch L-BFGS on ``U``; with
+``mass = "laplace-diag"`` (the default) its mass matrix is the diagonal Laplace precision
+there (:mod:`train_zoo.methods.hmc_start` says why both). The sampler
+(:mod:`train_zoo.methods.hmc_sampler`) runs leapfrog with the identity on
+``z = theta / scales`` (the mass matrix as a change of variables) and a float64
+Metropolis-Hastings test; the step size is adapted by dual averaging over ``burn_in``
+iterations, then frozen; each iteration takes ``ceil(trajectory_length / step_size)``
+leapfrog steps, ``trajectory_length`` by default Izmailov et al.'s quarter period of the
+prior's own Hamiltonian flow (``pi/2`` under the Laplace mass, ``pi/2`` times the prior
+standard deviation ``1 / sqrt(lambda)`` under the identity). After burn-in every
+``thin``-th state is kept until ``samples_per_mode`` are.
 
 The gradient is float32, from the fast engine's numba kernels where they cover the network
 (flat weights in state_dict order, the training set cut into the kernels' 128-example
@@ -36,7 +41,8 @@ one, plus the start's gradient).
 
 The chain's state is written after every iteration to the mode's progress folder
 (:attr:`ModeRun.progress`, set by the collection run), so a chain killed at any moment
-resumes bit-identically; without a folder the chain runs in memory. The record keeps, for
+resumes bit-identically (the MAP start is saved there too, and not searched again);
+without a folder the chain runs in memory. The record keeps, for
 the mode's chain (``chain`` = the mode index, as every sample's ``chain`` column),
 acceptance, the frozen step size and leapfrog steps, E-BFMI and the energies' summary.
 """
@@ -46,7 +52,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +63,13 @@ from torch import nn
 from posteriorzoo.errors import InvalidOptionError
 from train_zoo.methods.base import Method, ModeRun, Posterior, declared_options
 from train_zoo.methods.common import flatten, parameters_of, unflatten
-from train_zoo.methods.hmc_sampler import HmcOptions, Potential, chain_summary, run_chain
+from train_zoo.methods.hmc_sampler import (
+    HmcOptions,
+    Potential,
+    chain_summary,
+    run_chain,
+)
+from train_zoo.methods.hmc_start import chain_start, preconditioned
 from train_zoo.methods.sghmc_update import prior_precision_from_weight_decay
 
 __all__ = ["ASSUMED_LEAPFROG_STEPS", "METHOD", "Hmc", "HmcChain",
@@ -68,6 +80,9 @@ __all__ = ["ASSUMED_LEAPFROG_STEPS", "METHOD", "Hmc", "HmcChain",
 TORCH_CHUNK = 1_000
 #: The state file in a mode's progress folder.
 STATE_FILE = "hmc-chain.npz"
+#: The chain's start and mass matrix (:func:`~train_zoo.methods.hmc_start.chain_start`),
+#: in the same folder: a resumed chain does not search or measure again.
+START_FILE = "hmc-start.npz"
 #: Leapfrog steps per iteration that ``train --dry-run`` assumes when the spec gives no
 #: ``step_size``: the step size is then found by Hoffman & Gelman's heuristic and adapted
 #: during burn-in, so it is unknown before the run. The burn-in's cap
@@ -77,10 +92,15 @@ STATE_FILE = "hmc-chain.npz"
 ASSUMED_LEAPFROG_STEPS = HmcOptions.burn_in_leapfrog_steps
 
 
-def default_trajectory_length(prior_precision: float) -> float:
-    """Izmailov et al.'s trajectory length: ``pi/2`` times the prior standard deviation
-    ``1 / sqrt(prior_precision)``."""
-    return math.pi / 2 / math.sqrt(prior_precision)
+def default_trajectory_length(prior_precision: float, mass: str = "identity") -> float:
+    """Izmailov et al.'s trajectory length, a quarter period of the prior's own dynamics:
+    ``pi/2`` times the prior standard deviation ``1 / sqrt(prior_precision)`` with the
+    identity mass; ``pi/2`` with the diagonal Laplace mass, whose entry is the prior
+    precision wherever the prior alone constrains a weight
+    (:mod:`train_zoo.methods.hmc_start`)."""
+    if mass == "identity":
+        return math.pi / 2 / math.sqrt(prior_precision)
+    return math.pi / 2
 
 
 def kernel_potential(layout: Any, chunks: Sequence[tuple[np.ndarray, np.ndarray]],
@@ -173,7 +193,8 @@ def _options(spec: Any, prior_precision: float) -> HmcOptions:
         burn_in=int(opts["burn_in"]), thin=int(opts["thin"]),
         samples=int(spec.counts()[1]),
         trajectory_length=float(length if length is not None
-                                else default_trajectory_length(prior_precision)),
+                                else default_trajectory_length(prior_precision,
+                                                               opts.get("mass", "identity"))),
         step_size=opts.get("step_size"), target_accept=float(opts["target_accept"]),
         max_leapfrog_steps=int(opts["max_leapfrog_steps"]))
 
@@ -215,7 +236,10 @@ class Hmc(Method):
         if length is None:
             prior = prior_precision_from_weight_decay(
                 max(1, steps_per_epoch * spec.recipe.batch_size), spec.recipe.weight_decay)
-            length = default_trajectory_length(prior) if prior > 0 else 0.0
+            length = (default_trajectory_length(prior, opts.get("mass", "identity"))
+                      if prior > 0 else 0.0)
+        search = (int(opts.get("map_iterations", 0)) + 2
+                  if opts.get("start", "base") == "map" else 0)
         options = HmcOptions(burn_in=int(opts["burn_in"]), thin=int(opts["thin"]),
                              samples=int(spec.counts()[1]), trajectory_length=float(length),
                              max_leapfrog_steps=int(opts["max_leapfrog_steps"]))
@@ -226,7 +250,8 @@ class Hmc(Method):
         else:
             sampling = options.leapfrog_steps(float(step))
             burn_in = options.leapfrog_steps(float(step), burn_in=True)
-        return 1 + options.burn_in * burn_in + options.thin * options.samples * sampling
+        return (search + 1 + options.burn_in * burn_in
+                + options.thin * options.samples * sampling)
 
     def fit(self, run: ModeRun) -> Posterior:
         spec, engine = run.spec, run.engine
@@ -244,18 +269,52 @@ class Hmc(Method):
         potential, used = self._potential(run, model, params, prior)
         potential = reporting_potential(potential, params, run.index, run.num_data,
                                         run.callbacks, self.name)
-        start = flatten(params).double().numpy()
+        opts = spec.method_options
+        trained = flatten(params).double().numpy()
+        prepared = {"start": opts.get("start", "base"), "mass": opts.get("mass", "identity"),
+                    "map_iterations": opts.get("map_iterations")}
+        start, scales, prepared_info = chain_start(
+            potential, trained,
+            map_iterations=(int(opts["map_iterations"]) if prepared["start"] == "map"
+                            else None),
+            precision=(self._precision(run, model, params, buffers, prior)
+                       if prepared["mass"] == "laplace-diag" else None),
+            path=None if run.progress is None else run.progress / START_FILE,
+            key=_key(run, options, prior, trained, used) + json.dumps(prepared))
+        # the chain runs on z = theta / scales with the identity (hmc_start.preconditioned)
+        chain_potential = potential if scales is None else preconditioned(potential, scales)
+        origin = start if scales is None else start / scales
         path = None if run.progress is None else run.progress / STATE_FILE
-        state = run_chain(potential, start, options, run.seeds.noise, path=path,
-                          key=_key(run, options, prior, start, used))
+        state = run_chain(chain_potential, origin, options, run.seeds.noise, path=path,
+                          key=_key(run, options, prior, origin, used))
+        samples = state.samples if scales is None else state.samples * scales
         summary = chain_summary(state, options)
         record = {"method": self.name, "prior_precision": prior,
                   "potential": "sum of cross-entropies over the unaugmented training set "
                                "+ prior_precision / 2 |theta|^2, temperature 1",
+                  **prepared, **prepared_info,
+                  "coordinates": "the chain's step size and trajectory are in z = theta / "
+                                 "scales" if scales is not None else "theta",
                   "chains": [{"chain": run.index, **summary}]}
         like = {name: value.detach().clone() for name, value in params.items()}
-        steps += summary["gradient_evaluations"]
-        return Posterior(HmcChain(state.samples, like, run.index), steps, used, record)
+        steps += (summary["gradient_evaluations"]
+                  + ((prepared_info["map_search"] or {}).get("evaluations", 0)))
+        return Posterior(HmcChain(samples, like, run.index), steps, used, record)
+
+    def _precision(self, run: ModeRun, model: nn.Module, params: dict[str, torch.Tensor],
+                   buffers: dict[str, torch.Tensor], prior: float
+                   ) -> Callable[[np.ndarray], np.ndarray]:
+        """The diagonal Laplace precision at a point: the diagonal GGN of the whole
+        unaugmented training set plus the prior precision."""
+        from train_zoo.methods.laplace_curvature import diag_ggn
+
+        def precision(theta: np.ndarray) -> np.ndarray:
+            weights = unflatten(torch.from_numpy(theta.astype(np.float32)), params)
+            diagonal, _, count = diag_ggn(
+                model, weights, buffers, run.engine.read_batches(run.seeds.data, TORCH_CHUNK))
+            return diagonal.numpy() * (run.num_data / count) + prior
+
+        return precision
 
     def _potential(self, run: ModeRun, model: nn.Module, params: dict[str, torch.Tensor],
                    prior: float) -> tuple[Potential, str]:

@@ -199,18 +199,24 @@ class ChainState:
 
 
 def save_state(path: str | os.PathLike, state: ChainState) -> None:
-    """Write ``state`` to ``path`` atomically: a temporary file beside it, fsync,
-    ``os.replace``, fsync of the folder. No pickle: arrays and one JSON string."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``state`` to ``path`` atomically (:func:`save_arrays`)."""
     meta = {"version": STATE_VERSION, "key": state.key, "potential": state.potential,
             "step_size": state.step_size, "adaptation": state.adaptation.to_json(),
             "rng_state": state.rng_state, "iteration": state.iteration,
             "divergences": state.divergences}
-    arrays = {"theta": state.theta, "grad": state.grad, "samples": state.samples,
-              "accept_probs": state.accept_probs, "accepted": state.accepted,
-              "energies": state.energies, "leapfrog_steps": state.leapfrog_steps,
-              "step_sizes": state.step_sizes, "meta": np.array(json.dumps(meta))}
+    save_arrays(path, {"theta": state.theta, "grad": state.grad, "samples": state.samples,
+                       "accept_probs": state.accept_probs, "accepted": state.accepted,
+                       "energies": state.energies, "leapfrog_steps": state.leapfrog_steps,
+                       "step_sizes": state.step_sizes}, meta)
+
+
+def save_arrays(path: str | os.PathLike, arrays: dict[str, np.ndarray],
+                meta: dict[str, Any]) -> None:
+    """Write ``arrays`` and ``meta`` (JSON, as the array ``meta``) to ``path`` atomically:
+    a temporary file beside it, fsync, ``os.replace``, fsync of the folder. No pickle."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {**arrays, "meta": np.array(json.dumps(meta))}
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp",
                                          dir=path.parent)
     try:
