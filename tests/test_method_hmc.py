@@ -401,6 +401,7 @@ def _spec_with(**options):
 
 
 def test_phase_steps_are_each_iterations_leapfrog_gradients():
+    from train_zoo.methods import hmc
     from train_zoo.methods.hmc import ASSUMED_LEAPFROG_STEPS, METHOD
 
     # 1 start + 3 burn-in + 4 x 2 kept iterations of ceil(0.5 / 0.0625) = 8 steps
@@ -413,8 +414,9 @@ def test_phase_steps_are_each_iterations_leapfrog_gradients():
     assert METHOD.phase_steps(spec, 22) == 1 + 3 * 1_024 + 8 * 3_000
     # no step size: the assumption, under the caps
     assert ASSUMED_LEAPFROG_STEPS == HmcOptions.burn_in_leapfrog_steps == 1_024
-    assert METHOD.phase_steps(_spec_with(), 22) == 1 + 11 * 1_024
-    assert METHOD.phase_steps(_spec_with(max_leapfrog_steps=300), 22) == 1 + 11 * 300
+    assert METHOD.phase_steps(_spec_with(mass="identity"), 22) == 1 + 11 * 1_024
+    spec = _spec_with(max_leapfrog_steps=300, mass="identity")
+    assert METHOD.phase_steps(spec, 22) == 1 + 11 * 300
     # the default trajectory with the identity, pi / 2 / sqrt(N weight_decay), with
     # N = 22 x 64 = 1,408
     for step in (0.01, 0.001):
@@ -426,6 +428,10 @@ def test_phase_steps_are_each_iterations_leapfrog_gradients():
     # with the diagonal Laplace mass: pi / 2 in the chain's coordinates
     spec = _spec_with(step_size=0.1, mass="laplace-diag")
     assert METHOD.phase_steps(spec, 22) == 1 + 11 * math.ceil(math.pi / 2 / 0.1)
+    # no step size: the reference recipe's adapted step under that mass
+    spec = _spec_with(mass="laplace-diag")
+    assert METHOD.phase_steps(spec, 22) == 1 + 11 * math.ceil(
+        math.pi / 2 / hmc.ASSUMED_PRECONDITIONED_STEP)
     # the MAP search's budget comes first
     spec = _spec_with(step_size=0.1, start="map", map_iterations=50)
     assert METHOD.phase_steps(spec, 22) == 52 + 1 + 11 * math.ceil(math.pi / 2 / 0.1)
