@@ -52,7 +52,8 @@ __all__ = [
     "SWAG_RANK", "SWAG_REFERENCE_EPOCHS", "SWAG_SCALE", "Boolean", "Choices", "Constraint",
     "Interval", "Names", "OptionInfo", "describe_options", "options_of",
     "BACKENDS", "DISTANCE_PRECISIONS", "ENGINES", "FAMILIES", "KERNEL_STATISTICS",
-    "LAYER_GROUPS", "METHODS", "MINMASS_SOLVERS", "OOD_SCORES", "PERMUTATION_KEYS", "RECORDS",
+    "LAYER_GROUPS", "METHODS", "MINMASS_SOLVERS", "OOD_SCORES", "PERMUTATION_KEYS",
+    "POSTERIOR_GROUPS", "RECORDS",
     "SCALINGS", "SORT_KEYS", "STORAGE_DTYPES", "SYMMETRIES", "SYMMETRY_CHOICES", "MethodInfo",
     "SymmetrySetting",
     "method_info", "methods_in",
@@ -693,6 +694,12 @@ class MethodInfo:
         Its sampler is asymptotically exact for the recipe's posterior (full-batch HMC with
         a Metropolis correction): the report takes its collection as the gold standard
         (:mod:`analysis.report.reference`).
+    one_sample_per_mode : bool
+        A mode is one independently trained network (DE's members; the trainer's
+        ``Method.one_sample_per_mode``): its collections are multi-mode by construction,
+        so their :data:`POSTERIOR_GROUPS` entry is never measured or changed
+        (``posteriorzoo annotate`` refuses them). SVGD, of the same family, trains its
+        particles together as one mode: its group is measured.
     """
 
     name: str
@@ -706,6 +713,7 @@ class MethodInfo:
     options: tuple[OptionInfo, ...] = ()
     variant: tuple[str, str] | None = None
     exact: bool = False
+    one_sample_per_mode: bool = False
 
     def __post_init__(self) -> None:
         names = [option.name for option in self.options]
@@ -724,7 +732,7 @@ class MethodInfo:
 #: Every method, in the order of the paper's Table 1 and the listings.
 METHODS: dict[str, MethodInfo] = {info.name: info for info in (
     MethodInfo("de", "DE", "ensemble", (), "#1f77b4", "train_zoo.methods.de:METHOD",
-               "Deep Ensemble: independently trained networks"),
+               "Deep Ensemble: independently trained networks", one_sample_per_mode=True),
     MethodInfo("mc-dropout", "Dropout", "variational", (), "#ff7f0e",
                "train_zoo.methods.dropout:METHOD",
                "MC Dropout: dropout kept on at sampling time", options=DROPOUT_OPTIONS),
@@ -821,6 +829,13 @@ SYMMETRIES: dict[str, SymmetrySetting] = {
 }
 #: The ``--symmetries`` choices: either setting or both.
 SYMMETRY_CHOICES = (*SYMMETRIES, "both")
+
+# ---------------------------------------------------------------- posterior groups
+#: Where a collection's samples lie, the ``posterior`` entry of its ``annotations`` (by
+#: which the report groups Table 1): around one network (``single-mode``) or around
+#: several (``multi-mode``). The trainer writes it from the spec; ``posteriorzoo
+#: annotate`` sets it afterwards from a measurement of the samples.
+POSTERIOR_GROUPS = ("single-mode", "multi-mode")
 
 # ---------------------------------------------------------------- named option choices
 #: Canonicalization's permutation key (``first``: the first weight, ``max``: the largest

@@ -48,6 +48,7 @@ from posteriorzoo.errors import (
     ZooBusyError,
     ZooSchemaError,
 )
+from posteriorzoo.vocabulary import POSTERIOR_GROUPS
 from posteriorzoo.zoo import Zoo, create_zoo, open_zoo
 from train_zoo.backends import LocalBackend
 from train_zoo.data import check_channels, load_training_data
@@ -109,7 +110,8 @@ def _annotations(spec: ZooSpec) -> dict[str, object]:
     """What a method collection says about its modes (file attribute ``annotations``)."""
     if get_method(spec.method).one_sample_per_mode:
         return {}
-    return {"posterior": "multi-mode" if spec.counts()[0] > 1 else "single-mode",
+    single, multi = POSTERIOR_GROUPS
+    return {"posterior": multi if spec.counts()[0] > 1 else single,
             "modes": spec.modes, "samples_per_mode": spec.samples_per_mode}
 
 

@@ -42,7 +42,7 @@ from posteriorzoo.mmd.noise import NoiseFloor, held_out_size, noise_floor
 from posteriorzoo.options import check_choice, check_integer
 from posteriorzoo.results import CollectionResult, csv_text
 from posteriorzoo.text import MMD_DISPLAY_SCALE
-from posteriorzoo.vocabulary import SYMMETRIES
+from posteriorzoo.vocabulary import POSTERIOR_GROUPS, SYMMETRIES
 
 #: The ranges of the numeric options (``posteriorzoo report`` parses the same): ECE bins
 #: (with more bins than test images most are empty), noise-floor splits (each is one more
@@ -174,7 +174,7 @@ def _label(zoo: Any, taken: set[str], stem: str) -> str:
 
 def _group(zoo: Any) -> str:
     posterior = zoo.annotations.get("posterior")
-    if posterior in ("single-mode", "multi-mode"):
+    if posterior in POSTERIOR_GROUPS:
         return posterior
     return "multi-mode" if zoo.method == "de" else "other"
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from posteriorzoo.text import MMD_DISPLAY_SCALE, html_text, scaled_label
-from posteriorzoo.vocabulary import SYMMETRIES
+from posteriorzoo.vocabulary import POSTERIOR_GROUPS, SYMMETRIES
 
 #: Table 1's columns: (key, header, display multiplier, what the header means).
 TABLE1_COLUMNS = (
@@ -60,7 +60,7 @@ TABLE2_COLUMNS = (("n", "n"), ("mmd_median", scaled_label("MMD median")),
                   ("ns_mmd_mean", scaled_label("NS-MMD mean")),
                   ("ns_mmd_max", scaled_label("NS-MMD max")),
                   ("rejected_layers", "layers rejected"))
-GROUPS = ("reference", "single-mode", "multi-mode", "other")
+GROUPS = ("reference", *POSTERIOR_GROUPS, "other")
 
 
 def shown(value: Any, scale: float = 1.0, digits: int = 2) -> str:

@@ -34,6 +34,7 @@ MODELS_VARIABLE = "POSTERIORZOO_MODELS"
 _SUBCOMMAND_MODULES = (
     "posteriorzoo.cli.zoo_commands",
     "posteriorzoo.cli.reorder_command",
+    "posteriorzoo.cli.annotate_command",
     "posteriorzoo.cli.hub_commands",
     "posteriorzoo.cli.train_command",
     "posteriorzoo.cli.canonicalize_command",

@@ -197,8 +197,19 @@ def run_info(args: argparse.Namespace) -> int:
         print("  recipe")
         for line in recipe_lines(info["recipe"], indent=4):
             print(line)
-    # Canonical and raw files differ here (symmetries removed, min-mass, ...).
-    print(f"  annotations   {json.dumps(info['annotations'], sort_keys=True) or '{}'}")
+    # Canonical and raw files differ here (symmetries removed, min-mass, ...). A group set
+    # after training (posteriorzoo annotate) is said on a line of its own: the group
+    # before, when, and the measurement that decided it (its provenance is in --json).
+    annotations = dict(info["annotations"])
+    setting = annotations.pop("posterior_set", None)
+    print(f"  annotations   {json.dumps(annotations, sort_keys=True)}")
+    if isinstance(setting, dict):
+        made = setting.get("provenance")
+        when = made.get("created_at") if isinstance(made, dict) else None
+        reason = " ".join(str(setting.get("reason")).split())  # one line, whatever the file
+        print(f"  posterior     {annotations.get('posterior')}, set after training (was "
+              f"{setting.get('from') or 'not recorded'}{f'; {when}' if when else ''}): "
+              f"{reason}")
     if info["created_by"].get("command"):
         print(f"  created by    {info['created_by']['command']}")
     return 0

@@ -10,8 +10,11 @@ exporting collections is the collection layer's (:mod:`posteriorzoo.collection`)
 ...     conv2 = zoo.layer("conv2.weight")        # (N, 10, 1, 5, 5)
 ...     model.load_state_dict(zoo.state_dict(0))
 >>> reorder_collection("old.h5", "ordered.h5")   # rows in mode order, digests kept
+>>> annotate_collection("svgd.h5", "svgd-mm.h5", posterior="multi-mode",
+...                     reason="loss barriers: 87 of 100 particles in distinct modes")
 """
 
+from posteriorzoo.zoo.annotate import AnnotateResult, annotate_collection
 from posteriorzoo.zoo.archives import read_release_archive
 from posteriorzoo.zoo.formats import ReadLimits, read_checkpoint, sniff_format
 from posteriorzoo.zoo.keymap import KeyMap
@@ -24,11 +27,13 @@ from posteriorzoo.zoo.store import Zoo, iter_checkpoints
 __all__ = [
     "MANIFEST_NAME",
     "METADATA_COLUMNS",
+    "AnnotateResult",
     "KeyMap",
     "ReadLimits",
     "ReorderResult",
     "RowOrder",
     "Zoo",
+    "annotate_collection",
     "checkpoint_digest",
     "create_zoo",
     "iter_checkpoints",
