@@ -238,7 +238,7 @@ class _LastFirstRay:
                 return Task
 
             @staticmethod
-            def remote(spec, group, engine, plugins=None, device="cpu"):
+            def remote(spec, group, engine, plugins=None, device="cpu", progress=None):
                 fake.submitted.append(group)
                 fake.unyielded += 1
                 fake.most_unyielded = max(fake.most_unyielded, fake.unyielded)
