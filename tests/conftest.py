@@ -47,6 +47,16 @@ PROBES: dict[str, dict[str, tuple[str, str]]] = {
         "test_reorder_waits_for_no_writer": ("reorder", "busy"),
         "test_killed_reorder_leaves_nothing_and_a_rerun_succeeds": ("reorder", "sigkill"),
     },
+    "test_annotate.py": {
+        "test_the_output_policy": ("annotate", "output policy"),
+        "test_a_damaged_checkpoint_is_refused_and_nothing_is_written": ("annotate",
+                                                                        "content"),
+        "test_a_damaged_training_record_is_refused_and_nothing_is_written": ("annotate",
+                                                                             "content"),
+        "test_a_writer_holding_the_collection_is_waited_for_by_nobody": ("annotate", "busy"),
+        "test_a_killed_run_leaves_the_input_and_no_output": ("annotate", "sigkill"),
+        "test_missing_and_non_collection_files_are_refused": ("annotate", "bad input"),
+    },
     "test_hub_dry_run.py": {
         "test_upload_without_a_token_is_one_line": ("upload", "no token"),
         "test_download_dry_run_lists_files_sizes_and_commit_and_fetches_nothing": (
