@@ -18,7 +18,7 @@ METHOD_LABELS = {name: info.label for name, info in METHODS.items()}
 
 def collection_label(zoo: Any) -> str:
     """The display name of an open collection's method: ``SWAG``, ``MM-SWAG`` (a
-    multi-mode posterior), ``BBB (trained-variance)`` or ``Laplace (kfac)`` (a version
+    multi-mode version: several runs), ``BBB (trained-variance)`` or ``Laplace (kfac)`` (a version
     other than the paper's: the method's ``variant`` option in the vocabulary); a method
     without a display name is named as the file records it.
 
@@ -34,4 +34,10 @@ def collection_label(zoo: Any) -> str:
         value = ((zoo.recipe or {}).get("method_options") or {}).get(option)
         if isinstance(value, str) and value != usual:   # unrecorded: the paper's version
             label = f"{label} ({value})"
-    return f"MM-{label}" if zoo.annotations.get("posterior") == "multi-mode" else label
+    # "MM-" names a multi-mode version, several runs of the method (``modes`` > 1); a
+    # collection of one run whose samples were measured to sit in several modes (SVGD's
+    # particles, ``posteriorzoo annotate``) keeps the method's name in the multi-mode group
+    annotations = zoo.annotations
+    several_runs = annotations.get("modes", 2) > 1
+    return (f"MM-{label}" if annotations.get("posterior") == "multi-mode" and several_runs
+            else label)

@@ -429,6 +429,13 @@ def test_the_report_groups_the_collection_by_its_new_group(tmp_path):
                           n_images=50, n_pairs=2)
     groups = {row["name"]: row["group"] for row in report.rows}
     assert groups == {"SVGD": SINGLE, "MM-SVGD": MULTI}
+    # one run (modes 1) measured multi-mode: the method's own name, in the multi-mode group
+    one = svgd_collection(tmp_path / "one.h5",
+                          annotations={"posterior": SINGLE, "modes": 1,
+                                       "samples_per_mode": 6})
+    annotate_collection(one, tmp_path / "one-mm.h5", posterior=MULTI, reason=REASON)
+    with open_zoo(tmp_path / "one-mm.h5") as after:
+        assert (_group(after), collection_label(after)) == (MULTI, "SVGD")
 
 
 @needs_old_reader
