@@ -23,7 +23,7 @@ def test_demo_runs_and_resumes(tmp_path, capsys, monkeypatch):
         "DE", "Dropout", "BBB", "BBB (trained-variance)", "SWAG", "Laplace", "Laplace (kfac)",
         "Laplace (diag)", "Laplace (last-layer-kfac)", "SGHMC", "IVON", "cSGLD", "cSGHMC",
         "EMP", "ECMP", "Rank-1", "MM-Dropout", "MM-BBB", "MM-BBB (trained-variance)",
-        "MM-SWAG", "MM-Laplace", "MM-Laplace (kfac)", "MM-Laplace (diag)", "MM-IVON"]
+        "MM-SWAG", "MM-Laplace", "MM-Laplace (kfac)", "MM-Laplace (diag)", "MM-IVON", "SVGD"]
     assert f"[2] report on the reference zoo (OOD: {report['ood']}): " \
            f"{out / 'report' / 'report.html'}" in text
     assert "| MM-Laplace | multi-mode | 100 |" in text

@@ -1,6 +1,6 @@
 """The reference zoo shipped with the package: OptuNet on Fashion-MNIST.
 
-Twenty-five collections, produced by the mass trainer from the specs in the repository's
+Twenty-six collections, produced by the mass trainer from the specs in the repository's
 ``specs/`` folder with the paper's 60-epoch OptuNet recipe (the exact commands and times
 are in data_card.md):
 
@@ -17,6 +17,9 @@ are in data_card.md):
 - ``"csgld"`` and ``"csghmc"``: cyclical SG-MCMC, one run of 10 cycles from the
   initialisation, 10 samples at the end of each cycle (a single run through several
   modes, so no multi-mode version);
+- ``"svgd"``: 100 SVGD particles moved together from their own initialisations (one run,
+  BlackJAX's median bandwidth); measured to sit in as many modes as a Deep Ensemble's
+  members, so it is annotated multi-mode (``posteriorzoo annotate``; data_card.md);
 - the seeds' variants ``"emp"``, ``"ecmp"`` (Ensemble Model Patching, per layer and per
   element) and ``"rank-1"`` (a rank-1 BNN): 100 draws of one trained network, each folded
   into an OptuNet checkpoint;
@@ -48,14 +51,15 @@ from posteriorzoo.errors import UnknownNameError, ZooFormatError
 from posteriorzoo.zoo import Zoo, open_zoo
 
 #: The method collections in the order of the paper's Table 1 (single-, then multi-mode;
-#: the seeds' variants after the paper's single-mode methods).
+#: the seeds' variants after the paper's single-mode methods; SVGD, one run measured
+#: multi-mode, last).
 METHOD_COLLECTIONS = ("mc-dropout", "bbb", "bbb-trained-variance", "swag", "laplace",
                       "laplace-kfac", "laplace-diag", "laplace-last-layer", "sghmc",
                       "ivon", "csgld", "csghmc", "emp", "ecmp", "rank-1",
                       "mc-dropout-multi-mode", "bbb-multi-mode",
                       "bbb-trained-variance-multi-mode", "swag-multi-mode",
                       "laplace-multi-mode", "laplace-kfac-multi-mode",
-                      "laplace-diag-multi-mode", "ivon-multi-mode")
+                      "laplace-diag-multi-mode", "ivon-multi-mode", "svgd")
 #: Name -> file name of every shipped collection.
 COLLECTIONS = {name: f"optunet-fashion-mnist-{name}.h5"
                for name in ("target", "de", *METHOD_COLLECTIONS)}
