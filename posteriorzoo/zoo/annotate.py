@@ -27,26 +27,20 @@ HDF5 format bounds of :data:`~posteriorzoo.zoo.schema.HDF5_FORMAT`, so HDF5 1.10
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
-import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import h5py
-
-from posteriorzoo import outputs
 from posteriorzoo._api import public
-from posteriorzoo.errors import ChecksumError, InvalidOptionError, ZooBusyError, ZooFormatError
+from posteriorzoo.errors import ChecksumError, InvalidOptionError
 from posteriorzoo.provenance import describe_input, record
 from posteriorzoo.results import CollectionResult
 from posteriorzoo.vocabulary import POSTERIOR_GROUPS, method_info
-from posteriorzoo.zoo.schema import HDF5_FORMAT, canonical_json
-from posteriorzoo.zoo.store import _CRASHED_WRITER_MARKERS, Zoo, open_h5
+from posteriorzoo.zoo.rewrite import copy_to_edit, open_copy, rewrite_target, writer_lock
+from posteriorzoo.zoo.schema import canonical_json
+from posteriorzoo.zoo.store import Zoo, open_h5
 
 __all__ = ["MAX_REASON_CHARACTERS", "AnnotateResult", "annotate_collection"]
 
@@ -174,41 +168,11 @@ def _annotations(previous: dict[str, Any], posterior: str, reason: str,
     return {**previous, "posterior": posterior, "posterior_set": setting}
 
 
-@contextlib.contextmanager
-def _locked(path: Path, exclusive: bool) -> Iterator[None]:
-    """Hold the lock a writer of the collection takes: a shared one keeps writers out
-    while the file is read and copied, an exclusive one (to replace it) also readers
-    that lock. A writer holding it already: :class:`ZooBusyError`."""
-    try:
-        fd = os.open(path, os.O_RDWR if exclusive else os.O_RDONLY)
-    except OSError as error:
-        raise ZooFormatError(f"{path}: cannot be opened ({error.strerror})") from None
-    try:
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ZooBusyError(f"{path}: another process is writing to this collection; "
-                               "annotate it when that is done") from None
-        yield
-    finally:
-        os.close(fd)
-
-
 def _write_annotations(copy: Path, path: Path, text: str) -> None:
     """Replace the ``annotations`` attribute of the byte copy ``copy`` by ``text``,
-    within the format bounds of :data:`HDF5_FORMAT` (so HDF5 1.10 reads the new
-    attribute), and nothing else."""
-    try:
-        handle = h5py.File(copy, "r+", libver=HDF5_FORMAT, locking=False)
-    except OSError as error:
-        if any(marker in str(error) for marker in _CRASHED_WRITER_MARKERS):
-            raise ZooFormatError(
-                f"{path} was left open by a writer that was killed: append to it once "
-                "(rerun the train or import that wrote it), which rebuilds it, then "
-                "annotate it") from None
-        raise ZooFormatError(f"{path}: cannot be read as HDF5 (truncated or corrupt): "
-                             f"{error}") from None
-    with handle:
+    within the format bounds of HDF5 1.10 (:func:`~posteriorzoo.zoo.rewrite.open_copy`),
+    and nothing else."""
+    with open_copy(copy, path, "annotate") as handle:
         handle.attrs[ANNOTATIONS] = text
 
 
@@ -286,16 +250,8 @@ def annotate_collection(source: str | os.PathLike, out: str | os.PathLike | None
     posterior = check_posterior(posterior)
     reason = check_reason(reason)
     path = Path(source)
-    if in_place and out is not None:
-        raise InvalidOptionError("give either an output or in_place (--in-place), not both")
-    if not in_place and out is None:
-        raise InvalidOptionError("give an output (--out) or ask to rewrite the collection "
-                                 "in place (--in-place)")
-    if not path.is_file():
-        raise ZooFormatError(f"{path}: no such file")
-    target = path if in_place else outputs.check_output(out, inputs=[path],
-                                                        overwrite=overwrite)
-    with _locked(path, exclusive=in_place):
+    target = rewrite_target(path, out, in_place=in_place, overwrite=overwrite)
+    with writer_lock(path, in_place, "annotate"):
         with Zoo(path, open_h5(path, "r"), verify=True) as zoo:
             _refuse_one_sample_per_mode(zoo)
             checkpoints = _check_input(zoo)
@@ -307,11 +263,8 @@ def annotate_collection(source: str | os.PathLike, out: str | os.PathLike | None
                                      "out": None if in_place else str(target),
                                      "overwrite": overwrite, "in_place": in_place})
         annotations = _annotations(previous, posterior, reason, provenance)
-        outputs.ensure_space(target.parent, path.stat().st_size)
-        with outputs.atomic_file(target, overwrite=overwrite or in_place,
-                                 inputs=() if in_place else [path]) as partial:
-            text = canonical_json(annotations)
-            shutil.copyfile(path, partial)
+        text = canonical_json(annotations)
+        with copy_to_edit(path, target, in_place=in_place, overwrite=overwrite) as partial:
             _write_annotations(partial, path, text)
             _check_copy(partial, json.loads(text), checkpoints, content)
     result = AnnotateResult(path, target, method=method, checkpoints=checkpoints,

@@ -18,11 +18,8 @@ committed modes as they finished) can hold rows out of that order.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
-import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,14 +27,13 @@ from typing import Any
 import h5py
 import numpy as np
 
-from posteriorzoo import outputs
 from posteriorzoo._api import public
-from posteriorzoo.errors import ChecksumError, InvalidOptionError, ZooBusyError, ZooFormatError
+from posteriorzoo.errors import ChecksumError, InvalidOptionError
 from posteriorzoo.provenance import describe_input, record
 from posteriorzoo.results import CollectionResult
 from posteriorzoo.zoo.layout import METADATA, ROW_DIGESTS, STATE_GROUP
-from posteriorzoo.zoo.schema import HDF5_FORMAT
-from posteriorzoo.zoo.store import _CRASHED_WRITER_MARKERS, Zoo, open_h5
+from posteriorzoo.zoo.rewrite import copy_to_edit, open_copy, rewrite_target, writer_lock
+from posteriorzoo.zoo.store import Zoo, open_h5
 
 __all__ = ["ReorderResult", "RowOrder", "reorder_collection", "row_order"]
 
@@ -155,26 +151,6 @@ class ReorderResult(CollectionResult):
                 "checked")
 
 
-@contextlib.contextmanager
-def _locked(path: Path, exclusive: bool) -> Iterator[None]:
-    """Hold a lock on ``path`` that a writer of the collection would need: a shared one
-    keeps writers out while it is copied, an exclusive one (to replace it) readers that
-    lock too. A writer holding it already: :class:`ZooBusyError`."""
-    try:
-        fd = os.open(path, os.O_RDWR if exclusive else os.O_RDONLY)
-    except OSError as error:
-        raise ZooFormatError(f"{path}: cannot be opened ({error.strerror})") from None
-    try:
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ZooBusyError(f"{path}: another process is writing to this collection; "
-                               "reorder it when that is done") from None
-        yield
-    finally:
-        os.close(fd)
-
-
 def _permuted_datasets(handle: h5py.File) -> list[str]:
     """The datasets with one row per checkpoint: every tensor, the metadata table and
     (schema 2 and later) its row digests."""
@@ -228,19 +204,6 @@ def _check_copy(copy: Path, rows: np.ndarray, digests: np.ndarray | None,
                     "was written; 'posteriorzoo verify' reports all damage")
 
 
-def _open_copy(copy: Path, path: Path) -> h5py.File:
-    try:
-        return h5py.File(copy, "r+", libver=HDF5_FORMAT, locking=False)
-    except OSError as error:
-        if any(marker in str(error) for marker in _CRASHED_WRITER_MARKERS):
-            raise ZooFormatError(
-                f"{path} was left open by a writer that was killed: append to it once "
-                "(rerun the train or import that wrote it), which rebuilds it, then "
-                "reorder it") from None
-        raise ZooFormatError(f"{path}: cannot be read as HDF5 (truncated or corrupt): "
-                             f"{error}") from None
-
-
 @public
 def reorder_collection(source: str | os.PathLike, out: str | os.PathLike | None = None, *,
                        overwrite: bool = False, in_place: bool = False,
@@ -283,16 +246,8 @@ def reorder_collection(source: str | os.PathLike, out: str | os.PathLike | None 
         A checkpoint of ``source`` is damaged; nothing is written.
     """
     path = Path(source)
-    if in_place and out is not None:
-        raise InvalidOptionError("give either an output or in_place (--in-place), not both")
-    if not in_place and out is None:
-        raise InvalidOptionError("give an output (--out) or ask to rewrite the collection "
-                                 "in place (--in-place)")
-    if not path.is_file():
-        raise ZooFormatError(f"{path}: no such file")
-    target = path if in_place else outputs.check_output(out, inputs=[path],
-                                                        overwrite=overwrite)
-    with _locked(path, exclusive=in_place):
+    target = rewrite_target(path, out, in_place=in_place, overwrite=overwrite)
+    with writer_lock(path, in_place, "reorder"):
         described = describe_input(path)
         with Zoo(path, open_h5(path, "r")) as zoo:
             ordering = collection_row_order(zoo)
@@ -303,11 +258,10 @@ def reorder_collection(source: str | os.PathLike, out: str | os.PathLike | None 
                                unknown_modes=ordering.unknown, in_place=in_place,
                                written=not (in_place and ordering.in_order))
         if result.written:
-            outputs.ensure_space(target.parent, path.stat().st_size)
-            with outputs.atomic_file(target, overwrite=overwrite or in_place,
-                                     inputs=() if in_place else [path]) as partial:
-                shutil.copyfile(path, partial)
-                with open_h5(path, "r") as original, _open_copy(partial, path) as copy:
+            with copy_to_edit(path, target, in_place=in_place,
+                              overwrite=overwrite) as partial:
+                with open_h5(path, "r") as original, \
+                        open_copy(partial, path, "reorder") as copy:
                     _permute(original, copy, ordering.order)
                 _check_copy(partial, rows, digests, ordering.order)
     result.provenance = record("posteriorzoo reorder", command=command,
