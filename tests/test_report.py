@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from rounding_bounds import noise_floor_bound
-from zoo_helpers import assert_one_line_error, checkpoint, run
+from zoo_helpers import assert_one_line_error, checkpoint, method_collection, run
 
 from analysis.report import MixedDatasetsError, build_report
 from posteriorzoo.collection import compare, evaluate
@@ -26,26 +26,16 @@ from posteriorzoo.mmd.noise import noise_floor
 from posteriorzoo.zoo import create_zoo
 
 
-def _collection(path: Path, seeds: range, dataset: str = "digits", method: str = "de",
-                scale: float = 1.0) -> Path:
-    states = [checkpoint(seed) for seed in seeds]
-    with create_zoo(path, architecture="optunet", dataset=dataset, method=method,
-                    num_classes=10, template=states[0]) as zoo:
-        for state in states:
-            zoo.append({key: value * scale for key, value in state.items()})
-    return path
-
-
 @pytest.fixture(scope="module")
 def collections(tmp_path_factory):
     """A 40-checkpoint target, a 10-member ensemble of the same distribution, a method
     whose weights are three times larger, and one trained on another dataset."""
     folder = tmp_path_factory.mktemp("report")
-    return {"target": _collection(folder / "target.h5", range(40)),
-            "de": _collection(folder / "de.h5", range(100, 110)),
-            "wide": _collection(folder / "wide.h5", range(200, 210), method="swag",
+    return {"target": method_collection(folder / "target.h5", range(40)),
+            "de": method_collection(folder / "de.h5", range(100, 110)),
+            "wide": method_collection(folder / "wide.h5", range(200, 210), method="swag",
                                 scale=3.0),
-            "other": _collection(folder / "other.h5", range(300, 310),
+            "other": method_collection(folder / "other.h5", range(300, 310),
                                  dataset="fashion-mnist")}
 
 

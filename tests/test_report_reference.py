@@ -10,11 +10,10 @@ known by construction.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
-from zoo_helpers import assert_one_line_error, checkpoint, run
+from zoo_helpers import assert_one_line_error, method_collection, run
 
 from analysis.report import build_report
 from analysis.report.reference import answers, choose_reference
@@ -22,18 +21,8 @@ from posteriorzoo.collection import compare, evaluate
 from posteriorzoo.data import load_dataset
 from posteriorzoo.errors import InvalidOptionError, PosteriorZooError
 from posteriorzoo.metrics import agreement, total_variation
-from posteriorzoo.zoo import create_zoo
 
 IMAGES = 120
-
-
-def _collection(path: Path, seeds: range, method: str = "de", scale: float = 1.0) -> Path:
-    states = [checkpoint(seed) for seed in seeds]
-    with create_zoo(path, architecture="optunet", dataset="digits", method=method,
-                    num_classes=10, template=states[0]) as zoo:
-        for state in states:
-            zoo.append({key: value * scale for key, value in state.items()})
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +30,11 @@ def collections(tmp_path_factory):
     """A 40-checkpoint target, a 10-member ensemble like it, a method with three times
     larger weights and an 'HMC' collection of the target's distribution."""
     folder = tmp_path_factory.mktemp("reference")
-    return {"target": _collection(folder / "target.h5", range(40)),
-            "de": _collection(folder / "de.h5", range(100, 110)),
-            "wide": _collection(folder / "wide.h5", range(200, 210), method="swag",
+    return {"target": method_collection(folder / "target.h5", range(40)),
+            "de": method_collection(folder / "de.h5", range(100, 110)),
+            "wide": method_collection(folder / "wide.h5", range(200, 210), method="swag",
                                 scale=3.0),
-            "hmc": _collection(folder / "hmc.h5", range(400, 412), method="hmc")}
+            "hmc": method_collection(folder / "hmc.h5", range(400, 412), method="hmc")}
 
 
 @pytest.fixture(scope="module")
@@ -202,14 +191,13 @@ def test_the_answers_follow_the_numbers():
     assert "does not hold" in answers(reference, rows, noise)[2]
 
 
-def test_the_diagnostics_line_of_an_hmc_collection(tmp_path):
+def test_the_diagnostics_line_of_an_hmcmethod_collection(tmp_path):
     # the report's line reads what diagnose gives for a Metropolis-corrected chain
+    from analysis.report.build import diagnosis_row
+    from posteriorzoo.collection import diagnose
     from train_zoo import make_spec
     from train_zoo.backends import SerialBackend
     from train_zoo.run import train_collection
-
-    from analysis.report.build import diagnosis_row
-    from posteriorzoo.collection import diagnose
 
     spec = make_spec("optunet-mnist", dataset="digits", base_seed=3, method="hmc", modes=2,
                      samples_per_mode=8, recipe_overrides={"epochs": 1},

@@ -36,6 +36,18 @@ def make_zoo(path: Path, seeds) -> Path:
     return path
 
 
+def method_collection(path: Path, seeds, dataset: str = "digits", method: str = "de",
+                      scale: float = 1.0) -> Path:
+    """An optunet collection of ``checkpoint(seed)`` for each seed, times ``scale``,
+    recorded as ``method``'s on ``dataset`` (the report tests' collections)."""
+    states = [checkpoint(seed) for seed in seeds]
+    with create_zoo(path, architecture="optunet", dataset=dataset, method=method,
+                    num_classes=10, template=states[0]) as zoo:
+        for state in states:
+            zoo.append({key: value * scale for key, value in state.items()})
+    return path
+
+
 def flip_byte_in_chunk(path: Path, key: str, chunk: int = 0, offset: int = 3) -> None:
     """Flip one byte inside a stored chunk of ``/state/<key>`` (simulated bit rot)."""
     with h5py.File(path, "r", swmr=True, locking=False) as handle:
