@@ -143,6 +143,8 @@ def test_a_reference_predictive_file(collections, tmp_path):
         assert rows[name]["tv_ref"] == total_variation(predictive, own[:IMAGES])
         assert rows[name]["agreement_ref"] == agreement(predictive, own[:IMAGES])
     assert "mmd_ref" not in rows["Wide"]   # no samples, no weights to compare
+    assert [key for key, *_ in report.columns()][-4:] == ["agreement", "tv",
+                                                         "agreement_ref", "tv_ref"]
     assert report.provenance["inputs"]["reference predictive"]["sha256"]
 
 

@@ -102,7 +102,10 @@ class ReportResult(CollectionResult):
 
     def columns(self) -> tuple[tuple[str, str, float, str], ...]:
         """Table 1's columns (:func:`analysis.report.tables.table1_columns`)."""
-        return tables.table1_columns(self.reference["name"] if self.reference else None)
+        if self.reference is None:
+            return tables.table1_columns()
+        return tables.table1_columns(self.reference["name"],
+                                     samples=self.reference["kind"] == "collection")
 
     def payload(self) -> dict[str, Any]:
         # MMD values stay raw here and in the CSV; the tables show them x display_scale

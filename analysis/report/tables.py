@@ -34,10 +34,12 @@ TABLE1_COLUMNS = (
 )
 
 
-def reference_columns(name: str) -> tuple[tuple[str, str, float, str], ...]:
+def reference_columns(name: str, samples: bool = True
+                      ) -> tuple[tuple[str, str, float, str], ...]:
     """Table 1's columns against the gold standard ``name`` (HMC): MMD and NS-MMD to its
-    samples, agreement and TV with its predictive."""
-    return (
+    samples (when it has ``samples``: not a predictive file), agreement and TV with its
+    predictive."""
+    columns = (
         ("mmd_ref", scaled_label(f"{SYMMETRIES['keep'].statistic} to {name}"),
          MMD_DISPLAY_SCALE, f"MMD^2 x {MMD_DISPLAY_SCALE:g} to {name}'s samples, symmetries "
                             "kept"),
@@ -47,12 +49,14 @@ def reference_columns(name: str) -> tuple[tuple[str, str, float, str], ...]:
         ("agreement_ref", f"Agree {name}", 100.0, f"agreement with {name}'s predictive, %"),
         ("tv_ref", f"TV {name}", 100.0, f"total variation to {name}'s predictive x 100"),
     )
+    return columns if samples else columns[2:]
 
 
-def table1_columns(reference: str | None = None) -> tuple[tuple[str, str, float, str], ...]:
+def table1_columns(reference: str | None = None, samples: bool = True
+                   ) -> tuple[tuple[str, str, float, str], ...]:
     """Table 1's columns: :data:`TABLE1_COLUMNS`, then those against the gold standard
-    named ``reference`` when the report has one."""
-    return TABLE1_COLUMNS + (reference_columns(reference) if reference else ())
+    named ``reference`` when the report has one (:func:`reference_columns`)."""
+    return TABLE1_COLUMNS + (reference_columns(reference, samples) if reference else ())
 #: The Table 2 detail: (key, header); MMD^2 x MMD_DISPLAY_SCALE like Table 1.
 TABLE2_COLUMNS = (("n", "n"), ("mmd_median", scaled_label("MMD median")),
                   ("mmd_mean", scaled_label("MMD mean")), ("mmd_max", scaled_label("MMD max")),
