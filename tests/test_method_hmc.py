@@ -498,9 +498,9 @@ def test_the_dry_run_times_a_few_gradients_and_counts_the_chains(tmp_path, capsy
                                 "--backend", "serial")
     assert code == 0, err
     part = {p["phase"]: p for p in json.loads(stdout)["estimate"]["parts"]}["hmc"]
-    # the MAP search's budget (the default 2,000 iterations and the potential before and
+    # the MAP search's budget (the default 10,000 iterations and the potential before and
     # after), the start's gradient, then the iterations
-    assert part["steps"] == 2 * (2_002 + 1 + (10_000 + 15) * 10)
+    assert part["steps"] == 2 * (10_002 + 1 + (10_000 + 15) * 10)
     assert 1 <= part["timed_steps"] <= train_command.TIMED_STEPS
     assert part["seconds_per_step"] > 0
     assert part["seconds"] == part["steps"] * part["seconds_per_step"]
