@@ -20,6 +20,7 @@ from posteriorzoo.errors import PosteriorZooError
 #: (subcommand, option) -> the vocabulary's name of its choices.
 FROM_VOCABULARY = {
     ("import", "--dtype"): "STORAGE_DTYPES",
+    ("annotate", "--posterior"): "POSTERIOR_GROUPS",
     ("train", "--backend"): "BACKENDS",
     ("train", "--engine"): "ENGINES",
     ("canonicalize", "--permutation"): "PERMUTATION_KEYS",
@@ -99,7 +100,8 @@ def test_the_studys_choices_are_drawn_from_the_vocabulary(where):
 def test_the_vocabulary_is_words():
     for name in ("PERMUTATION_KEYS", "SORT_KEYS", "SCALINGS", "MINMASS_SOLVERS",
                  "DISTANCE_PRECISIONS", "LAYER_GROUPS", "KERNEL_STATISTICS", "OOD_SCORES",
-                 "STORAGE_DTYPES", "BACKENDS", "ENGINES", "SYMMETRY_CHOICES"):
+                 "STORAGE_DTYPES", "BACKENDS", "ENGINES", "SYMMETRY_CHOICES",
+                 "POSTERIOR_GROUPS"):
         words = getattr(vocabulary, name)
         assert isinstance(words, tuple) and words, name
         assert all(isinstance(w, str) and w for w in words), name
