@@ -59,6 +59,9 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_training import pick_dataset  # noqa: E402 -- the same dataset choice as training's
+
 #: The recipe whose weight decay sets the prior (the reference zoo's).
 RECIPE = "optunet-mnist"
 #: A leapfrog step size the reference chains adapt to on the full training split (they
@@ -66,18 +69,6 @@ RECIPE = "optunet-mnist"
 #: smaller in proportion to N.
 STEP_SIZE = 5e-4
 FULL_TRAIN = 60_000
-
-
-def pick_dataset() -> str:
-    """``fashion-mnist`` if its files are on disk (no download), else ``digits``."""
-    from posteriorzoo.data import dataset_files
-    from posteriorzoo.errors import PosteriorZooError
-
-    try:
-        dataset_files("fashion-mnist", download=False)
-    except PosteriorZooError:
-        return "digits"
-    return "fashion-mnist"
 
 
 def optunet_macs(model: Any, image_shape: Sequence[int]) -> dict[str, int]:
