@@ -72,7 +72,8 @@ NUMERICAL_TESTS := tests/test_instruction_sets.py tests/test_fast_engine.py \
 	tests/test_train_methods.py tests/test_train_zoo.py tests/test_studies.py \
 	tests/test_mmd_distances_fast.py tests/test_resnet20_frn.py tests/test_release_layouts.py \
 	tests/test_training_device.py tests/test_report_streaming.py \
-	tests/test_canonicalize_collection.py tests/test_method_hmc.py
+	tests/test_canonicalize_collection.py tests/test_method_hmc.py tests/test_function_space.py \
+	tests/test_diagnose_hmc.py tests/test_report_reference.py
 
 test-avx2: $(STAMP) $(ORACLE_STAMP)
 	cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \
