@@ -135,6 +135,26 @@ def add_overwrite_option(parser: argparse.ArgumentParser) -> None:
                              "a folder only a folder")
 
 
+def add_rewrite_options(parser: argparse.ArgumentParser, in_place_help: str) -> None:
+    """``--out OUT`` or ``--in-place``, and ``--overwrite``: where a command that rewrites a
+    collection as a copy (``reorder``, ``annotate``: :mod:`posteriorzoo.zoo.rewrite`)
+    puts it. :func:`check_rewrite_options` refuses ``--overwrite`` with ``--in-place``."""
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", dest="target", type=Path, metavar="OUT",
+                       help="new collection file (.h5)")
+    where.add_argument("--in-place", action="store_true", help=in_place_help)
+    add_overwrite_option(parser)
+
+
+def check_rewrite_options(args: argparse.Namespace) -> None:
+    """``--overwrite`` names an output to replace: not with ``--in-place``."""
+    from posteriorzoo.errors import InvalidOptionError
+
+    if args.in_place and args.overwrite:
+        raise InvalidOptionError("--overwrite applies to --out OUT; --in-place replaces IN "
+                                 "itself")
+
+
 def add_no_verify_option(parser: argparse.ArgumentParser) -> None:
     """``--no-verify``: for commands that read checkpoints."""
     parser.add_argument("--no-verify", action="store_true",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from posteriorzoo.cli._types import add_json_option, add_overwrite_option
+from posteriorzoo.cli._types import add_json_option, add_rewrite_options, check_rewrite_options
 from posteriorzoo.vocabulary import POSTERIOR_GROUPS
 
 
@@ -35,24 +35,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--reason", required=True, metavar="TEXT",
                         help="one printable line: what measurement decided it, e.g. 'loss "
                              "barriers: 87 of 100 particles in distinct modes'")
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--out", dest="target", type=Path, metavar="OUT",
-                       help="new collection file (.h5)")
-    where.add_argument("--in-place", action="store_true",
-                       help="replace IN by its annotated copy")
-    add_overwrite_option(parser)
+    add_rewrite_options(parser, "replace IN by its annotated copy")
     add_json_option(parser, "the result (group before and now, reason, provenance) as JSON")
     parser.set_defaults(func=run_annotate)
 
 
 def run_annotate(args: argparse.Namespace) -> int:
     """Annotate, then say what changed."""
-    from posteriorzoo.errors import InvalidOptionError
     from posteriorzoo.zoo import annotate_collection
 
-    if args.in_place and args.overwrite:
-        raise InvalidOptionError("--overwrite applies to --out OUT; --in-place replaces IN "
-                                 "itself")
+    check_rewrite_options(args)
     result = annotate_collection(args.source, args.target, posterior=args.posterior,
                                  reason=args.reason, in_place=args.in_place,
                                  overwrite=args.overwrite, command=args.command_line)

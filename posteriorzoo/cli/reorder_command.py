@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from posteriorzoo.cli._types import add_json_option, add_overwrite_option
+from posteriorzoo.cli._types import add_json_option, add_rewrite_options, check_rewrite_options
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,25 +26,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "input (missing or damaged IN, a writer appending to IN, OUT exists "
                     "without --overwrite, OUT is IN).")
     parser.add_argument("source", type=Path, metavar="IN", help="collection file (.h5)")
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--out", dest="target", type=Path, metavar="OUT",
-                       help="new collection file (.h5)")
-    where.add_argument("--in-place", action="store_true",
-                       help="replace IN by its reordered copy (nothing is written when its "
+    add_rewrite_options(parser, "replace IN by its reordered copy (nothing is written when its "
                             "rows are already in order)")
-    add_overwrite_option(parser)
     add_json_option(parser, "the result (rows moved, provenance) as JSON")
     parser.set_defaults(func=run_reorder)
 
 
 def run_reorder(args: argparse.Namespace) -> int:
     """Reorder, then say what moved."""
-    from posteriorzoo.errors import InvalidOptionError
     from posteriorzoo.zoo import reorder_collection
 
-    if args.in_place and args.overwrite:
-        raise InvalidOptionError("--overwrite applies to --out OUT; --in-place replaces IN "
-                                 "itself")
+    check_rewrite_options(args)
     result = reorder_collection(args.source, args.target, overwrite=args.overwrite,
                                 in_place=args.in_place, command=args.command_line)
     if args.json:
